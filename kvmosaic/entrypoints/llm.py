@@ -1,0 +1,114 @@
+"""Offline batch API shaped like vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from kvmosaic.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvmosaic.engine.engine import Engine
+from kvmosaic.outputs import RequestOutput
+from kvmosaic.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "float32",
+        kv_cache_memory: int | str = "1GiB",
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        max_model_len: int = 8192,
+        preemption_mode: str = "recompute",
+        swap_space: int | str = "1GiB",
+        long_prefill_token_threshold: int = 0,
+        num_blocks: int | None = None,
+        num_host_blocks: int | None = None,
+        num_threads: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            seed=seed,
+            num_threads=num_threads,
+            cache=CacheConfig(
+                block_size=block_size, kv_cache_memory=kv_cache_memory, swap_space=swap_space,
+                enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, preemption_mode=preemption_mode,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+            ),
+        )
+        self.engine = Engine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        request_ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_lists, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,92 @@
+"""Paged attention over a packed batch of variable-length sequences.
+
+The batch holds ``num_decode_tokens`` single-token decodes first, then prefill
+chunks back to back; nothing is padded to the longest request. New K/V are
+written into the paged cache through ``slot_mapping`` and attention then reads
+each sequence's context from its blocks.
+
+GQA is handled by grouping: the ``g = Hq / Hkv`` query heads that share a KV
+head are laid out as extra query rows of that KV head, so K/V are never
+repeated per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    token_start: int  # offset of the chunk in the packed batch
+    num_tokens: int
+    context_len: int  # tokens of context after this chunk (cached + new)
+    block_table: torch.Tensor  # [num_blocks_for_context] long
+    mask: torch.Tensor  # [num_tokens * g, context_len] bool, True = may attend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset)
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] long (padded with block 0)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def build_causal_mask(start_pos: int, num_tokens: int, group: int) -> torch.Tensor:
+    """Mask for a chunk at positions [start_pos, start_pos + num_tokens) over its whole context."""
+    context = start_pos + num_tokens
+    rows = start_pos + torch.arange(num_tokens)
+    mask = torch.arange(context)[None, :] <= rows[:, None]
+    return mask.repeat_interleave(group, dim=0)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows ([N, Hk, D]) into their cache slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    d, hq, dim = q.shape
+    hk = k_cache.shape[2]
+    tables = meta.decode_block_tables
+    # [D, blocks, block_size, Hk, dim] -> [D, Hk, T, dim]
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    q = q.view(d, hk, hq // hk, dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(d, hq, dim)
+
+
+def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       span: PrefillSpan, scale: float) -> torch.Tensor:
+    n, hq, dim = q.shape
+    hk = k_cache.shape[2]
+    g = hq // hk
+    k = k_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)
+    v = v_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)
+    # rows ordered (token, group) within each KV head
+    q = q.view(n, hk, g, dim).transpose(0, 1).reshape(hk, n * g, dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
+    return out.view(hk, n, g, dim).transpose(0, 1).reshape(n, hq, dim)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [N, Hq, D]; k, v: [N, Hk, D]; caches: [num_blocks, block_size, Hk, D]. Returns [N, Hq, D]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    for span in meta.prefills:
+        sl = slice(span.token_start, span.token_start + span.num_tokens)
+        out[sl] = _prefill_attention(q[sl], k_cache, v_cache, span, scale)
+    return out

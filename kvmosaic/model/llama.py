@@ -1,0 +1,101 @@
+"""LLaMA-family decoder (also Qwen2: the same graph with q/k/v biases).
+
+Weights arrive as an HF-named state dict; q/k/v and gate/up projections are
+fused at construction so each layer runs two matmuls fewer per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmosaic.config import ModelConfig
+from kvmosaic.model.layers.attention import AttentionMetadata, paged_attention
+from kvmosaic.model.layers.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        att = prefix + "self_attn."
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        qkv_weight = torch.cat([w[att + f"{p}_proj.weight"] for p in "qkv"])
+        qkv_bias = None
+        if att + "q_proj.bias" in w:
+            qkv_bias = torch.cat([w[att + f"{p}_proj.bias"] for p in "qkv"])
+        self.qkv_proj = _linear(qkv_weight, qkv_bias)
+        self.o_proj = _linear(w[att + "o_proj.weight"])
+        mlp = prefix + "mlp."
+        self.gate_up_proj = _linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
+        self.down_proj = _linear(w[mlp + "down_proj.weight"])
+        self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        hidden = hidden + self.o_proj(attn.view(n, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding.from_pretrained(weights["model.embed_tokens.weight"], freeze=True)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
+        head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = _linear(head)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed tokens in, logits out for ``logits_indices`` rows (all rows when None).
+
+        ``kv_caches[i]`` is layer i's cache, shaped [2, num_blocks, block_size, Hk, D].
+        """
+        hidden = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, self.rotary, cache, meta)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        return self.lm_head(self.norm(hidden)).float()

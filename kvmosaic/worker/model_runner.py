@@ -1,0 +1,123 @@
+"""SchedulerOutput -> flat tensors -> model -> sampler -> ModelOutput."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvmosaic.sample.sampler import SamplingRow, sample
+from kvmosaic.worker.kv_cache import KVCache
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        cfg = model.config
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        for seq_id in sched.finished_request_ids:
+            self.generators.pop(seq_id, None)
+        self.kv_cache.swap_out(sched.blocks_to_swap_out)
+        self.kv_cache.swap_in(sched.blocks_to_swap_in)
+        self.kv_cache.copy(sched.blocks_to_copy)
+        if not sched.scheduled:
+            return ModelOutput()
+        requests, logits = self.compute_logits(sched.scheduled)
+        return self._sample(logits, requests)
+
+    @torch.inference_mode()
+    def compute_logits(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """Run one forward; logits rows follow the returned requests (those with sample ids)."""
+        # Decodes first so they form one batched block; prefills follow in order.
+        batch = sorted(scheduled, key=lambda s: s.num_tokens > 1)
+        input_ids, positions, meta, last_rows = self._prepare(batch)
+        sampled = [(i, s) for i, s in enumerate(batch) if s.sample_ids]
+        logits_indices = torch.tensor([last_rows[i] for i, _ in sampled], dtype=torch.long)
+        logits = self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
+        return [s for _, s in sampled], logits
+
+    def _prepare(self, batch: list[ScheduledRequest]):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        bs = self.block_size
+        for s in batch:
+            start = len(ids)
+            n = s.num_tokens
+            ids.extend(s.token_ids)
+            positions = range(s.start_pos, s.start_pos + n)
+            pos.extend(positions)
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in positions)
+            last_rows.append(start + n - 1)
+            context = s.start_pos + n
+            needed = s.block_table[: (context + bs - 1) // bs]
+            if n == 1:
+                decode_tables.append(needed)
+                decode_lens.append(context)
+            else:
+                prefills.append(PrefillSpan(
+                    start, n, context, torch.tensor(needed, dtype=torch.long),
+                    build_causal_mask(s.start_pos, n, self.group),
+                ))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decode_tables:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decode_tables, decode_lens)
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, last_rows)
+
+    def _decode_tables(self, tables: list[list[int]], lens: list[int]):
+        width = max(len(t) for t in tables)
+        padded = torch.zeros((len(tables), width), dtype=torch.long)
+        for row, table in enumerate(tables):
+            padded[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        span = torch.arange(width * self.block_size)
+        mask = span[None, :] < torch.tensor(lens)[:, None]
+        return padded, mask[:, None, None, :]
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> ModelOutput:
+        rows: list[SamplingRow] = []
+        row_index: list[int] = []
+        seq_ids: list[str] = []
+        for i, s in enumerate(requests):
+            for seq_id, seed in zip(s.sample_ids, s.sample_seeds, strict=True):
+                rows.append(SamplingRow(
+                    params=s.sampling_params,
+                    generator=self._generator(seq_id, seed),
+                    prompt_token_ids=s.prompt_token_ids,
+                    output_token_ids=s.output_token_ids,
+                    banned_token_ids=self._banned(s),
+                ))
+                row_index.append(i)
+                seq_ids.append(seq_id)
+        if len(row_index) != logits.shape[0]:
+            logits = logits[torch.tensor(row_index, dtype=torch.long)]
+        tokens = sample(logits, rows)
+        return ModelOutput(sampled=dict(zip(seq_ids, tokens, strict=True)))
+
+    def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
+        if seq_id not in self.generators:
+            self.generators[seq_id] = None if seed is None else torch.Generator().manual_seed(seed)
+        return self.generators[seq_id]
+
+    def _banned(self, s: ScheduledRequest) -> tuple[int, ...]:
+        params = s.sampling_params
+        if len(s.output_token_ids) >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(eos) + tuple(params.stop_token_ids)
