@@ -1,0 +1,326 @@
+"""Decides, each step, how many tokens every sequence runs (vLLM-v1 style, no prefill/decode phases).
+
+A request needs ``num_tokens - num_computed_tokens`` tokens; the scheduler hands
+them out within a token budget: running sequences first, then swapped ones coming
+back, then waiting ones in arrival order. Prefills longer than the chunk limit or
+the remaining budget run in chunks. When the KV cache is full the newest running
+sequence is preempted (recompute or swap). Preemption policy lives only here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvmosaic.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvmosaic.config import SchedulerConfig
+    from kvmosaic.core.kv_cache_manager import KVCacheManager
+
+_FORK_SEED_STRIDE = 0x9E3779B1  # golden-ratio stride keeps sibling seeds far apart
+
+
+def fork_seed(seed: int | None, sample_index: int) -> int | None:
+    return None if seed is None else (seed + sample_index * _FORK_SEED_STRIDE) % 2**63
+
+
+def check_stop(
+    request: Request, eos_token_ids: frozenset[int], max_model_len: int
+) -> tuple[RequestStatus, int | None] | None:
+    """(finished status, stop_reason) once the last sampled token ends the sequence, else None."""
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    # The first min_tokens outputs never stop the sequence.
+    if request.num_output_tokens > params.min_tokens:
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if not params.ignore_eos and token in eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    budget: int
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled.append((request, num_tokens))
+        self.budget -= num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, eos_token_ids: Iterable[int] = ()
+    ) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}  # every unfinished sequence
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.swapped: deque[Request] = deque()
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()
+        self._finished_by_scheduler: list[Request] = []  # reported by the next update_from_output
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting or self.swapped)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` fits the context and the whole KV pool (check at add time)."""
+        num_slots = self.kv_manager.num_blocks * self.kv_manager.block_size
+        return num_tokens <= min(self.config.max_model_len, num_slots)
+
+    # ------------------------------------------------------------- entry points
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish sequences from outside (abort, stop string): free their blocks and drop them from queues."""
+        if not status.finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._remove_from_queue(request)
+                self._finish(request, status)
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # A step that had to preempt has no room to spare for anyone else.
+        if not plan.preempted:
+            self._schedule_swapped(plan)
+            # Swapped sequences come back before new ones may take their room.
+            if not self.swapped:
+                self._schedule_waiting(plan)
+        finished_ids, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            scheduled=[self._scheduled_request(request, n) for request, n in plan.scheduled],
+            blocks_to_swap_out=plan.swap_out,
+            blocks_to_swap_in=plan.swap_in,
+            blocks_to_copy=self.kv_manager.take_pending_copies(),
+            finished_request_ids=finished_ids,
+            preempted_request_ids=plan.preempted,
+        )
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
+        """Advance the scheduled sequences by the step's results.
+
+        Returns the sequences that got a token (forked children right after their
+        parent), then any the scheduler itself finished this step (never fitting the
+        cache). Call it for every step, even an empty one.
+        """
+        updated: list[Request] = []
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished from outside since the step was scheduled
+            request.num_computed_tokens += scheduled.num_tokens
+            if not scheduled.sample_ids:
+                continue
+            request.append_output_token(model_output.sampled[request.request_id].token_id)
+            sequences = [request, *self._fork_children(request, scheduled, model_output)]
+            for sequence in sequences:
+                self._apply_stop(sequence)
+            updated.extend(sequences)
+        updated.extend(self._finished_by_scheduler)
+        self._finished_by_scheduler = []
+        return updated
+
+    # ---------------------------------------------------------------- the queues
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_new_tokens(request, plan.budget)
+            if not self._allocate_or_preempt(request, num_new_tokens, plan):
+                return
+            plan.add(request, num_new_tokens)
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
+        """Make room by preempting the newest sequences; False if ``request`` itself had to go."""
+        while self.kv_manager.allocate_slots(request, num_new_tokens) is None:
+            victim = self.running.pop()
+            if victim is not request:
+                self._preempt(victim, plan)
+                continue
+            if self.running:
+                self._preempt(request, plan)
+            else:
+                # Alone with the whole pool and still no room: it can never grow further.
+                self._finish_by_scheduler(request)
+            return False
+        return True
+
+    def _schedule_swapped(self, plan: _StepPlan) -> None:
+        while self.swapped and plan.budget > 0:
+            request = self.swapped[0]
+            if not self._has_seq_room(request):
+                return
+            num_new_tokens = self._num_new_tokens(request, plan.budget)
+            pairs = self.kv_manager.swap_in(request, num_new_tokens)
+            if pairs is None:
+                if self.running:
+                    return
+                self.swapped.popleft()
+                self._finish_by_scheduler(request)
+                continue
+            self.swapped.popleft()
+            plan.swap_in.extend(pairs)
+            if self.kv_manager.allocate_slots(request, num_new_tokens) is None:
+                raise RuntimeError("swap_in reserved room for the step, yet allocate_slots failed")
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.add(request, num_new_tokens)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.budget > 0:
+            request = self.waiting[0]
+            if not self.can_ever_fit(request.num_tokens):
+                self.waiting.popleft()
+                self._finish_by_scheduler(request)
+                continue
+            if not self._has_seq_room(request):
+                return
+            hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.budget, self.config.prefill_chunk)
+            if self.kv_manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+                return
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens  # first admission only: a metric of the prompt
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.add(request, num_new_tokens)
+
+    def _has_seq_room(self, request: Request) -> bool:
+        """Whether max_num_seqs allows the request and the siblings it (or anyone running) will fork into."""
+        num_seqs = sum(1 + running.num_forks for running in self.running)
+        # A group larger than max_num_seqs may still run alone, or it would never run.
+        return not self.running or num_seqs + 1 + request.num_forks <= self.config.max_num_seqs
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        return min(request.num_tokens - request.num_computed_tokens, budget, self.config.prefill_chunk)
+
+    # ------------------------------------------------------- state transitions
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Take a sequence (already out of ``running``) off the device: swap it out or recompute it later."""
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.preempted.append(request.request_id)
+        if self.config.preemption_mode == "swap":
+            pairs = self.kv_manager.swap_out(request)
+            if pairs is not None:
+                request.status = RequestStatus.SWAPPED
+                self.swapped.appendleft(request)
+                plan.swap_out.extend(pairs)
+                return
+        # Recompute keeps the output tokens; prompt + outputs run again, helped by the prefix cache.
+        self.kv_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _fork_children(self, parent: Request, scheduled: ScheduledRequest, model_output: ModelOutput) -> list[Request]:
+        if len(scheduled.sample_ids) == 1:
+            return []
+        children = []
+        forks = zip(scheduled.sample_ids[1:], scheduled.sample_seeds[1:])
+        for sample_index, (child_id, seed) in enumerate(forks, start=1):
+            child = parent.fork(child_id, sample_index, model_output.sampled[child_id].token_id, seed)
+            self.kv_manager.fork(parent, child)
+            self.requests[child_id] = child
+            children.append(child)
+        position = self.running.index(parent) + 1
+        self.running[position:position] = children
+        parent.num_forks = 0
+        return children
+
+    def _apply_stop(self, request: Request) -> None:
+        stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+        if stop is not None:
+            self.running.remove(request)
+            self._finish(request, stop[0])
+            request.stop_reason = stop[1]
+
+    def _finish_by_scheduler(self, request: Request) -> None:
+        """Finish a sequence that can never fit the KV cache (it is already out of every queue)."""
+        if request.num_output_tokens:
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+        else:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            request.stop_reason = (
+                f"prompt of {request.num_tokens} tokens can never fit: max_model_len={self.config.max_model_len}, "
+                f"KV cache holds {self.kv_manager.num_blocks * self.kv_manager.block_size} tokens"
+            )
+        self._finished_by_scheduler.append(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+
+    def _remove_from_queue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        sample_ids: list[str] = []
+        sample_seeds: list[int | None] = []
+        if start + num_tokens == request.num_tokens:
+            sample_ids = [request.request_id]
+            sample_seeds = [request.seed]
+            for sample_index in range(1, request.num_forks + 1):
+                sample_ids.append(f"{request.group_id}#{sample_index}")
+                sample_seeds.append(fork_seed(request.seed, sample_index))
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_tokens],
+            start_pos=start,
+            block_table=self.kv_manager.get_block_table(request.request_id),
+            sampling_params=request.sampling_params,
+            sample_ids=sample_ids,
+            sample_seeds=sample_seeds,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+        )
