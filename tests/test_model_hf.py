@@ -77,8 +77,8 @@ def _compare(hf_model, loaded, prompt: list[int], prefill_chunk: int | None = No
 
 
 @pytest.fixture(scope="module")
-def smollm_tokenizer_json(default_loaded):
-    return default_loaded.tokenizer.to_json()
+def smollm_tokenizer_json(default_model):
+    return default_model.tokenizer.to_json()
 
 
 @pytest.mark.parametrize("arch,overrides", [
@@ -98,7 +98,7 @@ def test_random_checkpoint_matches_hf(tmp_path, smollm_tokenizer_json, arch, ove
 
 
 @pytest.mark.slow
-def test_default_gguf_matches_hf(default_loaded, hf_gguf_model):
-    prompt = default_loaded.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
-    _compare(hf_gguf_model, default_loaded, prompt)
-    _compare(hf_gguf_model, default_loaded, prompt, prefill_chunk=4)
+def test_default_gguf_matches_hf(default_model, hf_gguf_model):
+    prompt = default_model.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    _compare(hf_gguf_model, default_model, prompt)
+    _compare(hf_gguf_model, default_model, prompt, prefill_chunk=4)

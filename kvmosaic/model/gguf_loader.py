@@ -1,0 +1,200 @@
+"""Read a llama.cpp GGUF file into HF-named float tensors, a ModelConfig and a Tokenizer."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from kvmosaic.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvmosaic.model.gguf_tokenizer import gguf_eos_token_ids, gguf_field
+from kvmosaic.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Q = gguf.GGMLQuantizationType
+# Types gguf.quants can dequantize that real llama/qwen2 GGUFs use.
+SUPPORTED_TENSOR_TYPES = frozenset(
+    (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    reader = gguf.GGUFReader(path)
+    fields = reader.fields
+    if gguf_field(fields, "split.count", 1) > 1:
+        raise ValueError(f"{path} is one shard of a split GGUF; merge it with llama-gguf-split --merge first")
+    tensors = {t.name: t for t in reader.tensors}
+    config = gguf_model_config(fields, tensors)
+    tokenizer = Tokenizer.from_gguf(fields)  # before the slow dequantization, so a bad vocab fails fast
+    weights = {}
+    for name, tensor in tensors.items():
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            if name not in _IGNORED:
+                logger.warning("ignoring unexpected GGUF tensor %s", name)
+            continue
+        weight = dequantize_tensor(tensor)
+        if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_qk(weight, config.num_attention_heads)
+        elif config.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_qk(weight, config.num_key_value_heads)
+        weights[hf_name] = weight.to(dtype)
+    return config, weights, tokenizer
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """Float32 tensor in PyTorch (out_features, in_features) order."""
+    qtype = Q(tensor.tensor_type)
+    if qtype not in SUPPORTED_TENSOR_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+        raise ValueError(f"tensor {tensor.name!r} has unsupported GGUF type {qtype.name}; supported: {supported}")
+    values = gguf.quants.dequantize(tensor.data, qtype)
+    # GGUF lists dimensions innermost first; PyTorch wants them outermost first.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    if not values.flags.writeable:  # F32 data is a read-only view of the mmap
+        values = values.copy()
+    return torch.from_numpy(values)
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert_hf_to_gguf row permutation of q_proj / k_proj.
+
+    The converter maps each head's rows with reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2),
+    so the inverse reads rows as (n_head, head_dim // 2, 2, ...) and swaps back.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"cannot unpermute {rows} rows over {num_heads} heads")
+    rest = weight.shape[1:]
+    split = weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+    return split.transpose(1, 2).reshape(rows, *rest).contiguous()
+
+
+def gguf_model_config(fields: Mapping, tensors: Mapping[str, gguf.ReaderTensor]) -> ModelConfig:
+    arch = gguf_field(fields, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    key = lambda name, default=None: gguf_field(fields, f"{arch}.{name}", default)
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    theta = _f32(key("rope.freq_base", 10000.0))
+    tokens = gguf_field(fields, "tokenizer.ggml.tokens", [])
+    bos = gguf_field(fields, "tokenizer.ggml.bos_token_id", None)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(key("vocab_size", 0) or len(tokens) or tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(fields, arch, tensors, head_dim, theta),
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=gguf_eos_token_ids(fields),
+        name=str(gguf_field(fields, "general.name", "")),
+    )
+
+
+def _f32(value: float) -> float:
+    # GGUF stores float32; its shortest repr (1e-05, not 9.99999974e-06) is what the model author wrote.
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(fields: Mapping, arch: str, tensors: Mapping, head_dim: int, theta: float) -> dict | None:
+    """HF-style rope_scaling dict from llama.cpp's rope.scaling.* keys or a rope_freqs tensor."""
+    key = lambda name, default=None: gguf_field(fields, f"{arch}.rope.scaling.{name}", default)
+    kind = key("type", "none")
+    if "rope_freqs.weight" in tensors:
+        if kind != "none":
+            raise ValueError(f"GGUF has both rope_freqs and rope scaling type {kind!r}")
+        return _llama3_scaling(dequantize_tensor(tensors["rope_freqs.weight"]), head_dim, theta)
+    if kind == "none" or key("factor", 1.0) == 1.0:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _f32(key("factor"))}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": _f32(key("factor"))}
+        optional = {"original_max_position_embeddings": "original_context_length", "attention_factor": "attn_factor",
+                    "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
+        scaling.update({hf: key(name) for hf, name in optional.items() if key(name) is not None})
+        return scaling
+    raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+
+
+def _llama3_scaling(freq_factors: torch.Tensor, head_dim: int, theta: float) -> dict | None:
+    """llama.cpp stores Llama-3 rope scaling as per-frequency divisors; recover the HF parameters.
+
+    Every released Llama 3.x uses low/high frequency factors 1 and 4 over an 8192 original
+    context, so only the factor is free: solve it from the lowest frequency, then check the
+    whole tensor against those parameters before trusting them.
+    """
+    scaling = {"rope_type": "llama3", "factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    wavelen = 2 * math.pi * theta ** ((head_dim - 2) / head_dim)
+    smooth = min(max((8192 / wavelen - 1.0) / (4.0 - 1.0), 0.0), 1.0)
+    if smooth == 1.0:  # every frequency is above the scaled band: the factors change nothing
+        return None
+    last = float(freq_factors[-1])
+    # Inverts 1 / ((1 - smooth) / factor + smooth), which is just `factor` when smooth is 0.
+    denominator = 1 / last - smooth if last > 0 else 0.0
+    if denominator > 0:
+        scaling["factor"] = round((1 - smooth) / denominator, 4)
+    if denominator <= 0 or not torch.allclose(freq_factors, llama3_freq_factors(scaling, head_dim, theta), rtol=1e-4):
+        raise ValueError("GGUF rope_freqs tensor does not match any supported Llama-3 rope scaling")
+    return scaling
+
+
+def llama3_freq_factors(scaling: dict, head_dim: int, theta: float) -> torch.Tensor:
+    """The divisors llama.cpp's converter writes to rope_freqs for a llama3 rope_scaling."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)
+    factors = 1 / ((1 - smooth) / factor + smooth)
+    factors = torch.where(wavelen < old_context / high, 1.0, factors)
+    return torch.where(wavelen > old_context / low, factor, factors).float()

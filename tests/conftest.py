@@ -1,0 +1,54 @@
+"""Shared fixtures. The expensive ones are session-scoped: load each model once per run."""
+
+from __future__ import annotations
+
+import os
+
+# Must precede any transformers / huggingface_hub import: tests never touch the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from kvmosaic.model import loader
+from kvmosaic.model.loader import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF."""
+    return loader.default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path: str) -> LoadedModel:
+    """The default model loaded by our loader in float32. Shared: do not mutate its weights."""
+    return load_model(default_model_path, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(default_model_path: str):
+    """transformers' float32 dequantization of the same GGUF (about 10 s to load), in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    directory, name = os.path.split(default_model_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def cached_loader(default_model: LoadedModel):
+    """Make every engine in the session reuse loaded weights instead of re-reading the GGUF."""
+    from kvmosaic.engine import engine as engine_module
+
+    cache: dict[tuple, LoadedModel] = {(None, torch.float32): default_model}
+
+    def load(path, dtype=torch.float32):
+        key = (path, dtype)
+        if key not in cache:
+            cache[key] = load_model(path, dtype)
+        return cache[key]
+
+    patcher = pytest.MonkeyPatch()
+    patcher.setattr(engine_module, "load_model", load)
+    yield load
+    patcher.undo()

