@@ -118,8 +118,6 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and not sched_out.blocks_to_swap_in:
-            return outputs
         model_out = self.runner.execute(sched_out)
         updated = self.scheduler.update_from_output(sched_out, model_out)
         step_outputs, stopped = self.processor.process(updated, model_out)

@@ -1,0 +1,162 @@
+"""One sampling step for a batch: penalties -> bans -> greedy or (temperature, top-k/p, min-p, draw).
+
+Everything is vectorized over rows except the draws of seeded rows, which use each row's own
+generator so a seeded request samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmosaic.outputs import SampledToken
+from kvmosaic.sample.penalties import apply_penalties_, pad_token_ids
+from kvmosaic.sample.topk_topp import mask_top_k_top_p_min_p_
+from kvmosaic.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to pick one token for one sequence (one logits row)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # set for seeded sequences; advanced by every draw
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    banned_token_ids: tuple[int, ...] = ()  # masked to -inf, e.g. EOS/stop ids until min_tokens
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    """Pick one token per row of logits [num_rows, vocab]; logprobs are of the raw logits."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+    logits = logits.float()
+    processed = _penalize_and_ban(logits, rows)
+    token_ids = _choose_tokens(processed, rows)
+    return _sampled_tokens(logits, token_ids, rows)
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the vocab, in float32."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token id per row of probs [num_rows, vocab] (rows need not be normalized).
+
+    Seeded rows run an exponential race with their own generator (argmax of p / q, q ~ Exp(1)):
+    the draw depends only on that row. Unseeded rows share one uniform per row and invert the
+    CDF, since drawing vocab-many randoms is the dominant cost of sampling on CPU.
+    """
+    token_ids = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        token_ids[unseeded] = _inverse_cdf_sample(_take_rows(probs, unseeded))
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            token_ids[i] = _exponential_race(probs[i], generator)
+    return token_ids
+
+
+def _inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
+    cdf = probs.cumsum(dim=-1)
+    # u in (0, total]: never lands before the first token with non-zero probability.
+    u = (1.0 - torch.rand(probs.shape[0], 1, device=probs.device)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).flatten().clamp_max_(probs.shape[-1] - 1)
+
+
+def _exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    u = torch.rand(probs.shape, generator=generator, device=probs.device)
+    # -log(u) ~ Exp(1), several times cheaper than exponential_(); the floor keeps q finite.
+    q = u.clamp_min_(torch.finfo(u.dtype).tiny).log_().neg_()
+    return (probs / q).argmax()
+
+
+def _penalize_and_ban(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalties, then banned ids to -inf, on a copy made only when some row needs either."""
+    penalized = [_has_penalty(r.params) for r in rows]
+    banned = any(r.banned_token_ids for r in rows)
+    if not (any(penalized) or banned):
+        return logits
+    logits = logits.clone()
+    if any(penalized):
+        _penalize_(logits, rows, penalized)
+    if banned:
+        _ban_(logits, rows)
+    return logits
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+
+
+def _penalize_(logits: torch.Tensor, rows: list[SamplingRow], penalized: list[bool]) -> None:
+    # Rows without a penalty get empty lists, so long prompts cost nothing where unused.
+    prompts = [r.prompt_token_ids if p and r.params.repetition_penalty != 1.0 else [] for r, p in zip(rows, penalized)]
+    outputs = [r.output_token_ids if p else [] for r, p in zip(rows, penalized)]
+    apply_penalties_(
+        logits,
+        pad_token_ids(prompts, logits.device),
+        pad_token_ids(outputs, logits.device),
+        _param_tensor(rows, "presence_penalty", logits.device),
+        _param_tensor(rows, "frequency_penalty", logits.device),
+        _param_tensor(rows, "repetition_penalty", logits.device),
+    )
+
+
+def _ban_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    row_index = [i for i, r in enumerate(rows) for _ in r.banned_token_ids]
+    token_index = [t for r in rows for t in r.banned_token_ids]
+    index = (torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device))
+    logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        token_ids[greedy] = _take_rows(logits, greedy).argmax(dim=-1)
+    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random:
+        token_ids[random] = _sample_random(_take_rows(logits, random), [rows[i] for i in random])
+    return token_ids
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    device = logits.device
+    logits = logits / _param_tensor(rows, "temperature", device)[:, None]  # a copy the masks may overwrite
+    top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
+    top_p = _param_tensor(rows, "top_p", device)
+    mask_top_k_top_p_min_p_(logits, top_k, top_p, _param_tensor(rows, "min_p", device))
+    return random_sample(logits.softmax(dim=-1), [r.generator for r in rows])
+
+
+def _sampled_tokens(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    logprobs = compute_logprobs(raw_logits)
+    chosen = logprobs.gather(1, token_ids[:, None]).flatten().tolist()
+    tops = _top_logprobs(logprobs, rows)
+    return [SampledToken(t, lp, top) for t, lp, top in zip(token_ids.tolist(), chosen, tops)]
+
+
+def _top_logprobs(logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+    """The params.logprobs most likely raw tokens per row; {} for logprobs=0, None when not asked."""
+    tops: list[dict[int, float] | None] = [None if r.params.logprobs is None else {} for r in rows]
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
+    if not wanted:
+        return tops
+    num_top = max(rows[i].params.logprobs for i in wanted)
+    values, ids = _take_rows(logprobs, wanted).topk(num_top, dim=-1)
+    for i, row_ids, row_values in zip(wanted, ids.tolist(), values.tolist()):
+        n = rows[i].params.logprobs
+        tops[i] = dict(zip(row_ids[:n], row_values[:n]))
+    return tops
+
+
+def _param_tensor(rows: list[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32, device=device)
+
+
+def _take_rows(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
+    # Skip the gather copy when every row is selected, the common all-greedy or all-random batch.
+    return tensor if len(index) == tensor.shape[0] else tensor[index]

@@ -1,0 +1,193 @@
+"""End-to-end engine behaviour on the embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmosaic import LLM, SamplingParams
+
+GREEDY_TOKENS = 24
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    # shares a long prefix with the next one, so prefix caching has something to hit
+    "In the beginning of the twentieth century, physics was transformed by two theories: relativity and",
+    "In the beginning of the twentieth century, physics was transformed by two theories: quantum mechanics and",
+    "List of fruits: apple, banana,",
+    "1, 2, 3, 4, 5,",
+]
+
+
+def _greedy(max_tokens: int = GREEDY_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm(cached_loader) -> LLM:
+    return LLM(kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> list[list[int]]:
+    return _tokens(llm.generate(PROMPTS, _greedy()))
+
+
+@pytest.mark.slow
+def test_greedy_batch_matches_hf_generate_alone(llm, hf_gguf_model):
+    # both engines stop at EOS (HF's min_new_tokens would mask EOS and change the greedy path)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=48))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        ref = hf_gguf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
+                                     do_sample=False, pad_token_id=2)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_one_by_one_equals_batched(llm, reference):
+    singles = [_tokens(llm.generate([p], _greedy()))[0] for p in PROMPTS]
+    assert singles == reference
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_blocks=12, block_size=4),  # forces preemption by recompute
+    dict(num_blocks=12, block_size=4, preemption_mode="swap", num_host_blocks=64),
+    dict(num_blocks=12, block_size=4, preemption_mode="swap", num_host_blocks=4),  # host tier too small
+    dict(long_prefill_token_threshold=16, max_num_batched_tokens=40),  # chunked prefill
+    dict(enable_prefix_caching=False),
+    dict(max_num_seqs=3),
+], ids=["recompute", "swap", "swap-fallback", "chunked", "no-prefix-cache", "max-seqs"])
+def test_batching_does_not_change_greedy_output(cached_loader, reference, kwargs):
+    small = LLM(**kwargs)
+    outs = small.generate(PROMPTS, _greedy())
+    assert _tokens(outs) == reference
+    stats = small.engine.stats()
+    if "num_blocks" in kwargs:
+        assert stats["num_preemptions"] > 0
+    assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0
+
+
+def test_prefix_cache_hits_and_same_output(llm):
+    prompt = PROMPTS[4] * 3
+    before = llm.engine.stats()["prefix_cache_hits"]
+    first = llm.generate(prompt, _greedy(8))[0]
+    second = llm.generate(prompt, _greedy(8))[0]
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.stats()["prefix_cache_hits"] > before
+    assert second.metrics.num_cached_tokens >= len(second.prompt_token_ids) - 16
+
+
+def test_blocks_all_free_after_generation(llm):
+    llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10))
+    assert llm.engine.kv_manager.num_used_blocks == 0
+
+
+def test_seed_reproducible_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    mixed = [params if i == 2 else SamplingParams(temperature=1.0, max_tokens=8 + i) for i in range(6)]
+    batched = llm.generate([PROMPTS[1]] * 2 + [PROMPTS[0]] + [PROMPTS[3]] * 3, mixed)
+    assert batched[2].outputs[0].token_ids == alone
+    other = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16,
+                                                    ignore_eos=True))[0].outputs[0].token_ids
+    assert other != alone
+
+
+def test_n_samples_fork_and_best_of(llm):
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=2)
+    out = llm.generate(PROMPTS[2], params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.token_ids) == 12 and c.finish_reason == "length"
+        chosen = [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]
+        assert c.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
+        assert all(len(lp) >= 2 for lp in c.logprobs)
+    best = llm.generate(PROMPTS[2], SamplingParams(n=2, best_of=4, temperature=1.0, seed=7, max_tokens=12,
+                                                    ignore_eos=True))[0]
+    ranked = sorted(out.outputs, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
+
+
+def test_stop_string_spanning_tokens(llm):
+    full = llm.generate(PROMPTS[2], _greedy(32))[0].outputs[0]
+    text = full.text
+    # pick a stop string that starts inside one token and ends in a later one
+    stop = text[len(text) // 2 - 3: len(text) // 2 + 4]
+    assert stop.strip()
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=32, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    with_stop = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=32, stop=[stop],
+                                                        include_stop_str_in_output=True))[0].outputs[0]
+    assert with_stop.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(llm):
+    full = llm.generate(PROMPTS[7], _greedy(16))[0].outputs[0].token_ids
+    stop_id = full[5]
+    first = full.index(stop_id)
+    out = llm.generate(PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id]))
+    assert out[0].outputs[0].token_ids == full[: first + 1]
+    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop_id
+    out = llm.generate(PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id],
+                                                  min_tokens=16))
+    assert len(out[0].outputs[0].token_ids) == 16 and stop_id not in out[0].outputs[0].token_ids
+    out = llm.generate(PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=3))
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 3
+
+
+def test_eos_stops_unless_ignored(llm):
+    out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0.0, max_tokens=200))[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids[-1] in llm.tokenizer.eos_token_ids
+    assert "<|im_end|>" not in out.outputs[0].text
+    assert out.metrics.first_token_time >= out.metrics.arrival_time
+    assert out.metrics.finished_time >= out.metrics.first_token_time
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ("", SamplingParams(), "empty"),
+    ([[]], SamplingParams(), "empty"),
+    ("hello", SamplingParams(max_tokens=9000), "context length"),
+    ([49152], SamplingParams(), "token ids"),
+])
+def test_bad_input_raises_and_engine_keeps_serving(llm, reference, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, params)
+    assert _tokens(llm.generate(PROMPTS[:2], _greedy())) == reference[:2]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(n=0), "n must be"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError):
+        LLM(model="/nonexistent/model.gguf")
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    rid = engine.add_request(None, PROMPTS[0], _greedy(50))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_manager.num_used_blocks > 0
+    engine.abort(rid)
+    outs = engine.step()
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == rid] == ["abort"]
+    assert engine.kv_manager.num_used_blocks == 0 and not engine.has_unfinished()
