@@ -12,6 +12,7 @@ from torch import nn
 
 from kvmosaic.config import ModelConfig
 from kvmosaic.model.layers.attention import AttentionMetadata, paged_attention
+from kvmosaic.model.layers.linear import Linear
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 
 
@@ -26,14 +27,6 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    layer.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias, requires_grad=False)
-    return layer
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
@@ -46,17 +39,17 @@ class DecoderLayer(nn.Module):
         qkv_bias = None
         if att + "q_proj.bias" in w:
             qkv_bias = torch.cat([w[att + f"{p}_proj.bias"] for p in "qkv"])
-        self.qkv_proj = _linear(qkv_weight, qkv_bias)
-        self.o_proj = _linear(w[att + "o_proj.weight"])
+        self.qkv_proj = Linear(qkv_weight, qkv_bias)
+        self.o_proj = Linear(w[att + "o_proj.weight"])
         mlp = prefix + "mlp."
-        self.gate_up_proj = _linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
-        self.down_proj = _linear(w[mlp + "down_proj.weight"])
+        self.gate_up_proj = Linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
+        self.down_proj = Linear(w[mlp + "down_proj.weight"])
         self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))
@@ -64,7 +57,7 @@ class DecoderLayer(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         hidden = hidden + self.o_proj(attn.view(n, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
@@ -81,7 +74,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = _linear(head)
+        self.lm_head = Linear(head)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -94,8 +87,9 @@ class LlamaForCausalLM(nn.Module):
         ``kv_caches[i]`` is layer i's cache, shaped [2, num_blocks, block_size, Hk, D].
         """
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.tables(positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rotary, cache, meta)
+            hidden = layer(hidden, cos_sin, cache, meta)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return self.lm_head(self.norm(hidden)).float()

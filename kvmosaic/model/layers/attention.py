@@ -55,11 +55,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     d, hq, dim = q.shape
-    hk = k_cache.shape[2]
+    _, block_size, hk, _ = k_cache.shape
     tables = meta.decode_block_tables
-    # [D, blocks, block_size, Hk, dim] -> [D, Hk, T, dim]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    # index_select copies whole blocks (contiguous rows): far cheaper than advanced indexing
+    context = tables.shape[1] * block_size
+    k = k_cache.index_select(0, tables.flatten()).view(d, context, hk, dim).transpose(1, 2)
+    v = v_cache.index_select(0, tables.flatten()).view(d, context, hk, dim).transpose(1, 2)
     q = q.view(d, hk, hq // hk, dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
     return out.reshape(d, hq, dim)
@@ -70,8 +71,8 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     n, hq, dim = q.shape
     hk = k_cache.shape[2]
     g = hq // hk
-    k = k_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)
-    v = v_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)
+    k = k_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len].transpose(0, 1)
+    v = v_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len].transpose(0, 1)
     # rows ordered (token, group) within each KV head
     q = q.view(n, hk, g, dim).transpose(0, 1).reshape(hk, n * g, dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
