@@ -103,13 +103,14 @@ class Engine:
             )
         return params
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, emit_output: bool = True) -> None:
+        """Stop a request and free its blocks; its final output (reason "abort") comes from the next step()."""
         seq_ids = self.processor.sequence_ids(request_id)
         if not seq_ids:
             return
         self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
         out = self.processor.finish_aborted(request_id)
-        if out is not None:
+        if out is not None and emit_output:
             self._pending_outputs.append(out)
 
     def has_unfinished(self) -> bool:

@@ -66,8 +66,18 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
-        request_ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        request_ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                request_ids.append(self.engine.add_request(None, prompt, sp))
+        except Exception:
+            self._abort_all(request_ids)  # a bad prompt rejects the whole call, leaving nothing queued
+            raise
         return self._run(request_ids, use_tqdm)
+
+    def _abort_all(self, request_ids) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid, emit_output=False)
 
     def chat(
         self,
@@ -94,9 +104,7 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            for rid in pending:
-                self.engine.abort(rid)
-            self.engine.step()
+            self._abort_all(pending)
             raise
         finally:
             bar.close()
