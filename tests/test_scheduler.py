@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from kvmosaic.config import SchedulerConfig
 from kvmosaic.core.kv_cache_manager import KVCacheManager
-from kvmosaic.core.scheduler import Scheduler, fork_seed
+from kvmosaic.core.scheduler import Scheduler
+from kvmosaic.core.sequence_rules import fork_seed
 from kvmosaic.outputs import ModelOutput, SampledToken, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams

@@ -14,38 +14,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvmosaic.core.sequence_rules import check_stop, fork_seed
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvmosaic.config import SchedulerConfig
     from kvmosaic.core.kv_cache_manager import KVCacheManager
-
-_FORK_SEED_STRIDE = 0x9E3779B1  # golden-ratio stride keeps sibling seeds far apart
-
-
-def fork_seed(seed: int | None, sample_index: int) -> int | None:
-    return None if seed is None else (seed + sample_index * _FORK_SEED_STRIDE) % 2**63
-
-
-def check_stop(
-    request: Request, eos_token_ids: frozenset[int], max_model_len: int
-) -> tuple[RequestStatus, int | None] | None:
-    """(finished status, stop_reason) once the last sampled token ends the sequence, else None."""
-    params = request.sampling_params
-    token = request.output_token_ids[-1]
-    # The first min_tokens outputs never stop the sequence.
-    if request.num_output_tokens > params.min_tokens:
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token
-        if not params.ignore_eos and token in eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH, None
-    if request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH, None
-    return None
-
 
 @dataclass(slots=True)
 class _StepPlan:
