@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 
 from kvmosaic.entrypoints.llm import LLM
+from kvmosaic.planner import cli as plan_cli
 from kvmosaic.sampling_params import SamplingParams
 
 
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+    plan = sub.add_parser("plan", help="roofline capacity planner: memory, step time and tokens/s per batch size")
+    plan_cli.add_arguments(plan)
+    plan.set_defaults(func=plan_cli.cmd_plan)
     return parser
 
 
