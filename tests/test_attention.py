@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask, paged_attention
+from kvmosaic.model.layers import attention
+from kvmosaic.model.layers.attention import (
+    AttentionMetadata,
+    PrefillSpan,
+    build_causal_mask,
+    paged_attention,
+    rotate_and_cache,
+    write_kv,
+)
+from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.ops import get_ops
+
+PATHS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
+    get_ops() is None, reason="C++ kernels not built (python -m kvmosaic.ops.build)"))]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    if request.param == "reference":
+        monkeypatch.setattr(attention, "get_ops", lambda: None)
+    return request.param
 
 HQ, HK, D, BS = 9, 3, 16, 4
 
@@ -21,7 +42,8 @@ def _naive(q, k, v, start):
     return torch.einsum("hnt,thd->nhd", scores.softmax(-1), v).float()
 
 
-def test_mixed_batch_matches_naive():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_matches_naive(path, dtype):
     gen = torch.Generator().manual_seed(0)
     num_blocks = 64
     k_cache = torch.zeros(num_blocks, BS, HK, D)
@@ -54,12 +76,39 @@ def test_mixed_batch_matches_naive():
     dec_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]])
     lens = torch.tensor([c + n for c, n in seqs[:2]])
     dec_mask = (torch.arange(width * BS)[None, :] < lens[:, None])[:, None, None, :]
-    meta = AttentionMetadata(torch.tensor(slots), 2, dec_tables, dec_mask, prefills)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    meta = AttentionMetadata(torch.tensor(slots), 2, dec_tables, dec_mask, prefills, decode_context_lens=lens)
+    k_cache, v_cache, q, k, v = (t.to(dtype) for t in (k_cache, v_cache, q, k, v))
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = paged_attention(q, k_cache, v_cache, meta, D**-0.5).float()
+    q, k, v = q.float(), k.float(), v.float()
+    histories = [(ko.to(dtype).float(), vo.to(dtype).float()) for ko, vo in histories]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
 
     offset = 0
     for (cached, new), (k_old, v_old) in zip(seqs, histories):
         sl = slice(offset, offset + new)
         ref = _naive(q[sl], torch.cat([k_old, k[sl]]), torch.cat([v_old, v[sl]]), cached)
-        torch.testing.assert_close(out[sl], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[sl], ref, atol=tol, rtol=tol)
         offset += new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_and_cache_kernel_matches_reference(dtype, monkeypatch):
+    if get_ops() is None:
+        pytest.skip("C++ kernels not built")
+    gen = torch.Generator().manual_seed(1)
+    rotary = RotaryEmbedding(D, 64, 10000.0, None)
+    n = 7
+    qkv = torch.randn(n, (HQ + 2 * HK) * D, generator=gen).to(dtype)
+    positions = torch.tensor([0, 5, 6, 7, 30, 31, 63])
+    meta = AttentionMetadata(torch.tensor([3, 9, 10, 11, 17, 40, 2]), 0, None, None, positions=positions)
+    results = []
+    for use_kernel in (True, False):
+        if not use_kernel:
+            monkeypatch.setattr(attention, "get_ops", lambda: None)
+        caches = torch.zeros(2, 16, BS, HK, D, dtype=dtype)
+        q = rotate_and_cache(qkv, rotary, caches[0], caches[1], meta, HQ, HK)
+        results.append((q.float(), caches.float()))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(results[0][0], results[1][0], atol=tol, rtol=tol)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=tol, rtol=tol)

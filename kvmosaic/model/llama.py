@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.attention import AttentionMetadata, paged_attention
+from kvmosaic.model.layers.attention import AttentionMetadata, paged_attention, rotate_and_cache
 from kvmosaic.model.layers.linear import Linear
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 
@@ -49,16 +49,12 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         n = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        q = rotate_and_cache(qkv, rotary, kv_cache[0], kv_cache[1], meta, self.num_heads, self.num_kv_heads)
+        attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         hidden = hidden + self.o_proj(attn.view(n, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
@@ -87,9 +83,9 @@ class LlamaForCausalLM(nn.Module):
         ``kv_caches[i]`` is layer i's cache, shaped [2, num_blocks, block_size, Hk, D].
         """
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.tables(positions)
+        meta.positions = positions
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, cache, meta)
+            hidden = layer(hidden, self.rotary, cache, meta)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return self.lm_head(self.norm(hidden)).float()

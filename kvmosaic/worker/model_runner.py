@@ -79,6 +79,7 @@ class ModelRunner:
         )
         if decode_tables:
             meta.decode_block_tables, meta.decode_mask = self._decode_tables(decode_tables, decode_lens)
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, last_rows)
 
     def _decode_tables(self, tables: list[list[int]], lens: list[int]):

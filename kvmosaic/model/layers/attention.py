@@ -8,6 +8,10 @@ each sequence's context from its blocks.
 GQA is handled by grouping: the ``g = Hq / Hkv`` query heads that share a KV
 head are laid out as extra query rows of that KV head, so K/V are never
 repeated per query head.
+
+Two implementations: the compiled kernels of ``kvmosaic.ops`` (rotary + cache
+write in one pass, decode attention reading blocks in place), and the pure
+PyTorch reference they are tested against.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.ops import get_ops
 
 
 @dataclass(slots=True)
@@ -34,6 +41,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] long (padded with block 0)
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
+    decode_context_lens: torch.Tensor | None = None  # [D] long
+    positions: torch.Tensor | None = None  # [num_tokens] long
 
 
 def build_causal_mask(start_pos: int, num_tokens: int, group: int) -> torch.Tensor:
@@ -79,14 +88,38 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out.view(hk, n, g, dim).transpose(0, 1).reshape(n, hq, dim)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [N, Hq, D]; k, v: [N, Hk, D]; caches: [num_blocks, block_size, Hk, D]. Returns [N, Hq, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
+def rotate_and_cache(qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Split a fused qkv projection [N, (Hq + 2 Hk) * D], rotate q and k, write k and v into their
+    cache slots. Returns the rotated q as [N, Hq, D]."""
+    ops = get_ops()
+    if ops is not None:
+        return ops.rope_and_cache(qkv, meta.positions, rotary.cos, rotary.sin, k_cache, v_cache,
+                                  meta.slot_mapping, num_heads, num_kv_heads)
+    n, head_dim = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = rotary.apply(rotary.tables(meta.positions), q.reshape(n, num_heads, head_dim),
+                        k.reshape(n, num_kv_heads, head_dim))
+    write_kv(k_cache, v_cache, k, v.reshape(n, num_kv_heads, head_dim), meta.slot_mapping)
+    return q
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [N, Hq, D] (this step's K/V already in the cache); caches: [num_blocks, block_size, Hk, D].
+    Returns [N, Hq, D]."""
     nd = meta.num_decode_tokens
+    ops = get_ops()
+    if nd == q.shape[0] and ops is not None:  # pure decode batch: no output stitching needed
+        return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+        if ops is not None:
+            out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, scale)
+        else:
+            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
         out[sl] = _prefill_attention(q[sl], k_cache, v_cache, span, scale)

@@ -1,0 +1,52 @@
+"""Optional C++ kernels (rotary + cache write, paged decode attention).
+
+They are compiled once at install (`python -m kvmosaic.ops.build`, run by the
+Makefile) into ``kvmosaic/ops/_build``. When they are missing, or when
+``KVMOSAIC_DISABLE_OPS=1``, the pure-PyTorch reference path runs instead; the
+tests check the two against each other.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.machinery
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+NAME = "kvmosaic_ops"
+SOURCE = Path(__file__).parent / "csrc" / "kvmosaic_ops.cpp"
+BUILD_DIR = Path(__file__).parent / "_build"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+
+def _built_library() -> Path | None:
+    candidates = sorted(BUILD_DIR.glob(f"{NAME}*.so"))
+    if not candidates:
+        return None
+    library = candidates[0]
+    if library.stat().st_mtime < SOURCE.stat().st_mtime:
+        logger.warning("kvmosaic C++ ops are older than their source; rebuild with `python -m kvmosaic.ops.build`")
+        return None
+    return library
+
+
+@functools.cache
+def get_ops() -> ModuleType | None:
+    """The compiled kernels, or None (reference PyTorch path)."""
+    if os.environ.get("KVMOSAIC_DISABLE_OPS", "") not in ("", "0"):
+        return None
+    library = _built_library()
+    if library is None:
+        return None
+    import torch  # noqa: F401  (the extension links against libtorch)
+
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(library))
+    spec = importlib.util.spec_from_file_location(NAME, library, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module

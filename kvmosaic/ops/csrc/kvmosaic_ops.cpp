@@ -1,0 +1,190 @@
+// CPU kernels for the paged KV cache: rotary + cache write, and decode attention
+// that reads K/V blocks in place (no gather copy). Float32 and bfloat16; all
+// arithmetic in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void store(T* dst, float x) { *dst = static_cast<T>(x); }
+
+// Rotate one head vector (HF "rotate half" layout) into dst.
+template <typename T>
+inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(src[i]);
+    const float x2 = to_float(src[i + half]);
+    store(dst + i, x1 * cos[i] - x2 * sin[i]);
+    store(dst + i + half, x2 * cos[i] + x1 * sin[i]);
+  }
+}
+
+template <typename T>
+void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
+                         const at::Tensor& sin_table, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, at::Tensor& q_out, int64_t hq, int64_t hk) {
+  const int64_t n = qkv.size(0);
+  const int64_t d = q_out.size(2);
+  const int64_t half = d / 2;
+  const int64_t row_stride = qkv.stride(0);
+  const T* qkv_ptr = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* cos_ptr = cos_table.data_ptr<float>();
+  const float* sin_ptr = sin_table.data_ptr<float>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  T* qo = q_out.data_ptr<T>();
+  const int64_t slot_stride = hk * d;  // cache viewed as [slots, hk, d]
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv_ptr + t * row_stride;
+      const float* c = cos_ptr + pos[t] * half;
+      const float* s = sin_ptr + pos[t] * half;
+      for (int64_t h = 0; h < hq; ++h) rotate_head(row + h * d, qo + (t * hq + h) * d, c, s, half);
+      T* kdst = kc + slots[t] * slot_stride;
+      T* vdst = vc + slots[t] * slot_stride;
+      const T* ksrc = row + hq * d;
+      const T* vsrc = ksrc + hk * d;
+      for (int64_t h = 0; h < hk; ++h) rotate_head(ksrc + h * d, kdst + h * d, c, s, half);
+      std::memcpy(vdst, vsrc, sizeof(T) * hk * d);
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
+                           double scale) {
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t group = hq / hk;
+  const int64_t width = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t slot_stride = hk * d;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hk, h = item % hk;
+      const int64_t ctx = lens[b];
+      scores.assign(group * ctx, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + (b * hq + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(src[i]) * fscale;
+      }
+      // scores[g][t] = q_g . k_t, reading each K row from its block in place
+      for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t block = tables[b * width + t / block_size];
+        const T* krow = kc + (block * block_size + t % block_size) * slot_stride + h * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qv = qf.data() + g * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += qv[i] * to_float(krow[i]);
+          scores[g * ctx + t] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * ctx;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sc[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) {
+          sc[t] = std::exp(sc[t] - mx);
+          sum += sc[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; ++t) sc[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t block = tables[b * width + t / block_size];
+        const T* vrow = vc + (block * block_size + t % block_size) * slot_stride + h * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * ctx + t];
+          float* a = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] += p * to_float(vrow[i]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = o_ptr + (b * hq + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) store(dst + i, acc[g * d + i]);
+      }
+    }
+  });
+}
+
+void check_cache(const at::Tensor& cache, const at::Tensor& like) {
+  TORCH_CHECK(cache.is_contiguous(), "KV cache must be contiguous");
+  TORCH_CHECK(cache.scalar_type() == like.scalar_type(), "KV cache dtype must match activations");
+  TORCH_CHECK(cache.dim() == 4, "KV cache must be [num_blocks, block_size, kv_heads, head_dim]");
+}
+
+}  // namespace
+
+// Rotates q and k of a fused qkv projection by their positions, writes k and v
+// into their cache slots, and returns the rotated q as [N, hq, head_dim].
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
+                          const at::Tensor& sin_table, at::Tensor k_cache, at::Tensor v_cache,
+                          const at::Tensor& slot_mapping, int64_t hq, int64_t hk) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [N, (hq + 2 hk) * head_dim], row-major");
+  check_cache(k_cache, qkv);
+  check_cache(v_cache, qkv);
+  const int64_t d = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (hq + 2 * hk) * d, "qkv width does not match head counts");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && cos_table.size(1) * 2 == d, "cos table shape");
+  auto q_out = at::empty({qkv.size(0), hq, d}, qkv.options());
+  auto pos = positions.contiguous();
+  auto slots = slot_mapping.contiguous();
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_and_cache_impl<float>(qkv, pos, cos_table, sin_table, k_cache, v_cache, slots, q_out, hq, hk);
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    rope_and_cache_impl<c10::BFloat16>(qkv, pos, cos_table, sin_table, k_cache, v_cache, slots, q_out, hq, hk);
+  } else {
+    TORCH_CHECK(false, "rope_and_cache supports float32 and bfloat16");
+  }
+  return q_out;
+}
+
+// One query token per sequence; K/V read from the sequence's blocks in place.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, hq, head_dim]");
+  check_cache(k_cache, q);
+  check_cache(v_cache, q);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block tables and context lengths must be int64");
+  auto out = at::empty_like(q);
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention_impl<float>(q, k_cache, v_cache, tables, lens, out, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_impl<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_and_cache", &rope_and_cache, "rotary embedding + KV cache write");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks");
+}
