@@ -40,13 +40,20 @@ def parse_memory_size(value: int | float | str) -> int:
     return size
 
 
+def default_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has native bf16 dot products (AVX512-BF16), else float32."""
+    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if dtype == "auto":
+        return default_dtype()
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported compute dtype {dtype}; use float32 or bfloat16")
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"unsupported compute dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        raise ValueError(f"unsupported compute dtype {dtype!r}; use auto or one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -155,7 +162,7 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    dtype: str = "float32"
+    dtype: str = "auto"
     seed: int = 0
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -19,18 +19,21 @@ def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProce
 @pytest.mark.slow
 def test_generate_streams_the_greedy_completion(cached_loader):
     prompt = "The capital of France is"
-    proc = _run(["generate", prompt, "--max-tokens", "16", "--temperature", "0"])
+    proc = _run(["generate", prompt, "--max-tokens", "16", "--temperature", "0", "--dtype", "float32"])
     assert proc.returncode == 0, proc.stderr
-    expected = LLM(kv_cache_memory="64MiB").generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB")
+    expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
     assert proc.stdout == prompt + expected[0].outputs[0].text + "\n"
 
 
 @pytest.mark.slow
 def test_chat_answers_and_exits(cached_loader):
-    proc = _run(["chat", "--max-tokens", "24", "--temperature", "0"], stdin="Name three colors.\n/exit\n")
+    proc = _run(["chat", "--max-tokens", "24", "--temperature", "0", "--dtype", "float32"],
+                stdin="Name three colors.\n/exit\n")
     assert proc.returncode == 0, proc.stderr
-    expected = LLM(kv_cache_memory="64MiB").chat([{"role": "user", "content": "Name three colors."}],
-                                                 SamplingParams(temperature=0.0, max_tokens=24))
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB")
+    expected = llm.chat([{"role": "user", "content": "Name three colors."}],
+                        SamplingParams(temperature=0.0, max_tokens=24))
     assert expected[0].outputs[0].text.strip() in proc.stdout
 
 

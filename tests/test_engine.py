@@ -31,7 +31,7 @@ def _tokens(outs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(cached_loader) -> LLM:
-    return LLM(kv_cache_memory="64MiB")
+    return LLM(dtype="float32", kv_cache_memory="64MiB")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_one_by_one_equals_batched(llm, reference):
     dict(max_num_seqs=3),
 ], ids=["recompute", "swap", "swap-fallback", "chunked", "no-prefix-cache", "max-seqs"])
 def test_batching_does_not_change_greedy_output(cached_loader, reference, kwargs):
-    small = LLM(**kwargs)
+    small = LLM(dtype="float32", **kwargs)
     outs = small.generate(PROMPTS, _greedy())
     assert _tokens(outs) == reference
     stats = small.engine.stats()
@@ -216,7 +216,7 @@ def test_exported_hf_dir_and_bfloat16(cached_loader, default_model, reference, t
     from kvmosaic.model.loader import export_hf
 
     export_hf(default_model, tmp_path / "smollm2")
-    hf_dir = LLM(model=str(tmp_path / "smollm2"), kv_cache_memory="64MiB", block_size=8)
+    hf_dir = LLM(model=str(tmp_path / "smollm2"), dtype="float32", kv_cache_memory="64MiB", block_size=8)
     assert _tokens(hf_dir.generate(PROMPTS, _greedy())) == reference
     bf16 = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
     assert bf16.engine.kv_cache.device_pool.dtype == torch.bfloat16

@@ -13,7 +13,8 @@ from kvmosaic.sampling_params import SamplingParams
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype; auto = bfloat16 on CPUs with AVX512-BF16, else float32")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=8192)

@@ -19,7 +19,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         kv_cache_memory: int | str = "1GiB",
         block_size: int = 16,
         enable_prefix_caching: bool = True,

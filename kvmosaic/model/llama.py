@@ -7,24 +7,14 @@ fused at construction so each layer runs two matmuls fewer per step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvmosaic.config import ModelConfig
+from kvmosaic.model.layers.activation import silu_and_mul
 from kvmosaic.model.layers.attention import AttentionMetadata, paged_attention, rotate_and_cache
 from kvmosaic.model.layers.linear import Linear
+from kvmosaic.model.layers.norm import RMSNorm
 from kvmosaic.model.layers.rotary import RotaryEmbedding
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -47,17 +37,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
 
-    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        n = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``residual`` is the running hidden state (updated in place with ``delta``, the previous
+        layer's output); returns this layer's MLP output, to be added by the next norm."""
+        n = residual.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(residual, delta))
         q = rotate_and_cache(qkv, rotary, kv_cache[0], kv_cache[1], meta, self.num_heads, self.num_kv_heads)
         attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        hidden = hidden + self.o_proj(attn.view(n, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        hidden = self.post_attention_layernorm(residual, self.o_proj(attn.view(n, self.q_size)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,10 +72,11 @@ class LlamaForCausalLM(nn.Module):
 
         ``kv_caches[i]`` is layer i's cache, shaped [2, num_blocks, block_size, Hk, D].
         """
-        hidden = self.embed_tokens(input_ids)
+        residual = self.embed_tokens(input_ids)
         meta.positions = positions
+        delta = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, self.rotary, cache, meta)
+            delta = layer(residual, delta, self.rotary, cache, meta)
         if logits_indices is not None:
-            hidden = hidden[logits_indices]
-        return self.lm_head(self.norm(hidden)).float()
+            residual, delta = residual[logits_indices], delta[logits_indices]
+        return self.lm_head(self.norm(residual, delta)).float()

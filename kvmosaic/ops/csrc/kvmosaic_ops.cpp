@@ -1,6 +1,6 @@
-// CPU kernels for the paged KV cache: rotary + cache write, and decode attention
-// that reads K/V blocks in place (no gather copy). Float32 and bfloat16; all
-// arithmetic in float32.
+// CPU kernels for the decode path: rotary + KV-cache write, decode attention that
+// reads K/V blocks in place (no gather copy), residual add + RMSNorm, SwiGLU.
+// Float32 and bfloat16; all arithmetic in float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -131,6 +131,59 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 }
 
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, at::Tensor& out,
+                       double eps, bool has_delta) {
+  const int64_t n = residual.size(0), h = residual.size(1);
+  T* res = residual.data_ptr<T>();
+  const T* dl = has_delta ? delta.data_ptr<T>() : nullptr;
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(h);
+    for (int64_t t = begin; t < end; ++t) {
+      T* r = res + t * h;
+      float sq = 0.f;
+      for (int64_t i = 0; i < h; ++i) {
+        float x = to_float(r[i]);
+        if (dl) {
+          // round the sum to the activation dtype first, as the unfused residual add would
+          x = to_float(static_cast<T>(x + to_float(dl[t * h + i])));
+          r[i] = static_cast<T>(x);
+        }
+        row[i] = x;
+        sq += x * x;
+      }
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + static_cast<float>(eps));
+      for (int64_t i = 0; i < h; ++i) {
+        // normalize in float, round to the activation dtype, then scale (HF order)
+        const float normed = to_float(static_cast<T>(row[i] * inv));
+        store(o + t * h + i, to_float(w[i]) * normed);
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t n = gate_up.size(0), f = out.size(1);
+  const T* gu = gate_up.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = gu + t * 2 * f;
+      const T* u = g + f;
+      for (int64_t i = 0; i < f; ++i) {
+        const float x = to_float(g[i]);
+        // silu rounded to the activation dtype before the product, as in the unfused graph
+        const float act = to_float(static_cast<T>(x / (1.f + std::exp(-x))));
+        store(o + t * f + i, act * to_float(u[i]));
+      }
+    }
+  });
+}
+
 void check_cache(const at::Tensor& cache, const at::Tensor& like) {
   TORCH_CHECK(cache.is_contiguous(), "KV cache must be contiguous");
   TORCH_CHECK(cache.scalar_type() == like.scalar_type(), "KV cache dtype must match activations");
@@ -184,7 +237,47 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// residual += delta (when given), then returns rms_norm(residual) * weight. Updates residual in place.
+at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be contiguous [N, hidden]");
+  TORCH_CHECK(weight.scalar_type() == residual.scalar_type(), "weight dtype must match activations");
+  at::Tensor d;
+  if (delta.has_value()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == residual.sizes() && d.scalar_type() == residual.scalar_type(), "delta mismatch");
+  }
+  auto out = at::empty_like(residual);
+  auto w = weight.contiguous();
+  if (residual.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(residual, d, w, out, eps, delta.has_value());
+  } else if (residual.scalar_type() == at::kBFloat16) {
+    add_rms_norm_impl<c10::BFloat16>(residual, d, w, out, eps, delta.has_value());
+  } else {
+    TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16");
+  }
+  return out;
+}
+
+// [N, 2F] (gate | up) -> silu(gate) * up, [N, F].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous [N, 2F]");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_and_mul_impl<float>(gate_up, out);
+  } else if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_and_mul_impl<c10::BFloat16>(gate_up, out);
+  } else {
+    TORCH_CHECK(false, "silu_and_mul supports float32 and bfloat16");
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding + KV cache write");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks");
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
 }
