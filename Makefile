@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench peers clean
 
 $(STAMP): pyproject.toml Makefile kvmosaic/ops/csrc/kvmosaic_ops.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: lint
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/throughput.py
+
+peers: $(STAMP)
+	bash scripts/setup_peers.sh
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/peers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -82,9 +82,9 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     g = hq // hk
     k = k_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len].transpose(0, 1)
     v = v_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len].transpose(0, 1)
-    # rows ordered (token, group) within each KV head
-    q = q.view(n, hk, g, dim).transpose(0, 1).reshape(hk, n * g, dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
+    # rows ordered (token, group) within each KV head; 4-D inputs keep SDPA on its flash kernel
+    q = q.view(n, hk, g, dim).transpose(0, 1).reshape(1, hk, n * g, dim)
+    out = F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=span.mask, scale=scale)
     return out.view(hk, n, g, dim).transpose(0, 1).reshape(n, hq, dim)
 
 
@@ -110,6 +110,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns [N, Hq, D]."""
     nd = meta.num_decode_tokens
     ops = get_ops()
+    if q.dtype != torch.float32:
+        ops = None  # measured: the kernel beats gather + SDPA in float32 only (bf16 SDPA is faster still)
     if nd == q.shape[0] and ops is not None:  # pure decode batch: no output stitching needed
         return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                           meta.decode_context_lens, scale)

@@ -1,0 +1,119 @@
+"""Shared by every peer runner: workloads, prompts, timing and the one JSON line a runner prints.
+
+Runners run inside their engine's own venv, so this module uses only the standard library.
+A runner supplies ``build(model_path, dtype, threads) -> engine`` where ``engine.generate(prompts,
+max_tokens)`` returns the generated token ids of each prompt (greedy, EOS ignored, in order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+VOCAB_SIZE = 49152  # SmolLM2; ids below 100 hold the special tokens
+FIRST_TOKENS = 16  # greedy ids of the first prompt kept for the cross-engine check
+
+
+class Unsupported(Exception):
+    """The engine has no such precision (or mode) on this machine; reported as n/a, not as a failure."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    num_prompts: int
+    prompt_len: int
+    max_tokens: int
+    metric: str  # what tokens_per_s counts
+
+
+WORKLOADS = {
+    "A": Workload("A", 1, 128, 128, "decode tok/s"),
+    "B": Workload("B", 64, 128, 128, "output tok/s"),
+    "C": Workload("C", 16, 512, 1, "prompt tok/s"),
+    "S": Workload("S", 1, 128, 1, "start-up s"),  # process start -> first token
+}
+
+
+def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    """Distinct prompts of ordinary token ids, identical in every venv (no numpy/torch RNG)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, VOCAB_SIZE) for _ in range(length)] for _ in range(num)]
+
+
+def workload_prompts(work: Workload) -> list[list[int]]:
+    return make_prompts(work.num_prompts, work.prompt_len, seed=1000 + ord(work.name))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--model-path", default=None, help="HF dir, GGUF file or CTranslate2 dir (engine-specific)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--t0", type=float, default=None, help="time.time() when the parent started this process")
+    return parser.parse_args(argv)
+
+
+def _timed(engine, prompts, max_tokens) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outs = engine.generate(prompts, max_tokens)
+    return time.perf_counter() - start, outs
+
+
+def _check_lengths(outs: list[list[int]], work: Workload, max_tokens: int) -> None:
+    short = [len(o) for o in outs if len(o) != max_tokens]
+    if len(outs) != work.num_prompts or short:
+        raise RuntimeError(f"workload {work.name}: expected {work.num_prompts} x {max_tokens} tokens, "
+                           f"got {len(outs)} outputs, wrong lengths {short[:4]}")
+
+
+def measure(engine, work: Workload) -> dict:
+    """Warm up on other prompts of the same shape, then time the workload."""
+    prompts = workload_prompts(work)
+    warm = make_prompts(min(2, work.num_prompts), work.prompt_len, seed=7)
+    engine.generate(warm, 2)
+    if work.name == "A":
+        # Decode rate without the prefill: (t(N tokens) - t(1 token)) over N - 1 steps, best of 2 each.
+        t_first = min(_timed(engine, prompts, 1)[0] for _ in range(2))
+        runs = [_timed(engine, prompts, work.max_tokens) for _ in range(2)]
+        seconds, outs = min(runs, key=lambda r: r[0])
+        _check_lengths(outs, work, work.max_tokens)
+        rate = (work.max_tokens - 1) / (seconds - t_first)
+        return {"seconds": seconds, "ttft_s": t_first, "tokens": work.max_tokens, "tokens_per_s": rate,
+                "first_tokens": outs[0][:FIRST_TOKENS]}
+    seconds, outs = _timed(engine, prompts, work.max_tokens)
+    _check_lengths(outs, work, work.max_tokens)
+    counted = work.num_prompts * (work.prompt_len if work.name == "C" else work.max_tokens)
+    return {"seconds": seconds, "tokens": counted, "tokens_per_s": counted / seconds,
+            "first_tokens": outs[0][:FIRST_TOKENS]}
+
+
+def run(engine_name: str, build, argv=None) -> None:
+    """Entry point of a runner: build the engine, run one workload, print one JSON line."""
+    args = parse_args(argv)
+    work = WORKLOADS[args.workload]
+    result = {"engine": engine_name, "dtype": args.dtype, "workload": work.name, "metric": work.metric}
+    start = time.perf_counter()
+    try:
+        engine = build(args.model_path, args.dtype, args.threads)
+    except Unsupported as exc:
+        _emit({**result, "unsupported": str(exc)})
+        return
+    result["load_s"] = time.perf_counter() - start
+    if work.name == "S":
+        outs = engine.generate(workload_prompts(work), 1)
+        result.update({"seconds": time.time() - args.t0 if args.t0 else None, "first_tokens": outs[0]})
+    else:
+        result.update(measure(engine, work))
+    result["workload_spec"] = asdict(work)
+    _emit(result)
+
+
+def _emit(result: dict) -> None:
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,30 @@
+"""llama.cpp (llama-cpp-python) on one workload, from a GGUF file (f32 or bf16 per --dtype).
+
+llama-cpp-python's Llama holds one sequence, so the prompts of a workload run one after another.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+
+from common import run
+from llama_cpp import Llama
+
+
+class LlamaCppEngine:
+    def __init__(self, model_path: str, dtype: str, threads: int) -> None:
+        self.llm = Llama(model_path=model_path, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outs = []
+        for prompt in prompts:
+            self.llm.reset()  # no reuse of a previous prompt's KV: workload A repeats its prompt
+            # generate() never stops on EOS by itself; greedy via temp=0.
+            tokens = self.llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+            outs.append(list(islice(tokens, max_tokens)))
+        return outs
+
+
+if __name__ == "__main__":
+    run("llama.cpp", LlamaCppEngine)

