@@ -112,3 +112,22 @@ def test_rotate_and_cache_kernel_matches_reference(dtype, monkeypatch):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(results[0][0], results[1][0], atol=tol, rtol=tol)
     torch.testing.assert_close(results[0][1], results[1][1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cached,new", [(0, 300), (37, 260)])
+def test_long_prefill_chunked_queries_match_naive(cached, new):
+    gen = torch.Generator().manual_seed(2)
+    total = cached + new
+    num_blocks = (total + BS - 1) // BS
+    table = torch.randperm(num_blocks + 5, generator=gen)[:num_blocks]
+    k_cache = torch.zeros(num_blocks + 5, BS, HK, D)
+    v_cache = torch.zeros(num_blocks + 5, BS, HK, D)
+    k_all = torch.randn(total, HK, D, generator=gen)
+    v_all = torch.randn(total, HK, D, generator=gen)
+    slots = torch.tensor([int(table[p // BS]) * BS + p % BS for p in range(total)])
+    write_kv(k_cache, v_cache, k_all, v_all, slots)
+    q = torch.randn(new, HQ, D, generator=gen)
+    span = PrefillSpan(0, new, total, table, build_causal_mask(cached, new, HQ // HK))
+    meta = AttentionMetadata(slots[cached:], 0, None, None, [span])
+    out = paged_attention(q, k_cache, v_cache, meta, D**-0.5)
+    torch.testing.assert_close(out, _naive(q, k_all, v_all, cached), atol=1e-5, rtol=1e-5)

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.ops import get_ops
 
+QUERY_CHUNK = 64  # prefill queries per SDPA call when a chunk is long
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -84,7 +86,21 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     v = v_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len].transpose(0, 1)
     # rows ordered (token, group) within each KV head; 4-D inputs keep SDPA on its flash kernel
     q = q.view(n, hk, g, dim).transpose(0, 1).reshape(1, hk, n * g, dim)
-    out = F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=span.mask, scale=scale)
+    k, v = k[None], v[None]
+    start = span.context_len - n
+    if n <= QUERY_CHUNK:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
+    else:
+        # Query chunks attend only to the keys they can see: skips most of the masked upper triangle.
+        parts = []
+        for c0 in range(0, n, QUERY_CHUNK):
+            c1 = min(n, c0 + QUERY_CHUNK)
+            visible = start + c1
+            rows = slice(c0 * g, c1 * g)
+            parts.append(F.scaled_dot_product_attention(
+                q[:, :, rows], k[:, :, :visible], v[:, :, :visible],
+                attn_mask=span.mask[rows, :visible], scale=scale))
+        out = torch.cat(parts, dim=2)
     return out.view(hk, n, g, dim).transpose(0, 1).reshape(n, hq, dim)
 
 
