@@ -34,3 +34,29 @@ def test_kernels_reject_bad_input():
         ops.add_rms_norm(torch.randn(3, 5, 2), None, torch.ones(2), 1e-5)
     with pytest.raises(RuntimeError, match="float32 and bfloat16"):
         ops.add_rms_norm(torch.randn(3, 4, dtype=torch.float64), None, torch.ones(4, dtype=torch.float64), 1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_bf16_gemv_matches_dense_linear(rows):
+    ops = get_ops()
+    if not getattr(ops, "has_bf16_gemv", False):
+        pytest.skip("CPU without AVX512-BF16")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    w = torch.randn(1000, 576, generator=gen).bfloat16()
+    exact = x.float() @ w.float().T
+    out = ops.gemv_bf16(x, w).float()
+    # both sum bf16 products in float32; only the final rounding to bf16 and the order differ
+    torch.testing.assert_close(out, exact, atol=0.25, rtol=1e-2)
+    assert (out - exact).abs().max() <= (torch.nn.functional.linear(x, w).float() - exact).abs().max() * 1.5 + 1e-3
+
+
+def test_linear_uses_gemv_for_decode_rows_only():
+    from kvmosaic.model.layers.linear import GEMV_MAX_ROWS, Linear
+
+    w = torch.randn(64, 96).bfloat16()
+    layer = Linear(w, torch.randn(64).bfloat16())
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5):
+        x = torch.randn(rows, 96).bfloat16()
+        ref = torch.nn.functional.linear(x, w, layer.bias)
+        torch.testing.assert_close(layer(x).float(), ref.float(), atol=0.1, rtol=2e-2)

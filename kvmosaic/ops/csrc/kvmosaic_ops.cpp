@@ -2,6 +2,7 @@
 // reads K/V blocks in place (no gather copy), residual add + RMSNorm.
 // Float32 and bfloat16; all arithmetic in float32.
 #include <torch/extension.h>
+#include <immintrin.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -197,6 +198,38 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::
   });
 }
 
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Gemv = true;
+
+// y[m, n] = x[m, :] . w[n, :] for a few rows of bf16 activations: streams each weight row once
+// with AVX512-BF16 dot products (float accumulation). Memory-bound decode GEMV.
+void gemv_bf16_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+  const int64_t m_rows = x.size(0), k = x.size(1), n = w.size(0);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const uint16_t* wr = wp + row * k;
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const uint16_t* xr = xp + m * k;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i += 32) {
+          const __m512bh a = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wr + i));
+          const __m512bh b = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xr + i));
+          acc = _mm512_dpbf16_ps(acc, a, b);
+        }
+        op[m * n + row] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc));
+      }
+    }
+  });
+}
+#else
+constexpr bool kHasBf16Gemv = false;
+void gemv_bf16_impl(const at::Tensor&, const at::Tensor&, at::Tensor&) {}
+#endif
+
 void check_cache(const at::Tensor& cache, const at::Tensor& like) {
   TORCH_CHECK(cache.is_contiguous(), "KV cache must be contiguous");
   TORCH_CHECK(cache.scalar_type() == like.scalar_type(), "KV cache dtype must match activations");
@@ -272,9 +305,24 @@ at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& de
   return out;
 }
 
+// [M, K] x [N, K]^T for small M in bfloat16 (K a multiple of 32); needs AVX512-BF16.
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(kHasBf16Gemv, "gemv_bf16 was built without AVX512-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16 needs bfloat16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 32 == 0,
+              "gemv_bf16 needs x [M, K], w [N, K] with K % 32 == 0");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto out = at::empty({x.size(0), w.size(0)}, x.options());
+  gemv_bf16_impl(xc, wc, out);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding + KV cache write");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks");
+  m.def("gemv_bf16", &gemv_bf16, "small-batch bfloat16 matrix-vector product");
+  m.attr("has_bf16_gemv") = kHasBf16Gemv;
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
 }
