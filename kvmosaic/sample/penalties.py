@@ -26,26 +26,17 @@ def apply_penalties(
     presence: torch.Tensor,
     frequency: torch.Tensor,
     repetition: torch.Tensor,
+    inplace: bool = False,
 ) -> torch.Tensor:
-    """Penalized copy of logits [num_rows, vocab].
+    """Penalized logits [num_rows, vocab] (a copy unless ``inplace``, which saves a batch x vocab copy).
 
     repetition (HF/vLLM): every token in prompt or output has a positive logit divided by the
     penalty (as a multiply by 1/penalty, within an ulp) and a negative one multiplied by it.
     presence/frequency (OpenAI, output only): logit -= frequency * count + presence * (count > 0).
     Penalties are float tensors [num_rows].
     """
-    return apply_penalties_(logits.clone(), prompt_tokens, output_tokens, presence, frequency, repetition)
-
-
-def apply_penalties_(
-    logits: torch.Tensor,
-    prompt_tokens: torch.Tensor,
-    output_tokens: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """In-place apply_penalties, for callers that own logits (saves a batch x vocab copy)."""
+    if not inplace:
+        logits = logits.clone()
     _apply_repetition(logits, torch.cat([prompt_tokens, output_tokens], dim=1), repetition)
     _apply_presence_frequency(logits, output_tokens, presence, frequency)
     return logits

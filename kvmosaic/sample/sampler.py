@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmosaic.outputs import SampledToken
-from kvmosaic.sample.penalties import apply_penalties_, pad_token_ids
+from kvmosaic.sample.penalties import apply_penalties, pad_token_ids
 from kvmosaic.sample.topk_topp import mask_top_k_top_p_min_p_
 from kvmosaic.sampling_params import SamplingParams
 
@@ -95,13 +95,14 @@ def _penalize_(logits: torch.Tensor, rows: list[SamplingRow], penalized: list[bo
     # Rows without a penalty get empty lists, so long prompts cost nothing where unused.
     prompts = [r.prompt_token_ids if p and r.params.repetition_penalty != 1.0 else [] for r, p in zip(rows, penalized)]
     outputs = [r.output_token_ids if p else [] for r, p in zip(rows, penalized)]
-    apply_penalties_(
+    apply_penalties(
         logits,
         pad_token_ids(prompts, logits.device),
         pad_token_ids(outputs, logits.device),
         _param_tensor(rows, "presence_penalty", logits.device),
         _param_tensor(rows, "frequency_penalty", logits.device),
         _param_tensor(rows, "repetition_penalty", logits.device),
+        inplace=True,
     )
 
 
