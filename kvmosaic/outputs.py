@@ -56,7 +56,7 @@ class SampledToken:
 
 @dataclass(slots=True)
 class ModelOutput:
-    """Sampled tokens per sequence id (a list: one per sample id of the ScheduledRequest)."""
+    """One sampled token per sequence id (every sample id of the step's ScheduledRequests)."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
 

@@ -3,6 +3,7 @@ manager and the model runner, and holds no tensors itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -90,15 +91,15 @@ class Engine:
         if prompt_len >= limit:
             raise ValueError(f"prompt has {prompt_len} tokens; the context length is {limit}")
         if params.max_tokens is None:
-            params = _replace(params, max_tokens=limit - prompt_len)
+            params = dataclasses.replace(params, max_tokens=limit - prompt_len)
         if prompt_len + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
             )
-        needed = -(-(prompt_len + params.max_tokens) // self.config.cache.block_size)
-        if needed > self.kv_manager.num_blocks:
+        if not self.scheduler.can_ever_fit(prompt_len + params.max_tokens):
+            slots = self.kv_manager.num_blocks * self.kv_manager.block_size
             raise ValueError(
-                f"request needs {needed} KV blocks but the pool has only {self.kv_manager.num_blocks}; "
+                f"request needs {prompt_len + params.max_tokens} KV slots but the pool holds only {slots}; "
                 "raise kv_cache_memory or lower max_tokens"
             )
         return params
@@ -139,9 +140,3 @@ class Engine:
             "prefix_cache_hits": cache["hits"],
             "prefix_cache_hit_rate": cache["hit_rate"],
         }
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, **changes)

@@ -36,20 +36,21 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 
 
 def model_from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
-    """The shape fields of a Hugging Face LLaMA-family config.json."""
-    heads = cfg["num_attention_heads"]
+    """The shape fields of a Hugging Face config.json, parsed by the model loader's own reader."""
+    from kvmosaic.model.hf_loader import hf_model_config  # lazy: keeps the planner free of torch at import
+
+    mc = hf_model_config(cfg)
     return ModelSpec(
-        name=name or cfg.get("_name_or_path") or cfg.get("model_type", "model"),
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab_size=cfg["vocab_size"],
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; its config has no flag for them.
-        attention_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+        name=name or mc.name or cfg.get("model_type", "model"),
+        num_layers=mc.num_hidden_layers,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_heads=mc.num_attention_heads,
+        num_kv_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim,
+        vocab_size=mc.vocab_size,
+        tie_embeddings=mc.tie_word_embeddings,
+        attention_bias=mc.attention_bias,
     )
 
 
