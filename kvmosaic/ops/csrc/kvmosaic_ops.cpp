@@ -165,6 +165,209 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 }
 
+#if defined(__AVX512F__)
+// Sixteen values widened to float, and back (bf16 rounds to nearest even like c10::BFloat16).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(tmp[i]);
+}
+
+// One query head held in registers; dot() returns the lane-wise partial products of q . k for one
+// cached row (the caller sums the lanes). bf16 uses AVX512-BF16 dot products (float accumulation).
+template <typename T, int NC>
+struct QueryDot;
+
+template <int NC>
+struct QueryDot<float, NC> {
+  __m512 q[NC];
+  void load(const float* p) {
+    for (int c = 0; c < NC; ++c) q[c] = _mm512_loadu_ps(p + c * 16);
+  }
+  __m512 dot(const float* k) const {
+    __m512 s = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+    for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + c * 16), s);
+    return s;
+  }
+};
+
+template <int NC>
+struct QueryDot<c10::BFloat16, NC> {
+#if defined(__AVX512BF16__)
+  __m512bh q[NC / 2];
+  void load(const c10::BFloat16* p) {
+    for (int c = 0; c < NC / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p + c * 32));
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < NC / 2; ++c)
+      s = _mm512_dpbf16_ps(s, q[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
+    return s;
+  }
+#else
+  __m512 q[NC];
+  void load(const c10::BFloat16* p) {
+    for (int c = 0; c < NC; ++c) q[c] = load16(p + c * 16);
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 s = _mm512_mul_ps(q[0], load16(k));
+    for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], load16(k + c * 16), s);
+    return s;
+  }
+#endif
+};
+
+// Sums the lanes of 16 vectors at once (a transpose-and-add tree, ~45 instructions instead of 16
+// horizontal reductions). Lane j of the result is the sum of v[kSumSlot[j]]: put row j there.
+constexpr int kSumSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// exp(x) for x <= 0 on 16 lanes: the polynomial of exp_nonpositive, scaled by 2^n with scalef.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
+// over the context with an online softmax. One work item is one sequence: its K/V rows are read
+// from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
+// sixteen tokens at a time, with the next sixteen prefetched.
+template <typename T, int NC>
+void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
+                          double scale) {
+  constexpr int64_t D = NC * 16;
+  const int64_t batch = q.size(0), hq = q.size(1);
+  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t group = hq / hk;
+  const int64_t width = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t slot_stride = hk * D;
+  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<QueryDot<T, NC>> qd(hq);
+    std::vector<__m512> part(group * 16), acc(hq * NC);
+    std::vector<float> run_max(hq), run_sum(hq), probs(hq * 16);
+    int64_t slots[16];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t ctx = lens[b];
+      const int64_t* table = tables + b * width;
+      auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
+      for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
+      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, ctx - t0);
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+        for (int64_t j = 0; j < n; ++j) slots[j] = slot_of(t0 + j);
+        for (int64_t j = 0; t0 + 16 + j < ctx && j < 16; ++j) {  // the next sixteen rows
+          const int64_t s = slot_of(t0 + 16 + j);
+          for (int64_t off = 0; off < slot_bytes; off += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + s * slot_stride) + off, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + s * slot_stride) + off, _MM_HINT_T0);
+          }
+        }
+        // scores of the sixteen tokens for every head, folded into the running softmax
+        for (int64_t kh = 0; kh < hk; ++kh) {
+          for (int64_t j = 0; j < 16; ++j) {
+            for (int64_t g = 0; g < group; ++g)
+              part[g * 16 + kSumSlot[j]] = j < n ? qd[kh * group + g].dot(kc + slots[j] * slot_stride + kh * D)
+                                                 : _mm512_setzero_ps();
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kh * group + g;
+            const __m512 sc = _mm512_mul_ps(sum_lanes16(part.data() + g * 16), vscale);
+            const float new_max = std::max(run_max[h], _mm512_mask_reduce_max_ps(valid, sc));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+            const float corr = exp_nonpositive(run_max[h] - new_max);
+            run_sum[h] = run_sum[h] * corr + _mm512_reduce_add_ps(p);
+            run_max[h] = new_max;
+            _mm512_storeu_ps(probs.data() + h * 16, p);
+            const __m512 vcorr = _mm512_set1_ps(corr);
+            for (int c = 0; c < NC; ++c) acc[h * NC + c] = _mm512_mul_ps(acc[h * NC + c], vcorr);
+          }
+        }
+        // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
+        constexpr int64_t HB = NC <= 4 ? 4 : 2;
+        for (int64_t kh = 0; kh < hk; ++kh) {
+          for (int64_t g0 = 0; g0 < group; g0 += HB) {
+            const int64_t h0 = kh * group + g0, hn = std::min(HB, group - g0);
+            __m512 a[HB][NC];
+            for (int64_t i = 0; i < HB; ++i)
+              for (int c = 0; c < NC; ++c) a[i][c] = i < hn ? acc[(h0 + i) * NC + c] : _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; ++j) {
+              const T* row = vc + slots[j] * slot_stride + kh * D;
+              __m512 vv[NC];
+              for (int c = 0; c < NC; ++c) vv[c] = load16(row + c * 16);
+              for (int64_t i = 0; i < HB; ++i) {
+                if (i >= hn) break;
+                const __m512 p = _mm512_set1_ps(probs[(h0 + i) * 16 + j]);
+                for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(p, vv[c], a[i][c]);
+              }
+            }
+            for (int64_t i = 0; i < hn; ++i)
+              for (int c = 0; c < NC; ++c) acc[(h0 + i) * NC + c] = a[i][c];
+          }
+        }
+      }
+      for (int64_t h = 0; h < hq; ++h) {
+        const __m512 inv = _mm512_set1_ps(1.f / run_sum[h]);
+        for (int c = 0; c < NC; ++c) store16(o_ptr + (b * hq + h) * D + c * 16, _mm512_mul_ps(acc[h * NC + c], inv));
+      }
+    }
+  });
+}
+#endif
+
+// Dispatch: the register-blocked kernel for head_dim 64 / 128, the generic loop otherwise.
+template <typename T>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
+#if defined(__AVX512F__)
+  const int64_t d = q.size(2);
+  if (d == 64) return decode_attention_vec<T, 4>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+  if (d == 128) return decode_attention_vec<T, 8>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+#endif
+  decode_attention_impl<T>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+}
+
 template <typename T>
 void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, at::Tensor& out,
                        double eps, bool has_delta) {
@@ -274,9 +477,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   if (q.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(q, k_cache, v_cache, tables, lens, out, scale);
+    decode_attention<float>(q, k_cache, v_cache, tables, lens, out, scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
+    decode_attention<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
