@@ -159,3 +159,32 @@ def test_decode_kernel_matches_naive(dtype, hq, hk, dim, block_size):
         ref = torch.einsum("ht,thd->hd", probs, v).float()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i], ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(get_ops() is None or not get_ops().prefill_attention_supports(64),
+                    reason="prefill kernel needs the C++ kernels on an AVX-512 CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5), (5, 5, 64, 7)])
+@pytest.mark.parametrize("cached,new", [(0, 1), (0, 37), (16, 16), (100, 61)])
+def test_prefill_kernel_matches_naive(dtype, hq, hk, dim, block_size, cached, new):
+    """The prefill kernel: causal chunk attention over a shuffled paged context, with cached tokens
+    before the chunk, query-row blocks that straddle tokens, and tiles cut by the causal edge."""
+    gen = torch.Generator().manual_seed(2)
+    ctx = cached + new
+    blocks = (ctx + block_size - 1) // block_size
+    num_blocks = blocks + 5
+    table = torch.randperm(num_blocks, generator=gen)[:blocks]
+    k_cache = torch.randn(num_blocks, block_size, hk, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hk, dim, generator=gen).to(dtype)
+    q = torch.randn(new, hq, dim, generator=gen).to(dtype)
+    scale = dim**-0.5
+    out = get_ops().paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale).double()
+    slots = table.repeat_interleave(block_size) * block_size + torch.arange(blocks * block_size) % block_size
+    g = hq // hk
+    k = k_cache.view(-1, hk, dim)[slots[:ctx]].double().repeat_interleave(g, dim=1)
+    v = v_cache.view(-1, hk, dim)[slots[:ctx]].double().repeat_interleave(g, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", q.double(), k) * scale
+    visible = torch.arange(ctx)[None, :] <= (cached + torch.arange(new))[:, None]
+    ref = torch.einsum("hnt,thd->nhd", scores.masked_fill(~visible[None], float("-inf")).softmax(-1), v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

@@ -36,27 +36,41 @@ def test_kernels_reject_bad_input():
         ops.add_rms_norm(torch.randn(3, 4, dtype=torch.float64), None, torch.ones(4, dtype=torch.float64), 1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_bf16_gemv_matches_dense_linear(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_gemv_matches_dense_linear(rows, dtype):
     ops = get_ops()
-    if not getattr(ops, "has_bf16_gemv", False):
-        pytest.skip("CPU without AVX512-BF16")
+    if not getattr(ops, "has_gemv", False) or (dtype == torch.bfloat16 and not ops.has_bf16_gemv):
+        pytest.skip("CPU without AVX-512 / AVX512-BF16")
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(rows, 576, generator=gen).bfloat16()
-    w = torch.randn(1000, 576, generator=gen).bfloat16()
-    exact = x.float() @ w.float().T
-    out = ops.gemv_bf16(x, w).float()
-    # both sum bf16 products in float32; only the final rounding to bf16 and the order differ
-    torch.testing.assert_close(out, exact, atol=0.25, rtol=1e-2)
-    assert (out - exact).abs().max() <= (torch.nn.functional.linear(x, w).float() - exact).abs().max() * 1.5 + 1e-3
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = torch.randn(1001, 576, generator=gen).to(dtype)  # 1001: a last block of fewer rows
+    exact = x.double() @ w.double().T
+    out = ops.gemv(x, w).double()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, exact, atol=1e-4, rtol=1e-5)
+    else:
+        # both sum bf16 products in float32; only the final rounding to bf16 and the order differ
+        torch.testing.assert_close(out, exact, atol=0.25, rtol=1e-2)
+        assert (out - exact).abs().max() <= (torch.nn.functional.linear(x, w).double() - exact).abs().max() * 1.5 + 1e-3
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ops.gemv(torch.zeros(9, 576, dtype=dtype), w)
 
 
-def test_linear_uses_gemv_for_decode_rows_only():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_uses_gemv_for_decode_rows_only(dtype):
     from kvmosaic.model.layers.linear import GEMV_MAX_ROWS, Linear
 
-    w = torch.randn(64, 96).bfloat16()
-    layer = Linear(w, torch.randn(64).bfloat16())
+    w = torch.randn(64, 96).to(dtype)
+    layer = Linear(w, torch.randn(64).to(dtype))
+    if layer.gemv is None:
+        pytest.skip("no GEMV kernel for this dtype on this CPU")
+    calls = []
+    kernel = layer.gemv
+    layer.gemv = lambda x, weight: calls.append(x.shape[0]) or kernel(x, weight)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5):
-        x = torch.randn(rows, 96).bfloat16()
-        ref = torch.nn.functional.linear(x, w, layer.bias)
-        torch.testing.assert_close(layer(x).float(), ref.float(), atol=0.1, rtol=2e-2)
+        x = torch.randn(rows, 96).to(dtype)
+        ref = torch.nn.functional.linear(x.double(), w.double(), layer.bias.double())
+        torch.testing.assert_close(layer(x).double(), ref, atol=tol * 5, rtol=tol)
+    assert calls == [1, GEMV_MAX_ROWS]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.sample.sampler import SamplingRow, sample
 from kvmosaic.worker.kv_cache import KVCache
@@ -16,8 +16,6 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.eos_token_ids = tuple(eos_token_ids)
-        cfg = model.config
-        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.generators: dict[str, torch.Generator | None] = {}
 
     @torch.inference_mode()
@@ -66,10 +64,7 @@ class ModelRunner:
                 decode_tables.append(needed)
                 decode_lens.append(context)
             else:
-                prefills.append(PrefillSpan(
-                    start, n, context, torch.tensor(needed, dtype=torch.long),
-                    build_causal_mask(s.start_pos, n, self.group),
-                ))
+                prefills.append(PrefillSpan(start, n, context, torch.tensor(needed, dtype=torch.long)))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_decode_tokens=len(decode_tables),

@@ -10,8 +10,8 @@ head are laid out as extra query rows of that KV head, so K/V are never
 repeated per query head.
 
 Two implementations: the compiled kernels of ``kvmosaic.ops`` (rotary + cache
-write in one pass, decode attention reading blocks in place), and the pure
-PyTorch reference they are tested against.
+write in one pass; decode and prefill attention reading blocks in place, with an
+online softmax), and the pure PyTorch reference they are tested against.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class PrefillSpan:
     num_tokens: int
     context_len: int  # tokens of context after this chunk (cached + new)
     block_table: torch.Tensor  # [num_blocks_for_context] long
-    mask: torch.Tensor  # [num_tokens * g, context_len] bool, True = may attend
+    mask: torch.Tensor | None = None  # [num_tokens * g, context_len] bool, True = may attend; built when needed
 
 
 @dataclass(slots=True)
@@ -88,6 +88,8 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     q = q.view(n, hk, g, dim).transpose(0, 1).reshape(1, hk, n * g, dim)
     k, v = k[None], v[None]
     start = span.context_len - n
+    if span.mask is None:  # built once, then reused by every layer
+        span.mask = build_causal_mask(start, n, g)
     if n <= QUERY_CHUNK:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
     else:
@@ -136,7 +138,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                   meta.decode_context_lens, scale)
         else:
             out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    prefill_kernel = ops is not None and ops.prefill_attention_supports(q.shape[-1])
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
-        out[sl] = _prefill_attention(q[sl], k_cache, v_cache, span, scale)
+        if prefill_kernel:
+            out[sl] = ops.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_table, span.context_len, scale)
+        else:
+            out[sl] = _prefill_attention(q[sl], k_cache, v_cache, span, scale)
     return out

@@ -1,10 +1,11 @@
-"""Linear layers with weights pre-packed for the CPU GEMM library.
+"""Linear layers for CPU inference.
 
-oneDNN's blocked weight layout makes float32 GEMMs about twice as fast as the
-default dense path on AVX-512 CPUs, at the same float32 accuracy. bfloat16
-stays dense (oneDNN is already fast for large batches), except for decode-size
-batches (<= GEMV_MAX_ROWS rows), which use the AVX512-BF16 GEMV kernel of
-``kvmosaic.ops``: it streams the weights 3-5x faster than the dense path.
+Weights stay dense ([out_features, in_features], row-major). Decode-size batches
+(<= GEMV_MAX_ROWS rows) go to the AVX-512 GEMV kernel of ``kvmosaic.ops``, which
+streams each weight row once (AVX512-BF16 dot products for bfloat16). Larger
+float32 batches go to oneDNN's matmul primitive, about twice as fast as the
+default float32 path on AVX-512 CPUs at the same accuracy; bfloat16 batches use
+the default path, which is oneDNN already.
 """
 
 from __future__ import annotations
@@ -16,37 +17,45 @@ from torch import nn
 from kvmosaic.ops import get_ops
 
 GEMV_MAX_ROWS = 8
+_GEMV_K_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+def _has_onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _gemv_kernel(weight: torch.Tensor):
+    ops = get_ops()
+    if ops is None or not getattr(ops, "has_gemv", False) or weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.bfloat16 and not ops.has_bf16_gemv:
+        return None
+    multiple = _GEMV_K_MULTIPLE.get(weight.dtype)
+    return ops.gemv if multiple is not None and weight.shape[1] % multiple == 0 else None
 
 
 class Linear(nn.Module):
     """y = x W^T + b with W as [out_features, in_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.packed = pack and _can_pack(weight)
-        self.weight = weight.contiguous().to_mkldnn() if self.packed else weight.contiguous()
+        self.weight = weight.contiguous()
         self.bias = bias
-        ops = get_ops()
-        self.gemv = (ops.gemv_bf16 if ops is not None and getattr(ops, "has_bf16_gemv", False)
-                     and weight.dtype == torch.bfloat16 and self.in_features % 32 == 0 else None)
+        self.gemv = _gemv_kernel(self.weight)
+        self.onednn = weight.dtype == torch.float32 and weight.device.type == "cpu" and _has_onednn_linear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            out = self.gemv(x, self.weight)
+            return out if self.bias is None else out + self.bias
+        if self.onednn:
             shape = x.shape
             out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.weight, self.bias,
                                                      "none", [], "")
             return out.view(*shape[:-1], self.out_features)
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-            out = self.gemv(x, self.weight)
-            return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed}"
+        return f"in_features={self.in_features}, out_features={self.out_features}"

@@ -356,6 +356,124 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
 }
 #endif
 
+#if defined(__AVX512F__)
+// Prefill attention for one sequence chunk: n query tokens at positions [start, start + n) over a
+// context of start + n tokens held in paged blocks. The context's K is first gathered per KV head
+// into 16-key tiles transposed to [tile][dim][16] floats, and V into [token][dim] floats, so the
+// inner loops are plain FMAs: a tile's 16 scores for one query row are dim broadcast-FMAs, and
+// the probability-weighted V sum keeps the head dimension in registers. Online softmax per row;
+// RB query rows share every K/V load. Float arithmetic throughout.
+template <typename T, int NC>
+void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
+  constexpr int64_t D = NC * 16;
+  constexpr int RB = NC <= 4 ? 4 : 2;  // query rows per register block
+  const int64_t n = q.size(0), hq = q.size(1);
+  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t group = hq / hk;
+  const int64_t start = context_len - n;
+  const int64_t tiles = (context_len + 15) / 16;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t slot_stride = hk * D;
+  const float fscale = static_cast<float>(scale);
+
+  std::vector<float> kt(hk * tiles * D * 16, 0.f), vf(hk * tiles * 16 * D, 0.f);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      for (int64_t j = 0; j < 16 && tile * 16 + j < context_len; ++j) {
+        const int64_t t = tile * 16 + j;
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        for (int64_t h = 0; h < hk; ++h) {
+          const T* krow = kc + slot * slot_stride + h * D;
+          const T* vrow = vc + slot * slot_stride + h * D;
+          float* kdst = kt.data() + (h * tiles + tile) * D * 16 + j;
+          float* vdst = vf.data() + (h * tiles * 16 + t) * D;
+          for (int64_t i = 0; i < D; ++i) {
+            kdst[i * 16] = to_float(krow[i]);
+            vdst[i] = to_float(vrow[i]);
+          }
+        }
+      }
+    }
+  });
+
+  // work items: (KV head, block of RB query rows); rows are (token, group member) pairs
+  const int64_t rows_per_head = n * group;
+  const int64_t row_blocks = (rows_per_head + RB - 1) / RB;
+  at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qf[RB][D];
+    alignas(64) float probs[RB][16];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / row_blocks, rb = item % row_blocks;
+      const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
+      int64_t last[RB];  // the last key each row may see
+      __m512 acc[RB][NC];
+      float run_max[RB], run_sum[RB];
+      for (int r = 0; r < RB; ++r) {
+        const int64_t row = r0 + std::min<int64_t>(r, rn - 1);  // idle rows repeat the last real one
+        const int64_t tok = row / group, g = row % group;
+        last[r] = start + tok;
+        const T* src = q_ptr + (tok * hq + h * group + g) * D;
+        for (int64_t i = 0; i < D; ++i) qf[r][i] = to_float(src[i]) * fscale;
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+        run_max[r] = -std::numeric_limits<float>::infinity();
+        run_sum[r] = 0.f;
+      }
+      int64_t max_last = 0;
+      for (int r = 0; r < RB; ++r) max_last = std::max(max_last, last[r]);
+      const float* ktile = kt.data() + h * tiles * D * 16;
+      const float* vhead = vf.data() + h * tiles * 16 * D;
+      for (int64_t tile = 0; tile * 16 <= max_last; ++tile) {
+        const float* kp = ktile + tile * D * 16;
+        __m512 s[RB];
+        for (int r = 0; r < RB; ++r) s[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; ++i) {
+          const __m512 kv = _mm512_loadu_ps(kp + i * 16);
+          for (int r = 0; r < RB; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][i]), kv, s[r]);
+        }
+        int64_t tile_keys = 0;
+        for (int r = 0; r < RB; ++r) {
+          const int64_t visible = std::min<int64_t>(16, last[r] - tile * 16 + 1);
+          tile_keys = std::max(tile_keys, visible);
+          const __mmask16 valid = visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1u);
+          if (!valid) {
+            _mm512_store_ps(probs[r], _mm512_setzero_ps());
+            continue;
+          }
+          const float new_max = std::max(run_max[r], _mm512_mask_reduce_max_ps(valid, s[r]));
+          const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(s[r], _mm512_set1_ps(new_max))));
+          const float corr = exp_nonpositive(run_max[r] - new_max);
+          run_sum[r] = run_sum[r] * corr + _mm512_reduce_add_ps(p);
+          run_max[r] = new_max;
+          _mm512_store_ps(probs[r], p);
+          const __m512 vcorr = _mm512_set1_ps(corr);
+          for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], vcorr);
+        }
+        const float* vp = vhead + tile * 16 * D;
+        for (int64_t j = 0; j < tile_keys; ++j) {
+          __m512 vv[NC];
+          for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vp + j * D + c * 16);
+          for (int r = 0; r < RB; ++r) {
+            const __m512 p = _mm512_set1_ps(probs[r][j]);
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+          }
+        }
+      }
+      for (int r = 0; r < rn; ++r) {
+        const int64_t row = r0 + r, tok = row / group, g = row % group;
+        const __m512 inv = _mm512_set1_ps(1.f / run_sum[r]);
+        T* dst = o_ptr + (tok * hq + h * group + g) * D;
+        for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(acc[r][c], inv));
+      }
+    }
+  });
+}
+#endif
+
 // Dispatch: the register-blocked kernel for head_dim 64 / 128, the generic loop otherwise.
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -402,35 +520,84 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::
 }
 
 
-#if defined(__AVX512BF16__)
-constexpr bool kHasBf16Gemv = true;
+#if defined(__AVX512F__)
+// Weight rows as vectors of 16 float lanes: float32 loads directly; bfloat16 multiplies pairs with
+// AVX512-BF16 (32 values per instruction, float accumulation).
+template <typename T>
+struct GemvStep;
 
-// y[m, n] = x[m, :] . w[n, :] for a few rows of bf16 activations: streams each weight row once
-// with AVX512-BF16 dot products (float accumulation). Memory-bound decode GEMV.
-void gemv_bf16_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
-  const int64_t m_rows = x.size(0), k = x.size(1), n = w.size(0);
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  auto* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const uint16_t* wr = wp + row * k;
-      for (int64_t m = 0; m < m_rows; ++m) {
-        const uint16_t* xr = xp + m * k;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < k; i += 32) {
-          const __m512bh a = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wr + i));
-          const __m512bh b = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xr + i));
-          acc = _mm512_dpbf16_ps(acc, a, b);
-        }
-        op[m * n + row] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc));
+template <>
+struct GemvStep<float> {
+  static constexpr int64_t kWidth = 16;
+  static __m512 fma(const float* w, const float* x, __m512 acc) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <>
+struct GemvStep<c10::BFloat16> {
+  static constexpr int64_t kWidth = 32;
+  static __m512 fma(const c10::BFloat16* w, const c10::BFloat16* x, __m512 acc) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w)),
+                            (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x)));
+  }
+};
+#endif
+
+// out[m, n] = x[m, :] . w[n, :] for M (<= 8) activation rows: each weight row is streamed from
+// memory once, R rows at a time so that M * R accumulator chains run side by side.
+template <typename T, int M, int R>
+void gemv_rows(const T* xp, const T* wp, T* op, int64_t k, int64_t n) {
+  constexpr int64_t W = GemvStep<T>::kWidth;
+  at::parallel_for(0, (n + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t row0 = blk * R, rows = std::min<int64_t>(R, n - row0);
+      __m512 acc[M][R];
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+      if (rows == R) {
+        for (int64_t i = 0; i < k; i += W)
+          for (int r = 0; r < R; ++r)
+            for (int m = 0; m < M; ++m) acc[m][r] = GemvStep<T>::fma(wp + (row0 + r) * k + i, xp + m * k + i, acc[m][r]);
+      } else {
+        for (int r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < k; i += W)
+            for (int m = 0; m < M; ++m) acc[m][r] = GemvStep<T>::fma(wp + (row0 + r) * k + i, xp + m * k + i, acc[m][r]);
       }
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < rows; ++r) op[m * n + row0 + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
     }
   });
 }
+
+template <typename T>
+bool gemv_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  switch (m) {
+    case 1: gemv_rows<T, 1, 4>(xp, wp, op, k, n); return true;
+    case 2: gemv_rows<T, 2, 4>(xp, wp, op, k, n); return true;
+    case 3: gemv_rows<T, 3, 4>(xp, wp, op, k, n); return true;
+    case 4: gemv_rows<T, 4, 2>(xp, wp, op, k, n); return true;
+    case 5: gemv_rows<T, 5, 2>(xp, wp, op, k, n); return true;
+    case 6: gemv_rows<T, 6, 2>(xp, wp, op, k, n); return true;
+    case 7: gemv_rows<T, 7, 2>(xp, wp, op, k, n); return true;
+    case 8: gemv_rows<T, 8, 2>(xp, wp, op, k, n); return true;
+    default: return false;
+  }
+}
+constexpr bool kHasGemv = true;
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Gemv = true;
 #else
 constexpr bool kHasBf16Gemv = false;
-void gemv_bf16_impl(const at::Tensor&, const at::Tensor&, at::Tensor&) {}
+#endif
+#else
+constexpr bool kHasGemv = false;
+constexpr bool kHasBf16Gemv = false;
 #endif
 
 void check_cache(const at::Tensor& cache, const at::Tensor& like) {
@@ -508,23 +675,74 @@ at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& de
   return out;
 }
 
-// [M, K] x [N, K]^T for small M in bfloat16 (K a multiple of 32); needs AVX512-BF16.
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(kHasBf16Gemv, "gemv_bf16 was built without AVX512-BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16 needs bfloat16");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 32 == 0,
-              "gemv_bf16 needs x [M, K], w [N, K] with K % 32 == 0");
+// Attention of one prefill chunk (n query tokens, the last n of context_len) over its paged context.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_table, int64_t context_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [n, hq, head_dim]");
+  check_cache(k_cache, q);
+  check_cache(v_cache, q);
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1, "block table must be int64 [blocks]");
+  TORCH_CHECK(context_len >= q.size(0) && block_table.size(0) * k_cache.size(1) >= context_len,
+              "context longer than its block table");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  auto out = at::empty_like(q);
+  auto table = block_table.contiguous();
+  bool done = false;
+#if defined(__AVX512F__)
+  const int64_t d = q.size(2);
+  if (q.scalar_type() == at::kFloat && d == 64) {
+    prefill_attention_vec<float, 4>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
+  } else if (q.scalar_type() == at::kFloat && d == 128) {
+    prefill_attention_vec<float, 8>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
+  } else if (q.scalar_type() == at::kBFloat16 && d == 64) {
+    prefill_attention_vec<c10::BFloat16, 4>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
+  } else if (q.scalar_type() == at::kBFloat16 && d == 128) {
+    prefill_attention_vec<c10::BFloat16, 8>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
+  }
+#endif
+  TORCH_CHECK(done, "paged_prefill_attention supports head_dim 64/128 in float32/bfloat16 on AVX-512 CPUs");
+  return out;
+}
+
+// [M, K] x [N, K]^T for M <= 8 rows (decode batches), float32 or bfloat16 (K a multiple of 16 / 32).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(kHasGemv, "gemv was built without AVX-512");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "gemv: x and w dtypes differ");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv needs x [M, K], w [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "gemv handles 1 to 8 rows");
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   auto out = at::empty({x.size(0), w.size(0)}, x.options());
-  gemv_bf16_impl(xc, wc, out);
+  bool done = false;
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(x.size(1) % 16 == 0, "float32 gemv needs K % 16 == 0");
+    done = gemv_impl<float>(xc, wc, out);
+  }
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(x.size(1) % 32 == 0, "bfloat16 gemv needs K % 32 == 0");
+    done = gemv_impl<c10::BFloat16>(xc, wc, out);
+  }
+#endif
+#endif
+  TORCH_CHECK(done, "gemv: unsupported dtype ", x.scalar_type());
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding + KV cache write");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks");
-  m.def("gemv_bf16", &gemv_bf16, "small-batch bfloat16 matrix-vector product");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of a prefill chunk over paged KV");
+  m.def("prefill_attention_supports", [](int64_t head_dim) {
+#if defined(__AVX512F__)
+    return head_dim == 64 || head_dim == 128;
+#else
+    return false;
+#endif
+  });
+  m.def("gemv", &gemv, "decode-size (<= 8 rows) matrix-vector product");
+  m.attr("has_gemv") = kHasGemv;
   m.attr("has_bf16_gemv") = kHasBf16Gemv;
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
