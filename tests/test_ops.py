@@ -74,3 +74,19 @@ def test_linear_uses_gemv_for_decode_rows_only(dtype):
         ref = torch.nn.functional.linear(x.double(), w.double(), layer.bias.double())
         torch.testing.assert_close(layer(x).double(), ref, atol=tol * 5, rtol=tol)
     assert calls == [1, GEMV_MAX_ROWS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 3072), (37, 3072), (5, 40)])  # width 40: a scalar tail
+def test_silu_and_mul_matches_reference(dtype, rows, width):
+    from kvmosaic.model.layers.activation import silu_and_mul_reference
+
+    gate_up = (torch.randn(rows, width, generator=torch.Generator().manual_seed(5)) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp overflow / underflow edges
+    out = get_ops().silu_and_mul(gate_up)
+    ref = silu_and_mul_reference(gate_up)
+    assert out.shape == ref.shape and out.dtype == dtype
+    if dtype == torch.bfloat16:  # the same roundings in the same order: bit-exact
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-6)

@@ -134,20 +134,21 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 
 def _sampled_tokens(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    logprobs = compute_logprobs(raw_logits)
-    chosen = logprobs.gather(1, token_ids[:, None]).flatten().tolist()
-    tops = _top_logprobs(logprobs, rows)
+    # the chosen token's logprob without materializing the [rows, vocab] log-softmax
+    raw_logits = raw_logits.float()
+    chosen = (raw_logits.gather(1, token_ids[:, None]).flatten() - torch.logsumexp(raw_logits, dim=-1)).tolist()
+    tops = _top_logprobs(raw_logits, rows)
     return [SampledToken(t, lp, top) for t, lp, top in zip(token_ids.tolist(), chosen, tops)]
 
 
-def _top_logprobs(logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+def _top_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float] | None]:
     """The params.logprobs most likely raw tokens per row; {} for logprobs=0, None when not asked."""
     tops: list[dict[int, float] | None] = [None if r.params.logprobs is None else {} for r in rows]
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
     if not wanted:
         return tops
     num_top = max(rows[i].params.logprobs for i in wanted)
-    values, ids = _take_rows(logprobs, wanted).topk(num_top, dim=-1)
+    values, ids = compute_logprobs(_take_rows(raw_logits, wanted)).topk(num_top, dim=-1)
     for i, row_ids, row_values in zip(wanted, ids.tolist(), values.tolist()):
         n = rows[i].params.logprobs
         tops[i] = dict(zip(row_ids[:n], row_values[:n]))

@@ -174,9 +174,25 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
   alignas(64) float tmp[16];
   _mm512_store_ps(tmp, v);
   for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(tmp[i]);
+#endif
+}
+
+// Rounds float lanes to the precision of T (a no-op for float).
+template <typename T>
+inline __m512 round_to(__m512 v);
+template <>
+inline __m512 round_to<float>(__m512 v) { return v; }
+template <>
+inline __m512 round_to<c10::BFloat16>(__m512 v) {
+  alignas(64) c10::BFloat16 tmp[16];
+  store16(tmp, v);
+  return load16(tmp);
 }
 
 // One query head held in registers; dot() returns the lane-wise partial products of q . k for one
@@ -240,8 +256,9 @@ inline __m512 sum_lanes16(const __m512* v) {
                        _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-// exp(x) for x <= 0 on 16 lanes: the polynomial of exp_nonpositive, scaled by 2^n with scalef.
-inline __m512 exp_nonpositive16(__m512 x) {
+// exp(x) on 16 lanes: the polynomial of exp_nonpositive, scaled by 2^n with scalef (which gives
+// inf past the float range, as expf does; below -87 the result is exp(-87) ~ 1.6e-38, not 0).
+inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -315,7 +332,7 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
             const int64_t h = kh * group + g;
             const __m512 sc = _mm512_mul_ps(sum_lanes16(part.data() + g * 16), vscale);
             const float new_max = std::max(run_max[h], _mm512_mask_reduce_max_ps(valid, sc));
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
             const float corr = exp_nonpositive(run_max[h] - new_max);
             run_sum[h] = run_sum[h] * corr + _mm512_reduce_add_ps(p);
             run_max[h] = new_max;
@@ -429,12 +446,17 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
       const float* vhead = vf.data() + h * tiles * 16 * D;
       for (int64_t tile = 0; tile * 16 <= max_last; ++tile) {
         const float* kp = ktile + tile * D * 16;
-        __m512 s[RB];
-        for (int r = 0; r < RB; ++r) s[r] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D; ++i) {
-          const __m512 kv = _mm512_loadu_ps(kp + i * 16);
-          for (int r = 0; r < RB; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][i]), kv, s[r]);
+        // two accumulators per row (even / odd dims): twice the independent FMA chains
+        __m512 s[RB], s_odd[RB];
+        for (int r = 0; r < RB; ++r) s[r] = s_odd[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 2) {
+          const __m512 k0 = _mm512_loadu_ps(kp + i * 16), k1 = _mm512_loadu_ps(kp + (i + 1) * 16);
+          for (int r = 0; r < RB; ++r) {
+            s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][i]), k0, s[r]);
+            s_odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][i + 1]), k1, s_odd[r]);
+          }
         }
+        for (int r = 0; r < RB; ++r) s[r] = _mm512_add_ps(s[r], s_odd[r]);
         int64_t tile_keys = 0;
         for (int r = 0; r < RB; ++r) {
           const int64_t visible = std::min<int64_t>(16, last[r] - tile * 16 + 1);
@@ -445,7 +467,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
             continue;
           }
           const float new_max = std::max(run_max[r], _mm512_mask_reduce_max_ps(valid, s[r]));
-          const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(s[r], _mm512_set1_ps(new_max))));
+          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s[r], _mm512_set1_ps(new_max))));
           const float corr = exp_nonpositive(run_max[r] - new_max);
           run_sum[r] = run_sum[r] * corr + _mm512_reduce_add_ps(p);
           run_max[r] = new_max;
@@ -467,6 +489,131 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t row = r0 + r, tok = row / group, g = row % group;
         const __m512 inv = _mm512_set1_ps(1.f / run_sum[r]);
         T* dst = o_ptr + (tok * hq + h * group + g) * D;
+        for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(acc[r][c], inv));
+      }
+    }
+  });
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The bfloat16 twin of prefill_attention_vec with AVX512-BF16 dot products: K tiles are packed as
+// dimension pairs [tile][dim / 2][16 keys][2] so one instruction adds 2 dims x 16 keys of q . k;
+// V as key pairs [tile][key / 2][dim][2] so one instruction adds 2 keys x 16 dims of p . v.
+// Probabilities are rounded to bfloat16 for the p . v products (as a bfloat16 matmul of softmax
+// weights and V does); scores, softmax and accumulation stay in float.
+template <int NC>
+void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
+  constexpr int64_t D = NC * 16;
+  constexpr int RB = NC <= 4 ? 4 : 2;
+  const int64_t n = q.size(0), hq = q.size(1);
+  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t group = hq / hk;
+  const int64_t start = context_len - n;
+  const int64_t tiles = (context_len + 15) / 16;
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  auto* o_ptr = out.data_ptr<c10::BFloat16>();
+  const int64_t slot_stride = hk * D;
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const int64_t tile_elems = 16 * D;  // bf16 values per packed tile of K or V
+
+  std::vector<uint16_t> kp(hk * tiles * tile_elems, 0), vp(hk * tiles * tile_elems, 0);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      for (int64_t j = 0; j < 16 && tile * 16 + j < context_len; ++j) {
+        const int64_t t = tile * 16 + j;
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        for (int64_t h = 0; h < hk; ++h) {
+          const uint16_t* krow = kc + slot * slot_stride + h * D;
+          const uint16_t* vrow = vc + slot * slot_stride + h * D;
+          uint16_t* kt = kp.data() + (h * tiles + tile) * tile_elems;
+          uint16_t* vt = vp.data() + (h * tiles + tile) * tile_elems + (j / 2) * D * 2 + (j % 2);
+          for (int64_t i = 0; i < D; ++i) {
+            kt[((i / 2) * 16 + j) * 2 + (i % 2)] = krow[i];
+            vt[i * 2] = vrow[i];
+          }
+        }
+      }
+    }
+  });
+
+  const int64_t rows_per_head = n * group;
+  const int64_t row_blocks = (rows_per_head + RB - 1) / RB;
+  at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t qpairs[RB][D / 2];
+    alignas(64) uint16_t probs[RB][16];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / row_blocks, rb = item % row_blocks;
+      const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
+      int64_t last[RB];
+      __m512 acc[RB][NC];
+      float run_max[RB], run_sum[RB];
+      for (int r = 0; r < RB; ++r) {
+        const int64_t row = r0 + std::min<int64_t>(r, rn - 1);
+        const int64_t tok = row / group, g = row % group;
+        last[r] = start + tok;
+        std::memcpy(qpairs[r], q_ptr + (tok * hq + h * group + g) * D, D * sizeof(uint16_t));
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+        run_max[r] = -std::numeric_limits<float>::infinity();
+        run_sum[r] = 0.f;
+      }
+      int64_t max_last = 0;
+      for (int r = 0; r < RB; ++r) max_last = std::max(max_last, last[r]);
+      const uint16_t* khead = kp.data() + h * tiles * tile_elems;
+      const uint16_t* vhead = vp.data() + h * tiles * tile_elems;
+      for (int64_t tile = 0; tile * 16 <= max_last; ++tile) {
+        const uint16_t* kt = khead + tile * tile_elems;
+        // two accumulators per row (even / odd pairs): twice the independent dot-product chains
+        __m512 s[RB], s_odd[RB];
+        for (int r = 0; r < RB; ++r) s[r] = s_odd[r] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < D / 2; p += 2) {
+          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(kt + p * 32));
+          const __m512bh k1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(kt + (p + 1) * 32));
+          for (int r = 0; r < RB; ++r) {
+            s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[r][p])));
+            s_odd[r] = _mm512_dpbf16_ps(s_odd[r], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[r][p + 1])));
+          }
+        }
+        for (int r = 0; r < RB; ++r) s[r] = _mm512_add_ps(s[r], s_odd[r]);
+        int64_t tile_keys = 0;
+        for (int r = 0; r < RB; ++r) {
+          const int64_t visible = std::min<int64_t>(16, last[r] - tile * 16 + 1);
+          tile_keys = std::max(tile_keys, visible);
+          const __mmask16 valid = visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1u);
+          __m512 p = _mm512_setzero_ps();
+          if (valid) {
+            const __m512 sc = _mm512_mul_ps(s[r], vscale);
+            const float new_max = std::max(run_max[r], _mm512_mask_reduce_max_ps(valid, sc));
+            p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+            const float corr = exp_nonpositive(run_max[r] - new_max);
+            run_sum[r] = run_sum[r] * corr + _mm512_reduce_add_ps(p);
+            run_max[r] = new_max;
+            const __m512 vcorr = _mm512_set1_ps(corr);
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], vcorr);
+          }
+          _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        const uint16_t* vt = vhead + tile * tile_elems;
+        for (int64_t jp = 0; jp * 2 < tile_keys; ++jp) {
+          __m512bh vv[NC];
+          for (int c = 0; c < NC; ++c)
+            vv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(vt + jp * D * 2 + c * 32));
+          for (int r = 0; r < RB; ++r) {
+            uint32_t pair;
+            std::memcpy(&pair, probs[r] + jp * 2, sizeof(pair));
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pb);
+          }
+        }
+      }
+      for (int r = 0; r < rn; ++r) {
+        const int64_t row = r0 + r, tok = row / group, g = row % group;
+        const __m512 inv = _mm512_set1_ps(1.f / run_sum[r]);
+        c10::BFloat16* dst = o_ptr + (tok * hq + h * group + g) * D;
         for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(acc[r][c], inv));
       }
     }
@@ -600,6 +747,37 @@ constexpr bool kHasGemv = false;
 constexpr bool kHasBf16Gemv = false;
 #endif
 
+// silu(gate) * up for a fused [N, 2F] (gate | up) projection in one pass. silu is rounded to the
+// activation dtype before the product, as the two-op PyTorch path does.
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2;
+  const T* src = gate_up.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = src + t * 2 * f;
+      const T* up = gate + f;
+      T* o = dst + t * f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= f; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+        store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+#endif
+      for (; i < f; ++i) {
+        const float g = to_float(gate[i]);
+        const float silu = to_float(static_cast<T>(g / (1.f + std::exp(-g))));
+        store(o + i, silu * to_float(up[i]));
+      }
+    }
+  });
+}
+
 void check_cache(const at::Tensor& cache, const at::Tensor& like) {
   TORCH_CHECK(cache.is_contiguous(), "KV cache must be contiguous");
   TORCH_CHECK(cache.scalar_type() == like.scalar_type(), "KV cache dtype must match activations");
@@ -695,9 +873,19 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   } else if (q.scalar_type() == at::kFloat && d == 128) {
     prefill_attention_vec<float, 8>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
   } else if (q.scalar_type() == at::kBFloat16 && d == 64) {
-    prefill_attention_vec<c10::BFloat16, 4>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
+#if defined(__AVX512BF16__)
+    prefill_attention_bf16<4>(q, k_cache, v_cache, table, context_len, out, scale);
+#else
+    prefill_attention_vec<c10::BFloat16, 4>(q, k_cache, v_cache, table, context_len, out, scale);
+#endif
+    done = true;
   } else if (q.scalar_type() == at::kBFloat16 && d == 128) {
-    prefill_attention_vec<c10::BFloat16, 8>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
+#if defined(__AVX512BF16__)
+    prefill_attention_bf16<8>(q, k_cache, v_cache, table, context_len, out, scale);
+#else
+    prefill_attention_vec<c10::BFloat16, 8>(q, k_cache, v_cache, table, context_len, out, scale);
+#endif
+    done = true;
   }
 #endif
   TORCH_CHECK(done, "paged_prefill_attention supports head_dim 64/128 in float32/bfloat16 on AVX-512 CPUs");
@@ -730,6 +918,21 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
+// silu(gate) * up of a fused [N, 2F] gate/up projection.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul needs [N, 2F]");
+  auto src = gate_up.contiguous();
+  auto out = at::empty({src.size(0), src.size(1) / 2}, src.options());
+  if (src.scalar_type() == at::kFloat) {
+    silu_and_mul_impl<float>(src, out);
+  } else if (src.scalar_type() == at::kBFloat16) {
+    silu_and_mul_impl<c10::BFloat16>(src, out);
+  } else {
+    TORCH_CHECK(false, "silu_and_mul supports float32 and bfloat16");
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding + KV cache write");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks");
@@ -741,6 +944,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU over a fused gate/up projection");
   m.def("gemv", &gemv, "decode-size (<= 8 rows) matrix-vector product");
   m.attr("has_gemv") = kHasGemv;
   m.attr("has_bf16_gemv") = kHasBf16Gemv;
