@@ -692,28 +692,32 @@ struct GemvStep<c10::BFloat16> {
 };
 #endif
 
-// out[m, n] = x[m, :] . w[n, :] for M (<= 8) activation rows: each weight row is streamed from
-// memory once, R rows at a time so that M * R accumulator chains run side by side.
-template <typename T, int M, int R>
+// out[m, n] = x[m, :] . w[n, :] for M (<= 8) activation rows. The weight is read once, front to
+// back (rows are contiguous, so each thread's share is one sequential stream), with U partial sums
+// per output so that M * U multiply-add chains run side by side, and a software prefetch ahead.
+template <typename T, int M, int U>
 void gemv_rows(const T* xp, const T* wp, T* op, int64_t k, int64_t n) {
   constexpr int64_t W = GemvStep<T>::kWidth;
-  at::parallel_for(0, (n + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t row0 = blk * R, rows = std::min<int64_t>(R, n - row0);
-      __m512 acc[M][R];
+  constexpr int64_t kAhead = 2048 / sizeof(T);  // prefetch distance: 2 KiB
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* wr = wp + row * k;
+      __m512 acc[M][U];
       for (int m = 0; m < M; ++m)
-        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-      if (rows == R) {
-        for (int64_t i = 0; i < k; i += W)
-          for (int r = 0; r < R; ++r)
-            for (int m = 0; m < M; ++m) acc[m][r] = GemvStep<T>::fma(wp + (row0 + r) * k + i, xp + m * k + i, acc[m][r]);
-      } else {
-        for (int r = 0; r < rows; ++r)
-          for (int64_t i = 0; i < k; i += W)
-            for (int m = 0; m < M; ++m) acc[m][r] = GemvStep<T>::fma(wp + (row0 + r) * k + i, xp + m * k + i, acc[m][r]);
+        for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + U * W <= k; i += U * W) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + i + kAhead), _MM_HINT_T0);
+        for (int u = 0; u < U; ++u)
+          for (int m = 0; m < M; ++m) acc[m][u] = GemvStep<T>::fma(wr + i + u * W, xp + m * k + i + u * W, acc[m][u]);
       }
-      for (int m = 0; m < M; ++m)
-        for (int r = 0; r < rows; ++r) op[m * n + row0 + r] = static_cast<T>(_mm512_reduce_add_ps(acc[m][r]));
+      for (; i < k; i += W)
+        for (int m = 0; m < M; ++m) acc[m][0] = GemvStep<T>::fma(wr + i, xp + m * k + i, acc[m][0]);
+      for (int m = 0; m < M; ++m) {
+        __m512 sum = acc[m][0];
+        for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[m][u]);
+        op[m * n + row] = static_cast<T>(_mm512_reduce_add_ps(sum));
+      }
     }
   });
 }
@@ -727,12 +731,12 @@ bool gemv_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   switch (m) {
     case 1: gemv_rows<T, 1, 4>(xp, wp, op, k, n); return true;
     case 2: gemv_rows<T, 2, 4>(xp, wp, op, k, n); return true;
-    case 3: gemv_rows<T, 3, 4>(xp, wp, op, k, n); return true;
+    case 3: gemv_rows<T, 3, 2>(xp, wp, op, k, n); return true;
     case 4: gemv_rows<T, 4, 2>(xp, wp, op, k, n); return true;
     case 5: gemv_rows<T, 5, 2>(xp, wp, op, k, n); return true;
     case 6: gemv_rows<T, 6, 2>(xp, wp, op, k, n); return true;
-    case 7: gemv_rows<T, 7, 2>(xp, wp, op, k, n); return true;
-    case 8: gemv_rows<T, 8, 2>(xp, wp, op, k, n); return true;
+    case 7: gemv_rows<T, 7, 1>(xp, wp, op, k, n); return true;
+    case 8: gemv_rows<T, 8, 1>(xp, wp, op, k, n); return true;
     default: return false;
   }
 }
