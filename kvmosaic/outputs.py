@@ -50,7 +50,7 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class SampledToken:
     token_id: int
-    logprob: float
+    logprob: float | None  # None unless the request tracks logprobs (SamplingParams.tracks_logprobs)
     top_logprobs: dict[int, float] | None = None  # token id -> logprob, when logprobs were asked
 
 

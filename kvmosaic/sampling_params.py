@@ -77,5 +77,10 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def tracks_logprobs(self) -> bool:
+        """Whether sampled tokens' logprobs are needed: asked for, or to rank best_of candidates."""
+        return self.logprobs is not None or (self.best_of or 1) > self.n
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)

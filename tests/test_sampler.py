@@ -219,8 +219,9 @@ def test_logprobs_are_raw_log_softmax():
     ]
     out = sample(logits, rows)
     reference = torch.log_softmax(logits, dim=-1)
-    for i, token in enumerate(out):
+    for i, token in enumerate(out[:2]):
         assert token.logprob == pytest.approx(reference[i, token.token_id].item(), abs=1e-6)
+    assert out[2].logprob is None and out[2].top_logprobs is None  # not asked for: not computed
     values, ids = reference[0].topk(5)
     assert list(out[0].top_logprobs) == ids.tolist()
     assert list(out[0].top_logprobs.values()) == pytest.approx(values.tolist(), abs=1e-6)

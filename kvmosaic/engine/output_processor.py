@@ -85,7 +85,7 @@ class OutputProcessor:
         token = req.output_token_ids[-1]
         seq.token_ids.append(token)
         sampled = model_output.sampled.get(req.request_id)
-        if sampled is not None:
+        if sampled is not None and sampled.logprob is not None:
             seq.cumulative_logprob += sampled.logprob
             if seq.logprobs is not None:
                 top = dict(sampled.top_logprobs or {})
@@ -139,7 +139,7 @@ class OutputProcessor:
             index=index if (params.best_of or 1) > params.n else seq.index,
             text=text,
             token_ids=list(seq.token_ids),
-            cumulative_logprob=seq.cumulative_logprob,
+            cumulative_logprob=seq.cumulative_logprob if params.tracks_logprobs else None,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

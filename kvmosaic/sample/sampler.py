@@ -134,9 +134,14 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 
 def _sampled_tokens(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    # the chosen token's logprob without materializing the [rows, vocab] log-softmax
-    raw_logits = raw_logits.float()
-    chosen = (raw_logits.gather(1, token_ids[:, None]).flatten() - torch.logsumexp(raw_logits, dim=-1)).tolist()
+    # chosen tokens' logprobs only for rows that track them (a full-vocab pass per row otherwise)
+    chosen: list[float | None] = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.params.tracks_logprobs]
+    if wanted:
+        logits = _take_rows(raw_logits, wanted).float()
+        values = logits.gather(1, token_ids[wanted][:, None]).flatten() - torch.logsumexp(logits, dim=-1)
+        for i, value in zip(wanted, values.tolist(), strict=True):
+            chosen[i] = value
     tops = _top_logprobs(raw_logits, rows)
     return [SampledToken(t, lp, top) for t, lp, top in zip(token_ids.tolist(), chosen, tops)]
 
