@@ -93,20 +93,21 @@ def test_mixed_batch_matches_naive(path, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotate_and_cache_kernel_matches_reference(dtype, monkeypatch):
+@pytest.mark.parametrize("dim", [D, 64, 48])  # scalar loop, 16-lane loop, 16 lanes + scalar tail
+def test_rotate_and_cache_kernel_matches_reference(dtype, dim, monkeypatch):
     if get_ops() is None:
         pytest.skip("C++ kernels not built")
     gen = torch.Generator().manual_seed(1)
-    rotary = RotaryEmbedding(D, 64, 10000.0, None)
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None)
     n = 7
-    qkv = torch.randn(n, (HQ + 2 * HK) * D, generator=gen).to(dtype)
+    qkv = torch.randn(n, (HQ + 2 * HK) * dim, generator=gen).to(dtype)
     positions = torch.tensor([0, 5, 6, 7, 30, 31, 63])
     meta = AttentionMetadata(torch.tensor([3, 9, 10, 11, 17, 40, 2]), 0, None, None, positions=positions)
     results = []
     for use_kernel in (True, False):
         if not use_kernel:
             monkeypatch.setattr(attention, "get_ops", lambda: None)
-        caches = torch.zeros(2, 16, BS, HK, D, dtype=dtype)
+        caches = torch.zeros(2, 16, BS, HK, dim, dtype=dtype)
         q = rotate_and_cache(qkv, rotary, caches[0], caches[1], meta, HQ, HK)
         results.append((q.float(), caches.float()))
     tol = 1e-6 if dtype == torch.float32 else 1e-2

@@ -20,10 +20,56 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 template <typename T>
 inline void store(T* dst, float x) { *dst = static_cast<T>(x); }
 
+#if defined(__AVX512F__)
+// Sixteen values widened to float, and back (bf16 rounds to nearest even like c10::BFloat16).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(tmp[i]);
+#endif
+}
+
+// Rounds float lanes to the precision of T (a no-op for float).
+template <typename T>
+inline __m512 round_to(__m512 v);
+template <>
+inline __m512 round_to<float>(__m512 v) { return v; }
+template <>
+inline __m512 round_to<c10::BFloat16>(__m512 v) {
+#if defined(__AVX512BF16__)
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
+  alignas(64) c10::BFloat16 tmp[16];
+  store16(tmp, v);
+  return load16(tmp);
+#endif
+}
+
+#endif
+
 // Rotate one head vector (HF "rotate half" layout) into dst.
 template <typename T>
 inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= half; i += 16) {
+    const __m512 x1 = load16(src + i), x2 = load16(src + i + half);
+    const __m512 c = _mm512_loadu_ps(cos + i), s = _mm512_loadu_ps(sin + i);
+    store16(dst + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+    store16(dst + i + half, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+  }
+#endif
+  for (; i < half; ++i) {
     const float x1 = to_float(src[i]);
     const float x2 = to_float(src[i + half]);
     store(dst + i, x1 * cos[i] - x2 * sin[i]);
@@ -166,35 +212,6 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 #if defined(__AVX512F__)
-// Sixteen values widened to float, and back (bf16 rounds to nearest even like c10::BFloat16).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-#if defined(__AVX512BF16__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-#else
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(tmp[i]);
-#endif
-}
-
-// Rounds float lanes to the precision of T (a no-op for float).
-template <typename T>
-inline __m512 round_to(__m512 v);
-template <>
-inline __m512 round_to<float>(__m512 v) { return v; }
-template <>
-inline __m512 round_to<c10::BFloat16>(__m512 v) {
-  alignas(64) c10::BFloat16 tmp[16];
-  store16(tmp, v);
-  return load16(tmp);
-}
-
 // One query head held in registers; dot() returns the lane-wise partial products of q . k for one
 // cached row (the caller sums the lanes). bf16 uses AVX512-BF16 dot products (float accumulation).
 template <typename T, int NC>
@@ -648,6 +665,27 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::
     std::vector<float> row(h);
     for (int64_t t = begin; t < end; ++t) {
       T* r = res + t * h;
+#if defined(__AVX512F__)
+      if (h % 16 == 0) {  // the same roundings as below, 16 lanes at a time
+        __m512 sq16 = _mm512_setzero_ps();
+        for (int64_t i = 0; i < h; i += 16) {
+          __m512 x = load16(r + i);
+          if (dl) {
+            x = round_to<T>(_mm512_add_ps(x, load16(dl + t * h + i)));
+            store16(r + i, x);
+          }
+          _mm512_storeu_ps(row.data() + i, x);
+          sq16 = _mm512_fmadd_ps(x, x, sq16);
+        }
+        const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq16) / static_cast<float>(h) + static_cast<float>(eps));
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (int64_t i = 0; i < h; i += 16) {
+          const __m512 normed = round_to<T>(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), vinv));
+          store16(o + t * h + i, _mm512_mul_ps(load16(w + i), normed));
+        }
+        continue;
+      }
+#endif
       float sq = 0.f;
       for (int64_t i = 0; i < h; ++i) {
         float x = to_float(r[i]);
