@@ -291,6 +291,31 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// Online softmax of one query row, sixteen scores at a time. Scores are exponentiated against a
+// reference that moves (rescaling the running sum, and the caller's output by *corr) only when a
+// score exceeds it by more than kSlack: meanwhile exp(s - ref) <= e^8, far from float overflow,
+// and most tiles skip the rescale. The normalized result is the same either way.
+struct OnlineSoftmax {
+  static constexpr float kSlack = 8.f;
+  float ref = -std::numeric_limits<float>::infinity();
+  __m512 sum = _mm512_setzero_ps();
+
+  // Probabilities of the valid lanes (0 elsewhere); *corr != 1 when the output must be rescaled.
+  __m512 update(__m512 scores, __mmask16 valid, float* corr) {
+    const float tile_max = _mm512_mask_reduce_max_ps(valid, scores);
+    *corr = 1.f;
+    if (tile_max > ref + kSlack) {
+      *corr = ref == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(ref - tile_max);
+      sum = _mm512_mul_ps(sum, _mm512_set1_ps(*corr));
+      ref = tile_max;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(ref))));
+    sum = _mm512_add_ps(sum, p);
+    return p;
+  }
+  float total() const { return _mm512_reduce_add_ps(sum); }
+};
+
 // Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
 // over the context with an online softmax. One work item is one sequence: its K/V rows are read
 // from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
@@ -318,15 +343,15 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<QueryDot<T, NC>> qd(hq);
     std::vector<__m512> part(group * 16), acc(hq * NC);
-    std::vector<float> run_max(hq), run_sum(hq), probs(hq * 16);
+    std::vector<OnlineSoftmax> softmax(hq);
+    std::vector<float> probs(hq * 16);
     int64_t slots[16];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = lens[b];
       const int64_t* table = tables + b * width;
       auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
       for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
-      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      std::fill(softmax.begin(), softmax.end(), OnlineSoftmax());
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
@@ -351,14 +376,10 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kh * group + g;
             const __m512 sc = _mm512_mul_ps(sum_lanes16(part.data() + g * 16), vscale);
-            const float new_max = std::max(run_max[h], _mm512_mask_reduce_max_ps(valid, sc));
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
-            const float corr = exp_nonpositive(run_max[h] - new_max);
-            run_sum[h] = run_sum[h] * corr + _mm512_reduce_add_ps(p);
-            run_max[h] = new_max;
-            _mm512_storeu_ps(probs.data() + h * 16, p);
-            const __m512 vcorr = _mm512_set1_ps(corr);
-            for (int c = 0; c < NC; ++c) acc[h * NC + c] = _mm512_mul_ps(acc[h * NC + c], vcorr);
+            float corr;
+            _mm512_storeu_ps(probs.data() + h * 16, softmax[h].update(sc, valid, &corr));
+            if (corr != 1.f)
+              for (int c = 0; c < NC; ++c) acc[h * NC + c] = _mm512_mul_ps(acc[h * NC + c], _mm512_set1_ps(corr));
           }
         }
         // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
@@ -385,7 +406,7 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         }
       }
       for (int64_t h = 0; h < hq; ++h) {
-        const __m512 inv = _mm512_set1_ps(1.f / run_sum[h]);
+        const __m512 inv = _mm512_set1_ps(1.f / softmax[h].total());
         for (int c = 0; c < NC; ++c) store16(o_ptr + (b * hq + h) * D + c * 16, _mm512_mul_ps(acc[h * NC + c], inv));
       }
     }
@@ -449,7 +470,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
       int64_t last[RB];  // the last key each row may see
       __m512 acc[RB][NC];
-      float run_max[RB], run_sum[RB];
+      OnlineSoftmax softmax[RB];
       for (int r = 0; r < RB; ++r) {
         const int64_t row = r0 + std::min<int64_t>(r, rn - 1);  // idle rows repeat the last real one
         const int64_t tok = row / group, g = row % group;
@@ -457,8 +478,6 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
         const T* src = q_ptr + (tok * hq + h * group + g) * D;
         for (int64_t i = 0; i < D; ++i) qf[r][i] = to_float(src[i]) * fscale;
         for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-        run_max[r] = -std::numeric_limits<float>::infinity();
-        run_sum[r] = 0.f;
       }
       int64_t max_last = 0;
       for (int r = 0; r < RB; ++r) max_last = std::max(max_last, last[r]);
@@ -486,14 +505,10 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
             _mm512_store_ps(probs[r], _mm512_setzero_ps());
             continue;
           }
-          const float new_max = std::max(run_max[r], _mm512_mask_reduce_max_ps(valid, s[r]));
-          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s[r], _mm512_set1_ps(new_max))));
-          const float corr = exp_nonpositive(run_max[r] - new_max);
-          run_sum[r] = run_sum[r] * corr + _mm512_reduce_add_ps(p);
-          run_max[r] = new_max;
-          _mm512_store_ps(probs[r], p);
-          const __m512 vcorr = _mm512_set1_ps(corr);
-          for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], vcorr);
+          float corr;
+          _mm512_store_ps(probs[r], softmax[r].update(s[r], valid, &corr));
+          if (corr != 1.f)
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(corr));
         }
         const float* vp = vhead + tile * 16 * D;
         for (int64_t j = 0; j < tile_keys; ++j) {
@@ -507,7 +522,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
       }
       for (int r = 0; r < rn; ++r) {
         const int64_t row = r0 + r, tok = row / group, g = row % group;
-        const __m512 inv = _mm512_set1_ps(1.f / run_sum[r]);
+        const __m512 inv = _mm512_set1_ps(1.f / softmax[r].total());
         T* dst = o_ptr + (tok * hq + h * group + g) * D;
         for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(acc[r][c], inv));
       }
@@ -571,15 +586,13 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
       int64_t last[RB];
       __m512 acc[RB][NC];
-      float run_max[RB], run_sum[RB];
+      OnlineSoftmax softmax[RB];
       for (int r = 0; r < RB; ++r) {
         const int64_t row = r0 + std::min<int64_t>(r, rn - 1);
         const int64_t tok = row / group, g = row % group;
         last[r] = start + tok;
         std::memcpy(qpairs[r], q_ptr + (tok * hq + h * group + g) * D, D * sizeof(uint16_t));
         for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-        run_max[r] = -std::numeric_limits<float>::infinity();
-        run_sum[r] = 0.f;
       }
       int64_t max_last = 0;
       for (int r = 0; r < RB; ++r) max_last = std::max(max_last, last[r]);
@@ -607,13 +620,10 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
           __m512 p = _mm512_setzero_ps();
           if (valid) {
             const __m512 sc = _mm512_mul_ps(s[r], vscale);
-            const float new_max = std::max(run_max[r], _mm512_mask_reduce_max_ps(valid, sc));
-            p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
-            const float corr = exp_nonpositive(run_max[r] - new_max);
-            run_sum[r] = run_sum[r] * corr + _mm512_reduce_add_ps(p);
-            run_max[r] = new_max;
-            const __m512 vcorr = _mm512_set1_ps(corr);
-            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], vcorr);
+            float corr;
+            p = softmax[r].update(sc, valid, &corr);
+            if (corr != 1.f)
+              for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(corr));
           }
           _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), (__m256i)_mm512_cvtneps_pbh(p));
         }
@@ -632,7 +642,7 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
       for (int r = 0; r < rn; ++r) {
         const int64_t row = r0 + r, tok = row / group, g = row % group;
-        const __m512 inv = _mm512_set1_ps(1.f / run_sum[r]);
+        const __m512 inv = _mm512_set1_ps(1.f / softmax[r].total());
         c10::BFloat16* dst = o_ptr + (tok * hq + h * group + g) * D;
         for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(acc[r][c], inv));
       }
