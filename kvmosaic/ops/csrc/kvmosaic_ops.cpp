@@ -338,14 +338,13 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t slot_stride = hk * D;
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
-  constexpr int64_t kAheadTokens = 16;  // prefetch distance; 32 and 64 measured no better
 
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<QueryDot<T, NC>> qd(hq);
     std::vector<__m512> part(group * 16), acc(hq * NC);
     std::vector<OnlineSoftmax> softmax(hq);
     std::vector<float> probs(hq * 16);
-    int64_t slots[16];
+    int64_t slots[16], pf_slots[16];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = lens[b];
       const int64_t* table = tables + b * width;
@@ -357,18 +356,24 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         const int64_t n = std::min<int64_t>(16, ctx - t0);
         const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
         for (int64_t j = 0; j < n; ++j) slots[j] = slot_of(t0 + j);
-        // rows kAheadTokens ahead (all of them up to there on the first chunk)
-        const int64_t pf_end = std::min(ctx, t0 + kAheadTokens + 16);
-        for (int64_t t = t0 == 0 ? 16 : t0 + kAheadTokens; t < pf_end; ++t) {
-          const int64_t s = slot_of(t);
-          for (int64_t off = 0; off < slot_bytes; off += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(kc + s * slot_stride) + off, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vc + s * slot_stride) + off, _MM_HINT_T0);
-          }
+        // the next sixteen rows (on the last chunk: the next sequence's first ones), prefetched one
+        // row per step of the first score loop below
+        int64_t pf_count = 0;
+        for (int64_t t = t0 + 16; t < std::min(ctx, t0 + 32); ++t) pf_slots[pf_count++] = slot_of(t);
+        if (t0 + 16 >= ctx && b + 1 < end) {
+          const int64_t* next_table = tables + (b + 1) * width;
+          for (int64_t t = 0; t < std::min<int64_t>(16, lens[b + 1]); ++t)
+            pf_slots[pf_count++] = next_table[t / block_size] * block_size + t % block_size;
         }
         // scores of the sixteen tokens for every head, folded into the running softmax
         for (int64_t kh = 0; kh < hk; ++kh) {
           for (int64_t j = 0; j < 16; ++j) {
+            if (kh == 0 && j < pf_count) {
+              for (int64_t off = 0; off < slot_bytes; off += 64) {
+                _mm_prefetch(reinterpret_cast<const char*>(kc + pf_slots[j] * slot_stride) + off, _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(vc + pf_slots[j] * slot_stride) + off, _MM_HINT_T0);
+              }
+            }
             for (int64_t g = 0; g < group; ++g)
               part[g * 16 + kSumSlot[j]] = j < n ? qd[kh * group + g].dot(kc + slots[j] * slot_stride + kh * D)
                                                  : _mm512_setzero_ps();
