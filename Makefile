@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench peers clean
 
-$(STAMP): pyproject.toml Makefile kvmosaic/ops/csrc/kvmosaic_ops.cpp
+$(STAMP): pyproject.toml Makefile kvmosaic/ops/csrc/kvmosaic_ops.cpp kvmosaic/ops/csrc/kvquant_ops.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile kvmosaic/ops/csrc/kvmosaic_ops.cpp
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/kvmosaic generate "The capital of France is" --max-tokens 48 --temperature 0
+	$(VENV)/bin/kvmosaic serve --host 127.0.0.1 --port 8000
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvmosaic tests benchmarks

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmosaic.quant.format import KV_CACHE_DTYPES
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "kib": 1024,
@@ -110,10 +112,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides the memory budget when set (tests)
     num_host_blocks: int | None = None
+    kv_cache_dtype: str = "auto"  # auto (compute dtype), int8, int4, oaken
+    kv_thresholds: str | None = None  # Oaken calibration file; None: the one shipped for the default model
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self.swap_space = parse_memory_size(self.swap_space) if self.swap_space else 0
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -17,6 +17,7 @@ from kvmosaic.engine.output_processor import OutputProcessor
 from kvmosaic.model.llama import LlamaForCausalLM
 from kvmosaic.model.loader import load_model
 from kvmosaic.outputs import RequestOutput
+from kvmosaic.quant import thresholds as kv_thresholds
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
 from kvmosaic.worker.kv_cache import KVCache
@@ -37,7 +38,11 @@ class Engine:
         sched_cfg.max_model_len = min(sched_cfg.max_model_len, self.model_config.max_position_embeddings)
         model = LlamaForCausalLM(loaded.config, loaded.weights, max_positions=sched_cfg.max_model_len)
         model.eval()
-        self.kv_cache = KVCache(loaded.config, config.cache, config.torch_dtype)
+        thresholds = None
+        if config.cache.kv_cache_dtype == "oaken":
+            identity = kv_thresholds.ModelIdentity.of(loaded.config, loaded.weights)
+            thresholds = kv_thresholds.for_model(config.cache.kv_thresholds, identity, config.model is None)
+        self.kv_cache = KVCache(loaded.config, config.cache, config.torch_dtype, thresholds)
         self.kv_manager = KVCacheManager(
             self.kv_cache.num_blocks, config.cache.block_size, self.kv_cache.num_host_blocks,
             config.cache.enable_prefix_caching,
@@ -48,9 +53,10 @@ class Engine:
         self.processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
-        logger.info("kvmosaic engine: %s, %d KV blocks of %d tokens (%d host blocks)",
+        logger.info("kvmosaic engine: %s, %d KV blocks of %d tokens (%d host blocks), KV cache %s (%.2f bits/value)",
                     loaded.config.name or loaded.config.architecture, self.kv_cache.num_blocks,
-                    config.cache.block_size, self.kv_cache.num_host_blocks)
+                    config.cache.block_size, self.kv_cache.num_host_blocks, config.cache.kv_cache_dtype,
+                    self.kv_cache.bits_per_value)
 
     @property
     def max_model_len(self) -> int:

@@ -1,13 +1,16 @@
-"""``kvmosaic`` command line: generate, chat."""
+"""``kvmosaic`` command line: generate, chat, serve, plan, calibrate-kv, eval-ppl."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Iterator
 
 from kvmosaic.entrypoints.llm import LLM
+from kvmosaic.eval import cli as eval_cli
 from kvmosaic.planner import cli as plan_cli
+from kvmosaic.quant.format import KV_CACHE_DTYPES
 from kvmosaic.sampling_params import SamplingParams
 
 
@@ -20,6 +23,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (compute dtype), int8, int4 or oaken")
+    p.add_argument("--kv-thresholds", default=None,
+                   help="Oaken thresholds from `kvmosaic calibrate-kv` (default: shipped for the default model)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -40,10 +47,11 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _make_llm(args: argparse.Namespace) -> LLM:
+def _make_llm(args: argparse.Namespace, **engine_kwargs) -> LLM:
     return LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                block_size=args.block_size, max_model_len=args.max_model_len,
-               enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+               enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+               kv_cache_dtype=args.kv_cache_dtype, kv_thresholds=args.kv_thresholds, **engine_kwargs)
 
 
 def stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
@@ -104,6 +112,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvmosaic.entrypoints.openai.api_server import ServerConfig, run_server  # fastapi only when serving
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          max_waiting=args.max_waiting, max_n=args.max_n, shutdown_grace=args.shutdown_grace,
+                          log_level=args.log_level, access_log=args.access_log)
+    llm = _make_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    return run_server(llm.engine, config)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: derived)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="sequences in one running batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests allowed to wait for their first token; beyond it new requests get 503")
+    p.add_argument("--max-n", type=int, default=16, help="largest n / best_of a request may ask for")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmosaic", description="KV-cache-centric LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,9 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
+    _add_engine_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     plan = sub.add_parser("plan", help="roofline capacity planner: memory, step time and tokens/s per batch size")
     plan_cli.add_arguments(plan)
     plan.set_defaults(func=plan_cli.cmd_plan)
+    calibrate = sub.add_parser("calibrate-kv", help="Oaken offline profiling: per-layer K/V thresholds file")
+    eval_cli.add_calibrate_arguments(calibrate)
+    calibrate.set_defaults(func=eval_cli.cmd_calibrate)
+    ppl = sub.add_parser("eval-ppl", help="perplexity of a text with the KV cache in a chosen format")
+    eval_cli.add_eval_arguments(ppl)
+    ppl.set_defaults(func=eval_cli.cmd_eval_ppl)
     return parser
 
 

@@ -33,6 +33,8 @@ class LLM:
         num_host_blocks: int | None = None,
         num_threads: int | None = None,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
+        kv_thresholds: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -42,6 +44,7 @@ class LLM:
             cache=CacheConfig(
                 block_size=block_size, kv_cache_memory=kv_cache_memory, swap_space=swap_space,
                 enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
+                kv_cache_dtype=kv_cache_dtype, kv_thresholds=kv_thresholds,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -14,6 +14,11 @@ from kvmosaic.model.layers.activation import silu_and_mul
 from kvmosaic.model.layers.attention import AttentionMetadata, paged_attention, rotate_and_cache
 from kvmosaic.model.layers.linear import Linear
 from kvmosaic.model.layers.norm import RMSNorm
+from kvmosaic.model.layers.quant_attention import (
+    QuantizedKVLayer,
+    paged_attention_quantized,
+    rotate_and_cache_quantized,
+)
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 
 
@@ -39,15 +44,19 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor | QuantizedKVLayer, meta: AttentionMetadata) -> torch.Tensor:
         """``residual`` is the running hidden state (updated in place with ``delta``, the previous
         layer's output); returns this layer's MLP output, to be added by the next norm."""
         # submodules' forward() is called directly: nn.Module.__call__ costs microseconds per call,
         # which adds up to a visible share of a single-stream decode step over 30 layers
         n = residual.shape[0]
         qkv = self.qkv_proj.forward(self.input_layernorm.forward(residual, delta))
-        q = rotate_and_cache(qkv, rotary, kv_cache[0], kv_cache[1], meta, self.num_heads, self.num_kv_heads)
-        attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        if isinstance(kv_cache, QuantizedKVLayer):
+            q = rotate_and_cache_quantized(qkv, rotary, kv_cache, meta, self.num_heads, self.num_kv_heads)
+            attn = paged_attention_quantized(q, kv_cache, meta, self.scale)
+        else:
+            q = rotate_and_cache(qkv, rotary, kv_cache[0], kv_cache[1], meta, self.num_heads, self.num_kv_heads)
+            attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         hidden = self.post_attention_layernorm.forward(residual, self.o_proj.forward(attn.view(n, self.q_size)))
         return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(hidden)))
 
@@ -68,11 +77,12 @@ class LlamaForCausalLM(nn.Module):
         )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Packed tokens in, logits out for ``logits_indices`` rows (all rows when None).
 
-        ``kv_caches[i]`` is layer i's cache, shaped [2, num_blocks, block_size, Hk, D].
+        ``kv_caches[i]`` is layer i's cache, shaped [2, num_blocks, block_size, Hk, D], or a
+        ``QuantizedKVLayer`` of byte records when the KV cache is quantized.
         """
         residual = self.embed_tokens(input_ids)
         meta.positions = positions

@@ -1,4 +1,4 @@
-"""Optional C++ kernels (rotary + cache write, paged decode attention).
+"""Optional C++ kernels (rotary + cache write, paged decode attention; quantized KV cache).
 
 They are compiled once at install (`python -m kvmosaic.ops.build`, run by the
 Makefile) into ``kvmosaic/ops/_build``. When they are missing, or when
@@ -22,14 +22,18 @@ NAME = "kvmosaic_ops"
 SOURCE = Path(__file__).parent / "csrc" / "kvmosaic_ops.cpp"
 BUILD_DIR = Path(__file__).parent / "_build"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# The quantized-KV kernels (kvmosaic/quant formats): a second extension, built by the same step.
+QUANT_NAME = "kvmosaic_kvquant"
+QUANT_SOURCE = Path(__file__).parent / "csrc" / "kvquant_ops.cpp"
+EXTENSIONS = ((NAME, SOURCE), (QUANT_NAME, QUANT_SOURCE))
 
 
-def _built_library() -> Path | None:
-    candidates = sorted(BUILD_DIR.glob(f"{NAME}*.so"))
+def _built_library(name: str = NAME, source: Path = SOURCE) -> Path | None:
+    candidates = sorted(BUILD_DIR.glob(f"{name}*.so"))
     if not candidates:
         return None
     library = candidates[0]
-    if library.stat().st_mtime < SOURCE.stat().st_mtime:
+    if library.stat().st_mtime < source.stat().st_mtime:
         logger.warning("kvmosaic C++ ops are older than their source; rebuild with `python -m kvmosaic.ops.build`")
         return None
     return library
@@ -38,15 +42,25 @@ def _built_library() -> Path | None:
 @functools.cache
 def get_ops() -> ModuleType | None:
     """The compiled kernels, or None (reference PyTorch path)."""
+    return _load(NAME, SOURCE)
+
+
+@functools.cache
+def get_quant_ops() -> ModuleType | None:
+    """The quantized-KV kernels, or None (reference PyTorch path)."""
+    return _load(QUANT_NAME, QUANT_SOURCE)
+
+
+def _load(name: str, source: Path) -> ModuleType | None:
     if os.environ.get("KVMOSAIC_DISABLE_OPS", "") not in ("", "0"):
         return None
-    library = _built_library()
+    library = _built_library(name, source)
     if library is None:
         return None
     import torch  # noqa: F401  (the extension links against libtorch)
 
-    loader = importlib.machinery.ExtensionFileLoader(NAME, str(library))
-    spec = importlib.util.spec_from_file_location(NAME, library, loader=loader)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module

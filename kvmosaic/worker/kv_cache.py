@@ -1,30 +1,80 @@
-"""Physical KV blocks: the device pool and the host swap tier, plus block moves."""
+"""Physical KV blocks: the device pool and the host swap tier, plus block moves.
+
+With ``kv_cache_dtype="auto"`` a layer's blocks are compute-dtype tensors. Quantized caches store
+one byte record per token and layer (codes, scales and Oaken's sparse lists fused, see
+``kvmosaic.quant.format``), so a block is still one slice of one tensor: swap, copy-on-write and
+prefix caching move every byte of it, and the memory budget buys as many more blocks as the record
+is smaller.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from kvmosaic.config import CacheConfig, ModelConfig
+from kvmosaic.model.layers.quant_attention import QuantizedKVLayer
+from kvmosaic.quant.format import KVFormat
+from kvmosaic.quant.thresholds import KVThresholds
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return model.kv_bytes_per_token(dtype) * block_size
+def kv_format(model: ModelConfig, kv_cache_dtype: str, thresholds: KVThresholds | None = None) -> KVFormat | None:
+    """The record format of a quantized cache; None for ``auto``."""
+    if kv_cache_dtype == "auto":
+        return None
+    if kv_cache_dtype == "oaken" and thresholds is None:
+        raise ValueError("kv_cache_dtype='oaken' needs calibrated thresholds (kvmosaic calibrate-kv)")
+    capacity = thresholds.sparse_capacity if kv_cache_dtype == "oaken" else 0
+    return KVFormat(kv_cache_dtype, model.num_key_value_heads, model.head_dim, capacity)
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, fmt: KVFormat | None = None) -> int:
+    if fmt is None:
+        return model.kv_bytes_per_token(dtype) * block_size
+    return 2 * model.num_hidden_layers * fmt.record_bytes * block_size
 
 
 class KVCache:
-    """Per layer one tensor [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per layer one tensor [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], or for a
+    quantized cache [2, num_blocks, block_size, record_bytes] uint8 wrapped in a ``QuantizedKVLayer``."""
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> None:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+                 thresholds: KVThresholds | None = None) -> None:
         self.block_size = cache.block_size
         self.dtype = dtype
-        self.bytes_per_block = bytes_per_block(model, cache.block_size, dtype)
+        self.kv_cache_dtype = cache.kv_cache_dtype
+        self.format = kv_format(model, cache.kv_cache_dtype, thresholds)
+        self.bytes_per_block = bytes_per_block(model, cache.block_size, dtype, self.format)
         self.num_blocks, self.num_host_blocks = cache.resolve_num_blocks(self.bytes_per_block)
-        shape = (model.num_hidden_layers, 2, self.num_blocks, cache.block_size,
-                 model.num_key_value_heads, model.head_dim)
-        self.device_pool = torch.zeros(shape, dtype=dtype)
+        if self.format is None:
+            per_slot, pool_dtype = (model.num_key_value_heads, model.head_dim), dtype
+        else:
+            per_slot, pool_dtype = (self.format.record_bytes,), torch.uint8
+        shape = (model.num_hidden_layers, 2, self.num_blocks, cache.block_size) + per_slot
+        self.device_pool = torch.zeros(shape, dtype=pool_dtype)
         host_shape = (model.num_hidden_layers, 2, self.num_host_blocks) + shape[3:]
-        self.host_pool = torch.zeros(host_shape, dtype=dtype)
+        self.host_pool = torch.zeros(host_shape, dtype=pool_dtype)
         self.layers = list(self.device_pool.unbind(0))
+        if self.format is not None:
+            self.layers = [self._quantized_layer(i, pools, thresholds) for i, pools in enumerate(self.layers)]
+
+    def _quantized_layer(self, index: int, pools: torch.Tensor, thresholds: KVThresholds | None) -> QuantizedKVLayer:
+        layer = QuantizedKVLayer(pools[0], pools[1], self.format)
+        if self.format.mode == "oaken":
+            layer.k_thresholds = thresholds.layers[index, 0].clone()
+            layer.v_thresholds = thresholds.layers[index, 1].clone()
+        return layer
+
+    @property
+    def bits_per_value(self) -> float:
+        """Stored bits per K or V element (scales and sparse lists included)."""
+        if self.format is None:
+            return 8.0 * self.dtype.itemsize
+        return self.format.bits_per_value
+
+    @property
+    def folded_outliers(self) -> int:
+        """Oaken outliers folded into the middle group because a sparse list was full."""
+        return sum(layer.folded_outliers for layer in self.layers) if self.format is not None else 0
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, host block) pairs: copy device -> host."""

@@ -1,0 +1,53 @@
+"""API request fields -> SamplingParams, with every bad value a 400 that names its field."""
+
+from __future__ import annotations
+
+import math
+
+from kvmosaic.entrypoints.openai.errors import bad_request, param_named_in
+from kvmosaic.entrypoints.openai.protocol import SamplingRequest
+from kvmosaic.entrypoints.openai.serving_common import ServingContext
+from kvmosaic.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 16
+_SEED_RANGE = (-(2**63), 2**63)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens: int | None,
+                          logprobs: int | None, best_of: int | None = None) -> SamplingParams:
+    """Map API fields to SamplingParams; every bad value becomes a 400 naming the field."""
+    for name in _FLOAT_FIELDS:
+        value = getattr(req, name)
+        if value is not None and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value}", name)
+    n = 1 if req.n is None else req.n
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value is not None and value > ctx.max_n:
+            raise bad_request(f"{name} must be at most {ctx.max_n}, got {value}", name)
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise bad_request(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
+    if req.repetition_penalty is not None and not 0.01 <= req.repetition_penalty <= 100.0:
+        raise bad_request(f"repetition_penalty must be in [0.01, 100], got {req.repetition_penalty}",
+                          "repetition_penalty")
+    if req.seed is not None and not _SEED_RANGE[0] <= req.seed < _SEED_RANGE[1]:
+        raise bad_request("seed must fit in a signed 64-bit integer", "seed")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    stop_token_ids = list(req.stop_token_ids or [])
+    if any(not 0 <= t < ctx.vocab_size for t in stop_token_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {ctx.vocab_size})", "stop_token_ids")
+    top_k = 0 if req.top_k is None or req.top_k >= ctx.vocab_size else req.top_k
+    if max_tokens is not None and max_tokens > ctx.max_model_len:
+        raise bad_request(f"max_tokens ({max_tokens}) exceeds the context length {ctx.max_model_len}", "max_tokens")
+    try:
+        return SamplingParams(
+            n=n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
+            top_k=top_k, seed=req.seed, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            **{name: getattr(req, name) for name in _FLOAT_FIELDS if getattr(req, name) is not None},
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), param_named_in(str(exc))) from exc

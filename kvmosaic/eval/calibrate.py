@@ -1,0 +1,60 @@
+"""``kvmosaic calibrate-kv``: Oaken's offline profiling on a calibration text.
+
+About 100 prompts are cut from the text and prefilled one at a time into an unquantized cache;
+for every layer, separately for K (after rotary) and V, each prompt's four thresholds are found by
+top-k and the thresholds are averaged over the prompts. The sparse capacity is then the smallest
+one that holds every outlier of ``capacity_quantile`` of the calibration head vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmosaic.eval.harness import EvalModel, make_cache, run_sequence
+from kvmosaic.quant.calibration import choose_capacity, outliers_per_vector, overflow_rate, run_thresholds
+from kvmosaic.quant.thresholds import KVThresholds
+
+
+def calibration_prompts(em: EvalModel, text: str, num_prompts: int, prompt_len: int) -> list[list[int]]:
+    ids = em.loaded.tokenizer.encode(text, add_special_tokens=False)
+    prompts = [ids[i: i + prompt_len] for i in range(0, len(ids) - prompt_len + 1, prompt_len)][:num_prompts]
+    if not prompts:
+        raise ValueError(f"the calibration text has fewer than {prompt_len} tokens")
+    return prompts
+
+
+@torch.inference_mode()
+def collect_kv(em: EvalModel, prompt: list[int]) -> list[torch.Tensor]:
+    """Per layer the prompt's cached K and V rows, [2, n, Hk, D] float32."""
+    cache = make_cache(em, "auto", len(prompt))
+    run_sequence(em, cache, prompt, chunk=len(prompt))
+    cfg = em.loaded.config
+    return [layer.reshape(2, -1, cfg.num_key_value_heads, cfg.head_dim)[:, : len(prompt)].float()
+            for layer in cache.layers]
+
+
+def calibrate(em: EvalModel, text: str, num_prompts: int = 100, prompt_len: int = 128, outer_ratio: float = 0.04,
+              inner_ratio: float = 0.06, sparse_capacity: int | None = None, capacity_quantile: float = 0.99,
+              source: str = "") -> KVThresholds:
+    prompts = calibration_prompts(em, text, num_prompts, prompt_len)
+    num_layers = em.loaded.config.num_hidden_layers
+    sums = torch.zeros(num_layers, 2, 4)
+    kept: list[list[torch.Tensor]] = []
+    for prompt in prompts:
+        kv = collect_kv(em, prompt)
+        for layer, rows in enumerate(kv):
+            for which in range(2):
+                sums[layer, which] += run_thresholds(rows[which], outer_ratio, inner_ratio)
+        kept.append(kv)
+    layers = sums / len(prompts)
+    counts = torch.cat([outliers_per_vector(kv[layer][which], layers[layer, which])
+                        for kv in kept for layer in range(num_layers) for which in range(2)])
+    head_dim = em.loaded.config.head_dim
+    capacity = sparse_capacity if sparse_capacity is not None else choose_capacity(counts, capacity_quantile, head_dim)
+    return KVThresholds(
+        model=em.identity, layers=layers, outer_ratio=outer_ratio, inner_ratio=inner_ratio,
+        sparse_capacity=capacity, num_prompts=len(prompts), calibration_text=source,
+        overflow_rate=overflow_rate(counts, capacity),
+        extra={"prompt_len": prompt_len, "capacity_quantile": capacity_quantile,
+               "mean_outliers_per_vector": float(counts.float().mean())},
+    )

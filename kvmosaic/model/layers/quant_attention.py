@@ -1,0 +1,139 @@
+"""Paged attention over a quantized KV cache (int8, int4, Oaken).
+
+Same packed batch and metadata as ``attention.py``. New K/V rows are rotated, quantized into
+byte records and written through ``slot_mapping``; attention then reads the records back:
+decodes with the fused kernel of ``kvmosaic.ops.get_quant_ops()`` (dequantization inside the
+online-softmax loop), prefill chunks by dequantizing their context's blocks and running the float
+attention. Every token, including those of the current chunk, is attended to in its quantized form.
+The pure PyTorch path (``kvmosaic.quant.codec``) is the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kvmosaic.model.layers import attention
+from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.ops import get_ops, get_quant_ops
+from kvmosaic.quant.codec import decode_rows, encode_rows
+from kvmosaic.quant.format import KVFormat
+
+MODE_IDS = {"int8": 0, "int4": 1, "oaken": 2}
+_NO_THRESHOLDS = torch.zeros(0)
+
+
+@dataclass(slots=True)
+class QuantizedKVLayer:
+    """One layer's quantized cache: record pools [num_blocks, block_size, record_bytes] uint8."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    fmt: KVFormat
+    k_thresholds: torch.Tensor = _NO_THRESHOLDS  # Oaken: (outer_lo, inner_lo, inner_hi, outer_hi)
+    v_thresholds: torch.Tensor = _NO_THRESHOLDS
+    folded_outliers: int = 0  # Oaken outliers that did not fit the sparse lists, so far
+
+    def args(self) -> tuple:
+        """(mode id, kv heads, head_dim, sparse capacity) as the kernels take them."""
+        return MODE_IDS[self.fmt.mode], self.fmt.num_kv_heads, self.fmt.head_dim, self.fmt.sparse_capacity
+
+
+def _thresholds(t: torch.Tensor) -> torch.Tensor | None:
+    return t if t.numel() else None
+
+
+def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize rows [N, Hk, D] and scatter their records into the pools."""
+    if k.shape[0] == 0:
+        return
+    qops = get_quant_ops()
+    if qops is not None:
+        layer.folded_outliers += qops.quant_write(k, v, layer.k_pool, layer.v_pool, slot_mapping, *layer.args(),
+                                                  layer.k_thresholds, layer.v_thresholds)
+        return
+    record = layer.fmt.record_bytes
+    for rows, pool, thr in ((k, layer.k_pool, layer.k_thresholds), (v, layer.v_pool, layer.v_thresholds)):
+        records, folded = encode_rows(rows, layer.fmt, _thresholds(thr))
+        pool.view(-1, record).index_copy_(0, slot_mapping, records)
+        layer.folded_outliers += int(folded)
+
+
+def dequantize_blocks(pool: torch.Tensor, block_ids: torch.Tensor, layer: QuantizedKVLayer,
+                      thresholds: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks of one pool as float rows [len(block_ids), block_size, Hk, D]."""
+    qops = get_quant_ops()
+    if qops is not None:
+        return qops.dequantize_blocks(pool, block_ids, *layer.args(), thresholds, dtype)
+    records = pool.index_select(0, block_ids)
+    rows = decode_rows(records.flatten(0, 1), layer.fmt, _thresholds(thresholds))
+    return rows.view(len(block_ids), pool.shape[1], layer.fmt.num_kv_heads, layer.fmt.head_dim).to(dtype)
+
+
+def rotate_and_cache_quantized(qkv: torch.Tensor, rotary: RotaryEmbedding, layer: QuantizedKVLayer,
+                               meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Like ``attention.rotate_and_cache``, writing quantized records. Returns q [N, Hq, D]."""
+    n, head_dim = qkv.shape[0], layer.fmt.head_dim
+    ops = get_ops()
+    if ops is not None:  # the float kernel rotates into a scratch "cache" of one slot per token
+        scratch = qkv.new_empty(2, n, 1, num_kv_heads, head_dim)
+        q = ops.rope_and_cache(qkv, meta.positions, rotary.cos, rotary.sin, scratch[0], scratch[1],
+                               torch.arange(n), num_heads, num_kv_heads)
+        k, v = scratch[0].view(n, num_kv_heads, head_dim), scratch[1].view(n, num_kv_heads, head_dim)
+    else:
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q, k = rotary.apply(rotary.tables(meta.positions), q.reshape(n, num_heads, head_dim),
+                            k.reshape(n, num_kv_heads, head_dim))
+        v = v.reshape(n, num_kv_heads, head_dim)
+    write_quantized(layer, k, v, meta.slot_mapping)
+    return q
+
+
+def _decode_reference(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    tables = meta.decode_block_tables
+    ids = tables.flatten()
+    k = dequantize_blocks(layer.k_pool, ids, layer, layer.k_thresholds, q.dtype)
+    v = dequantize_blocks(layer.v_pool, ids, layer, layer.v_thresholds, q.dtype)
+    local = dataclasses.replace(meta, decode_block_tables=torch.arange(len(ids)).view(tables.shape))
+    return attention._decode_attention(q, k, v, local, scale)
+
+
+def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale: float) -> torch.Tensor:
+    k = dequantize_blocks(layer.k_pool, span.block_table, layer, layer.k_thresholds, q.dtype)
+    v = dequantize_blocks(layer.v_pool, span.block_table, layer, layer.v_thresholds, q.dtype)
+    local_table = torch.arange(len(span.block_table))
+    ops = get_ops()
+    if ops is not None and ops.prefill_attention_supports(q.shape[-1]):
+        return ops.paged_prefill_attention(q, k, v, local_table, span.context_len, scale)
+    if span.mask is None:  # built once, then reused by every layer
+        span.mask = build_causal_mask(span.context_len - span.num_tokens, span.num_tokens,
+                                      q.shape[1] // layer.fmt.num_kv_heads)
+    local = PrefillSpan(0, span.num_tokens, span.context_len, local_table, span.mask)
+    return attention._prefill_attention(q, k, v, local, scale)
+
+
+def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+    """q: [N, Hq, D] (this step's K/V already written). Returns [N, Hq, D]."""
+    nd = meta.num_decode_tokens
+    qops = get_quant_ops()
+    decode_args = (MODE_IDS[layer.fmt.mode], layer.fmt.num_kv_heads, layer.fmt.sparse_capacity,
+                   layer.k_thresholds, layer.v_thresholds, scale)
+    if nd == q.shape[0] and qops is not None:  # pure decode batch: no output stitching needed
+        return qops.quant_decode_attention(q, layer.k_pool, layer.v_pool, meta.decode_block_tables,
+                                           meta.decode_context_lens, *decode_args)
+    out = torch.empty_like(q)
+    if nd:
+        if qops is not None:
+            out[:nd] = qops.quant_decode_attention(q[:nd].contiguous(), layer.k_pool, layer.v_pool,
+                                                   meta.decode_block_tables, meta.decode_context_lens, *decode_args)
+        else:
+            out[:nd] = _decode_reference(q[:nd], layer, meta, scale)
+    for span in meta.prefills:
+        sl = slice(span.token_start, span.token_start + span.num_tokens)
+        out[sl] = _prefill(q[sl], layer, span, scale)
+    return out

@@ -1,0 +1,506 @@
+// Kernels for the quantized KV cache (int8, int4, Oaken): quantize-and-write of new K/V rows,
+// dequantization of whole blocks (prefill), and decode attention that dequantizes each K/V head
+// vector on the fly while reading its block in place. The byte layout is the one documented in
+// kvmosaic/quant/format.py and kvmosaic/quant/oaken.py; encoding matches the PyTorch reference bit
+// for bit (same float32 operation order, fp16 rounding to nearest even, ties-to-even codes).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Mode : int64_t { kInt8 = 0, kInt4 = 1, kOaken = 2 };
+constexpr int64_t kIntHeader = 4;
+constexpr int64_t kOakenHeader = 8;
+constexpr float kMinScale = 6.103515625e-05f;    // 2^-14
+constexpr float kMargin = 1.001953125f;          // 1 + 2^-9
+constexpr float kNegFloor = -6.103515625e-05f;   // -2^-14
+
+struct Format {
+  int64_t mode, hk, d, capacity, record;
+  int64_t code_bytes, index_bits, entry_bytes, sparse_bytes, sparse_offset;
+};
+
+Format make_format(int64_t mode, int64_t hk, int64_t d, int64_t capacity, int64_t record) {
+  TORCH_CHECK(mode >= kInt8 && mode <= kOaken, "unknown KV quantization mode ", mode);
+  TORCH_CHECK(d >= 2 && d % 2 == 0, "head_dim must be even");
+  Format f{mode, hk, d, capacity, record, 0, 0, 0, 0, 0};
+  f.code_bytes = mode == kInt8 ? d : d / 2;
+  int64_t bits = 1;
+  while ((int64_t{1} << bits) < d) ++bits;
+  f.index_bits = bits;
+  f.entry_bytes = bits + 2 <= 8 ? 1 : 2;
+  f.sparse_bytes = 1 + capacity * f.entry_bytes;
+  f.sparse_offset = kOakenHeader * hk + hk * f.code_bytes;
+  int64_t expected = hk * (kIntHeader + f.code_bytes);
+  if (mode == kOaken) expected = f.sparse_offset + hk * f.sparse_bytes, expected += expected % 2;
+  TORCH_CHECK(record == expected, "record size ", record, " does not match the format (", expected, ")");
+  return f;
+}
+
+struct Thresholds {
+  float outer_lo = 0.f, inner_lo = 0.f, inner_hi = 0.f, outer_hi = 0.f;
+};
+
+Thresholds read_thresholds(const at::Tensor& t) {
+  Thresholds r;
+  if (t.numel() == 4) {
+    auto c = t.to(at::kFloat).contiguous();
+    const float* p = c.data_ptr<float>();
+    r = {p[0], p[1], p[2], p[3]};
+  }
+  return r;
+}
+
+inline float half_round(float x) { return static_cast<float>(c10::Half(x)); }
+inline float read_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+inline void write_half(uint8_t* p, float x) {
+  const c10::Half h(x);
+  std::memcpy(p, &h.x, 2);
+}
+inline float scale_for(float span, int levels) {
+  return half_round(std::max(span, levels * kMinScale) / static_cast<float>(levels) * kMargin);
+}
+inline float quantize_code(float x, float divisor, float levels) {
+  return std::min(std::max(std::nearbyint(x / divisor), 0.f), levels);
+}
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// ---------------------------------------------------------------- encoding
+
+void encode_int_head(const float* x, const Format& f, uint8_t* out) {
+  const int levels = f.mode == kInt8 ? 255 : 15;
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < f.d; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+  const float lo16 = half_round(lo);
+  const float s16 = scale_for(hi - lo16, levels);
+  const float div = s16 > 0.f ? s16 : 1.f;
+  write_half(out, lo16);
+  write_half(out + 2, s16);
+  uint8_t* codes = out + kIntHeader;
+  if (f.mode == kInt8) {
+    for (int64_t i = 0; i < f.d; ++i) codes[i] = static_cast<uint8_t>(quantize_code(x[i] - lo16, div, 255.f));
+  } else {
+    for (int64_t i = 0; i < f.d; i += 2) {
+      const auto a = static_cast<uint8_t>(quantize_code(x[i] - lo16, div, 15.f));
+      const auto b = static_cast<uint8_t>(quantize_code(x[i + 1] - lo16, div, 15.f));
+      codes[i / 2] = static_cast<uint8_t>(a | (b << 4));
+    }
+  }
+}
+
+// Groups: 0 middle, 1 kept outer, 2 kept inner. Returns the outliers folded into the middle.
+int64_t oaken_groups(const float* x, const Format& f, const Thresholds& t, uint8_t* group) {
+  int64_t folded = 0;
+  for (int64_t h = 0; h < f.hk; ++h) {
+    const float* xh = x + h * f.d;
+    uint8_t* gh = group + h * f.d;
+    int64_t n_outer = 0;
+    for (int64_t i = 0; i < f.d; ++i) n_outer += (xh[i] > t.outer_hi || xh[i] < t.outer_lo);
+    int64_t outer_rank = 0, inner_rank = n_outer;
+    for (int64_t i = 0; i < f.d; ++i) {
+      gh[i] = 0;
+      if (xh[i] > t.outer_hi || xh[i] < t.outer_lo) {
+        if (++outer_rank <= f.capacity) gh[i] = 1;
+      } else if (xh[i] >= t.inner_lo && xh[i] <= t.inner_hi) {
+        if (++inner_rank <= f.capacity) gh[i] = 2;
+      } else {
+        continue;
+      }
+      folded += gh[i] == 0;
+    }
+  }
+  return folded;
+}
+
+// One head vector: its four fp16 scales into header, its 4-bit codes into code[0, d).
+void encode_oaken_head(const float* x, const uint8_t* group, const Format& f, const Thresholds& t, uint8_t* header,
+                       float* code) {
+  float mid_lo = 0.f, mid_hi = 0.f, out_max = 0.f, in_max = 0.f;
+  for (int64_t i = 0; i < f.d; ++i) {
+    const bool neg = x[i] < 0.f;
+    if (group[i] == 0) {
+      const float v = x[i] - (neg ? t.inner_lo : t.inner_hi);
+      mid_lo = std::min(mid_lo, v), mid_hi = std::max(mid_hi, v);
+    } else if (group[i] == 1) {
+      out_max = std::max(out_max, neg ? t.outer_lo - x[i] : x[i] - t.outer_hi);
+    } else {
+      in_max = std::max(in_max, std::fabs(x[i]));
+    }
+  }
+  const float lo16 = half_round(std::min(mid_lo, kNegFloor));
+  const float mid_s = scale_for(mid_hi - lo16, 15);
+  const float out_s = scale_for(out_max, 15);
+  const float in_s = scale_for(in_max, 15);
+  float first_nonneg = 0.f;
+  for (int c = 0; c < 16; ++c) first_nonneg += (lo16 + static_cast<float>(c) * mid_s < 0.f);
+  for (int64_t i = 0; i < f.d; ++i) {
+    const bool neg = x[i] < 0.f;
+    if (group[i] == 0) {
+      const float c = quantize_code(x[i] - (neg ? t.inner_lo : t.inner_hi) - lo16, mid_s > 0.f ? mid_s : 1.f, 15.f);
+      code[i] = neg ? std::min(c, first_nonneg - 1.f) : std::max(c, first_nonneg);
+    } else if (group[i] == 1) {
+      code[i] = quantize_code(neg ? t.outer_lo - x[i] : x[i] - t.outer_hi, out_s, 15.f);
+    } else {
+      code[i] = quantize_code(std::fabs(x[i]), in_s, 15.f);
+    }
+  }
+  write_half(header, lo16), write_half(header + 2, mid_s), write_half(header + 4, out_s), write_half(header + 6, in_s);
+}
+
+int64_t encode_oaken_token(const float* x, const Format& f, const Thresholds& t, uint8_t* out,
+                           std::vector<uint8_t>& group, std::vector<float>& code) {
+  const int64_t n = f.hk * f.d;
+  const int64_t folded = oaken_groups(x, f, t, group.data());
+  std::memset(out, 0, f.record);
+  for (int64_t h = 0; h < f.hk; ++h)
+    encode_oaken_head(x + h * f.d, group.data() + h * f.d, f, t, out + h * kOakenHeader, code.data() + h * f.d);
+  uint8_t* dense = out + kOakenHeader * f.hk;
+  for (int64_t i = 0; i < n; i += 2)
+    dense[i / 2] = static_cast<uint8_t>(static_cast<int>(code[i]) | (static_cast<int>(code[i + 1]) << 4));
+  for (int64_t h = 0; h < f.hk; ++h) {
+    uint8_t* list = out + f.sparse_offset + h * f.sparse_bytes;
+    int64_t count = 0;
+    for (int64_t i = 0; i < f.d; ++i) {
+      const uint8_t g = group[h * f.d + i];
+      if (!g) continue;
+      const int64_t entry = i | (int64_t{g == 1} << f.index_bits) | (int64_t{x[h * f.d + i] < 0.f} << (f.index_bits + 1));
+      uint8_t* e = list + 1 + count * f.entry_bytes;
+      e[0] = static_cast<uint8_t>(entry & 255);
+      if (f.entry_bytes == 2) e[1] = static_cast<uint8_t>(entry >> 8);
+      ++count;
+    }
+    list[0] = static_cast<uint8_t>(count);
+  }
+  return folded;
+}
+
+int64_t encode_token(const float* x, const Format& f, const Thresholds& t, uint8_t* out,
+                     std::vector<uint8_t>& group, std::vector<float>& code) {
+  if (f.mode == kOaken) return encode_oaken_token(x, f, t, out, group, code);
+  for (int64_t h = 0; h < f.hk; ++h) encode_int_head(x + h * f.d, f, out + h * (kIntHeader + f.code_bytes));
+  return 0;
+}
+
+// ---------------------------------------------------------------- decoding
+
+// Oaken scales of one head vector.
+struct OakenScales {
+  float mid_lo, mid_s, out_s, in_s;
+};
+
+inline OakenScales read_scales(const uint8_t* rec) {
+  return {read_half(rec), read_half(rec + 2), read_half(rec + 4), read_half(rec + 6)};
+}
+
+// One head vector of a record into dst[0, d).
+template <int64_t D = 0>  // D > 0: the head dimension as a compile-time constant (loops unroll)
+inline void decode_head(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, float* __restrict dst) {
+  const int64_t half = (D > 0 ? D : f.d) / 2;
+  if (f.mode == kInt8 || f.mode == kInt4) {
+    const uint8_t* p = rec + h * (kIntHeader + f.code_bytes);
+    const float lo = read_half(p), s = read_half(p + 2);
+    const uint8_t* __restrict codes = p + kIntHeader;
+    if (f.mode == kInt8) {
+#pragma omp simd
+      for (int64_t i = 0; i < 2 * half; ++i) dst[i] = lo + static_cast<float>(codes[i]) * s;
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) {
+        dst[2 * j] = lo + static_cast<float>(codes[j] & 15) * s;
+        dst[2 * j + 1] = lo + static_cast<float>(codes[j] >> 4) * s;
+      }
+    }
+    return;
+  }
+  const OakenScales sc = read_scales(rec + h * kOakenHeader);
+  const float inner_hi = t.inner_hi, inner_lo = t.inner_lo;
+  const uint8_t* __restrict dense = rec + kOakenHeader * f.hk + h * f.code_bytes;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float y0 = sc.mid_lo + static_cast<float>(dense[j] & 15) * sc.mid_s;
+    const float y1 = sc.mid_lo + static_cast<float>(dense[j] >> 4) * sc.mid_s;
+    dst[2 * j] = y0 + (y0 >= 0.f ? inner_hi : inner_lo);
+    dst[2 * j + 1] = y1 + (y1 >= 0.f ? inner_hi : inner_lo);
+  }
+  const uint8_t* list = rec + f.sparse_offset + h * f.sparse_bytes;
+  const int64_t count = list[0];
+  const int64_t index_mask = (int64_t{1} << f.index_bits) - 1;
+  // Branch-free patch, by (group, sign): value = base + code * (+-scale), the same float result as
+  // outer_hi + m, outer_lo - m, m and -m with m = code * scale.
+  const float base[4] = {0.f, t.outer_hi, 0.f, t.outer_lo};
+  const float step[4] = {sc.in_s, sc.out_s, -sc.in_s, -sc.out_s};
+  for (int64_t e = 0; e < count; ++e) {
+    const uint8_t* p = list + 1 + e * f.entry_bytes;
+    const int64_t entry = f.entry_bytes == 1 ? p[0] : (p[0] | (p[1] << 8));
+    const int64_t i = entry & index_mask, kind = entry >> f.index_bits;
+    dst[i] = base[kind] + static_cast<float>((dense[i >> 1] >> ((i & 1) * 4)) & 15) * step[kind];
+  }
+}
+
+// exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (rel. error < 2e-7).
+inline float exp_le0(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.4426950408889634f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+constexpr int64_t kTile = 16;
+
+// Online-softmax decode attention of one (sequence, KV head): tiles of 16 keys are dequantized
+// into a small float buffer and scored against the group's query rows; the softmax runs over the
+// tile's 16 scores at once; then the tile's values are dequantized and each query row's
+// accumulator (D floats, kept in registers when D is a compile-time constant) takes them in.
+template <typename T, int64_t D>
+void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t* table, int64_t ctx,
+                int64_t block_size, int64_t h, int64_t group, const Format& f, const Thresholds& kt,
+                const Thresholds& vt, float scale, T* out, std::vector<float>& work) {
+  const int64_t d = D > 0 ? D : f.d;
+  float* qf = work.data();                 // [group, d]
+  float* acc = qf + group * d;             // [group, d]
+  float* tile = acc + group * d;           // [kTile, d]
+  float* probs = tile + kTile * d;         // [group, kTile]
+  float* run = probs + group * kTile;      // [2, group]: max, sum
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[g * d + i]) * scale;
+    run[g] = -std::numeric_limits<float>::infinity(), run[group + g] = 0.f;
+  }
+  std::fill(acc, acc + group * d, 0.f);
+  int64_t offsets[kTile];
+  for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
+    const int64_t n = std::min(kTile, ctx - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      offsets[j] = (table[t / block_size] * block_size + t % block_size) * f.record;
+      decode_head<D>(kp + offsets[j], h, f, kt, tile + j * d);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float sc[kTile];
+      const float* qv = qf + g * d;
+      for (int64_t j = 0; j < kTile; ++j) {
+        float dot = 0.f;
+        const float* kv = tile + j * d;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += qv[i] * kv[i];
+        sc[j] = j < n ? dot : -std::numeric_limits<float>::infinity();
+      }
+      float tile_max = sc[0];
+      for (int64_t j = 1; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
+      const float new_max = std::max(run[g], tile_max);
+      const float corr = exp_le0(run[g] - new_max);
+      float* pr = probs + g * kTile;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < kTile; ++j) {
+        pr[j] = exp_le0(sc[j] - new_max);
+        sum += pr[j];
+      }
+      for (int64_t j = n; j < kTile; ++j) sum -= pr[j], pr[j] = 0.f;  // exp(-inf) clamps to tiny, not 0
+      run[g] = new_max, run[group + g] = run[group + g] * corr + sum;
+      float* a = acc + g * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] *= corr;
+    }
+    for (int64_t j = 0; j < n; ++j) decode_head<D>(vp + offsets[j], h, f, vt, tile + j * d);
+    for (int64_t g = 0; g < group; ++g) {
+      float a[D > 0 ? D : 1];
+      float* ag = D > 0 ? a : acc + g * d;
+      if (D > 0) std::memcpy(a, acc + g * d, sizeof(float) * d);
+      const float* pr = probs + g * kTile;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = pr[j];
+        const float* vrow = tile + j * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) ag[i] += p * vrow[i];
+      }
+      if (D > 0) std::memcpy(acc + g * d, a, sizeof(float) * d);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / run[group + g];
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<T>(acc[g * d + i] * inv);
+  }
+}
+
+void check_pool(const at::Tensor& pool, const Format& f) {
+  TORCH_CHECK(pool.scalar_type() == at::kByte && pool.is_contiguous() && pool.dim() == 3,
+              "quantized KV pool must be contiguous uint8 [num_blocks, block_size, record_bytes]");
+  TORCH_CHECK(pool.size(2) == f.record, "pool record size does not match the format");
+}
+
+template <typename T>
+void write_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool, at::Tensor& v_pool,
+                const at::Tensor& slots, const Format& f, const Thresholds& kt, const Thresholds& vt,
+                std::vector<int64_t>& folded) {
+  const int64_t n = k.size(0), width = f.hk * f.d;
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  uint8_t* kout = k_pool.data_ptr<uint8_t>();
+  uint8_t* vout = v_pool.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width), code(width);
+    std::vector<uint8_t> group(width);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < width; ++i) row[i] = to_float(kp[t * width + i]);
+      folded[t] = encode_token(row.data(), f, kt, kout + sl[t] * f.record, group, code);
+      for (int64_t i = 0; i < width; ++i) row[i] = to_float(vp[t * width + i]);
+      folded[t] += encode_token(row.data(), f, vt, vout + sl[t] * f.record, group, code);
+    }
+  });
+}
+
+template <typename T>
+void dequant_impl(const at::Tensor& pool, const at::Tensor& ids, const Format& f, const Thresholds& t,
+                  at::Tensor& out) {
+  const int64_t nb = ids.size(0), bs = pool.size(1), rows = nb * bs;
+  const uint8_t* src = pool.data_ptr<uint8_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(f.d);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* rec = src + (id[r / bs] * bs + r % bs) * f.record;
+      for (int64_t h = 0; h < f.hk; ++h) {
+        decode_head(rec, h, f, t, buf.data());
+        T* o = dst + (r * f.hk + h) * f.d;
+        for (int64_t i = 0; i < f.d; ++i) o[i] = static_cast<T>(buf[i]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& tables, const at::Tensor& lens, const Format& f,
+                           const Thresholds& kt, const Thresholds& vt, double scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), hq = q.size(1), group = hq / f.hk, width = tables.size(1);
+  const int64_t bs = k_pool.size(1);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const uint8_t* kp = k_pool.data_ptr<uint8_t>();
+  const uint8_t* vp = v_pool.data_ptr<uint8_t>();
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  at::parallel_for(0, batch * f.hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(2 * group * f.d + kTile * f.d + group * kTile + 2 * group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / f.hk, h = item % f.hk;
+      const int64_t offset = (b * hq + h * group) * f.d;
+      const float sc = static_cast<float>(scale);
+      if (f.d == 64) {
+        decode_one<T, 64>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work);
+      } else if (f.d == 128) {
+        decode_one<T, 128>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work);
+      } else {
+        decode_one<T, 0>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Quantize K/V rows [N, hk, d] and write their records into the pools' slots. Returns the number of
+// Oaken outliers folded into the middle group (0 for int8/int4).
+int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool, at::Tensor v_pool,
+                    const at::Tensor& slot_mapping, int64_t mode, int64_t hk, int64_t d, int64_t capacity,
+                    const at::Tensor& k_thresholds, const at::Tensor& v_thresholds) {
+  const Format f = make_format(mode, hk, d, capacity, k_pool.size(-1));
+  check_pool(k_pool, f);
+  check_pool(v_pool, f);
+  auto kc = k.contiguous(), vc = v.contiguous();
+  TORCH_CHECK(kc.numel() == kc.size(0) * hk * d && vc.sizes() == kc.sizes(), "K/V rows must be [N, hk, d]");
+  auto slots = slot_mapping.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == kc.size(0), "slot_mapping must be int64 [N]");
+  std::vector<int64_t> folded(kc.size(0), 0);
+  const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
+  if (kc.scalar_type() == at::kFloat) {
+    write_impl<float>(kc, vc, k_pool, v_pool, slots, f, kt, vt, folded);
+  } else if (kc.scalar_type() == at::kBFloat16) {
+    write_impl<c10::BFloat16>(kc, vc, k_pool, v_pool, slots, f, kt, vt, folded);
+  } else {
+    TORCH_CHECK(false, "quant_write supports float32 and bfloat16");
+  }
+  int64_t total = 0;
+  for (int64_t x : folded) total += x;
+  return total;
+}
+
+// Dequantize whole blocks: pool [NB, bs, R] -> [len(block_ids), bs, hk, d] in `dtype`.
+at::Tensor dequantize_blocks(const at::Tensor& pool, const at::Tensor& block_ids, int64_t mode, int64_t hk,
+                             int64_t d, int64_t capacity, const at::Tensor& thresholds, at::ScalarType dtype) {
+  const Format f = make_format(mode, hk, d, capacity, pool.size(-1));
+  check_pool(pool, f);
+  auto ids = block_ids.contiguous();
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "block ids must be int64 [n]");
+  auto out = at::empty({ids.size(0), pool.size(1), hk, d}, pool.options().dtype(dtype));
+  const Thresholds t = read_thresholds(thresholds);
+  if (dtype == at::kFloat) {
+    dequant_impl<float>(pool, ids, f, t, out);
+  } else if (dtype == at::kBFloat16) {
+    dequant_impl<c10::BFloat16>(pool, ids, f, t, out);
+  } else {
+    TORCH_CHECK(false, "dequantize_blocks supports float32 and bfloat16");
+  }
+  return out;
+}
+
+// One query token per sequence over quantized paged K/V, read in place.
+at::Tensor quant_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode,
+                                  int64_t hk, int64_t capacity, const at::Tensor& k_thresholds,
+                                  const at::Tensor& v_thresholds, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) % hk == 0, "q must be contiguous [B, hq, d]");
+  const Format f = make_format(mode, hk, q.size(2), capacity, k_pool.size(-1));
+  check_pool(k_pool, f);
+  check_pool(v_pool, f);
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "tables and lengths: int64");
+  auto out = at::empty_like(q);
+  const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention_impl<float>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_impl<c10::BFloat16>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+  } else {
+    TORCH_CHECK(false, "quant_decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_write", &quant_write, "quantize K/V rows into their cache slots");
+  m.def("dequantize_blocks", &dequantize_blocks, "dequantize whole KV blocks");
+  m.def("quant_decode_attention", &quant_decode_attention, "decode attention over quantized paged KV");
+}

@@ -1,0 +1,151 @@
+"""Oaken's offline part: per-layer K/V thresholds, the calibration file, and its validation.
+
+File format (JSON)::
+
+    {"format": "kvmosaic-kv-thresholds", "version": 1,
+     "model": {"name", "architecture", "num_hidden_layers", "num_key_value_heads", "head_dim",
+               "hidden_size", "vocab_size", "fingerprint"},
+     "outer_ratio": 0.04, "inner_ratio": 0.06, "sparse_capacity": 7, "num_prompts": 100,
+     "calibration_text": "...", "overflow_rate": 0.004,
+     "layers": [{"k": [outer_lo, inner_lo, inner_hi, outer_hi], "v": [...]}, ...]}
+
+``fingerprint`` is the mean absolute value of layer 0's k_proj weight: two checkpoints of the same
+shape but different weights (base vs instruct) are told apart, while a float32 and a bfloat16
+load of one checkpoint agree to far better than ``FINGERPRINT_RTOL``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvmosaic.config import ModelConfig
+
+FORMAT_NAME = "kvmosaic-kv-thresholds"
+FORMAT_VERSION = 1
+FINGERPRINT_RTOL = 1e-3
+DATA_DIR = Path(__file__).parent / "data"
+DEFAULT_MODEL_THRESHOLDS = DATA_DIR / "smollm2-135m-instruct.kv_thresholds.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    name: str
+    architecture: str
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    fingerprint: float
+
+    @classmethod
+    def of(cls, config: ModelConfig, weights: dict[str, torch.Tensor]) -> ModelIdentity:
+        k_proj = weights["model.layers.0.self_attn.k_proj.weight"]
+        return cls(config.name, config.architecture, config.num_hidden_layers, config.num_key_value_heads,
+                   config.head_dim, config.hidden_size, config.vocab_size, float(k_proj.float().abs().mean()))
+
+    def check_matches(self, model: ModelIdentity) -> None:
+        """Raise ValueError naming the first difference between the calibrated model and ``model``."""
+        for name in ("architecture", "num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size",
+                     "vocab_size"):
+            ours, theirs = getattr(self, name), getattr(model, name)
+            if ours != theirs:
+                raise ValueError(f"KV thresholds were calibrated for {self.name!r} with {name}={ours}, "
+                                 f"but this model ({model.name!r}) has {name}={theirs}; run `kvmosaic calibrate-kv`")
+        if abs(self.fingerprint - model.fingerprint) > FINGERPRINT_RTOL * abs(self.fingerprint):
+            raise ValueError(f"KV thresholds were calibrated for other weights ({self.name!r}, fingerprint "
+                             f"{self.fingerprint:.6g}) than this model's ({model.name!r}, {model.fingerprint:.6g}); "
+                             "run `kvmosaic calibrate-kv`")
+
+
+@dataclass(slots=True)
+class KVThresholds:
+    model: ModelIdentity
+    layers: torch.Tensor  # [L, 2 (K, V), 4]: outer_lo, inner_lo, inner_hi, outer_hi
+    outer_ratio: float = 0.04
+    inner_ratio: float = 0.06
+    sparse_capacity: int = 7
+    num_prompts: int = 0
+    calibration_text: str = ""
+    overflow_rate: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layers = torch.as_tensor(self.layers, dtype=torch.float32)
+        expected = (self.model.num_hidden_layers, 2, 4)
+        if tuple(self.layers.shape) != expected:
+            raise ValueError(f"thresholds have shape {tuple(self.layers.shape)}, expected {expected} "
+                             f"for a model with {self.model.num_hidden_layers} layers")
+        if not torch.isfinite(self.layers).all():
+            raise ValueError("thresholds must be finite")
+        o_lo, i_lo, i_hi, o_hi = self.layers.unbind(-1)
+        if not ((o_lo <= i_lo) & (i_lo <= 0) & (i_hi >= 0) & (i_hi <= o_hi)).all():
+            raise ValueError("every threshold row must satisfy outer_lo <= inner_lo <= 0 <= inner_hi <= outer_hi")
+        if not (0 <= self.outer_ratio < 1 and 0 <= self.inner_ratio < 1 and self.outer_ratio + self.inner_ratio < 1):
+            raise ValueError("outer_ratio and inner_ratio must be in [0, 1) and sum below 1")
+        if not 0 <= self.sparse_capacity <= self.model.head_dim:
+            raise ValueError(f"sparse_capacity must be in [0, {self.model.head_dim}]")
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "model": asdict(self.model),
+            "outer_ratio": self.outer_ratio, "inner_ratio": self.inner_ratio,
+            "sparse_capacity": self.sparse_capacity, "num_prompts": self.num_prompts,
+            "calibration_text": self.calibration_text, "overflow_rate": self.overflow_rate, **self.extra,
+            "layers": [{"k": kv[0].tolist(), "v": kv[1].tolist()} for kv in self.layers],
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def parse(data: dict) -> KVThresholds:
+    """Build thresholds from a decoded file; ValueError with the reason when it is not one."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise ValueError(f"not a kvmosaic KV thresholds file (missing \"format\": \"{FORMAT_NAME}\")")
+    if data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"unsupported KV thresholds version {data.get('version')!r}; expected {FORMAT_VERSION}")
+    try:
+        model = ModelIdentity(**data["model"])
+        layers = [[row["k"], row["v"]] for row in data["layers"]]
+        known = {"format", "version", "model", "layers", "outer_ratio", "inner_ratio", "sparse_capacity",
+                 "num_prompts", "calibration_text", "overflow_rate"}
+        return KVThresholds(
+            model=model, layers=torch.tensor(layers, dtype=torch.float32),
+            outer_ratio=float(data["outer_ratio"]), inner_ratio=float(data["inner_ratio"]),
+            sparse_capacity=int(data["sparse_capacity"]), num_prompts=int(data.get("num_prompts", 0)),
+            calibration_text=str(data.get("calibration_text", "")),
+            overflow_rate=float(data.get("overflow_rate", 0.0)),
+            extra={k: v for k, v in data.items() if k not in known},
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"malformed KV thresholds file: missing or bad field {exc}") from exc
+
+
+def load(path: str | Path, model: ModelIdentity | None = None) -> KVThresholds:
+    """Read a thresholds file; when ``model`` is given, check it was calibrated for that model."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"KV thresholds file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    thresholds = parse(data)
+    if model is not None:
+        thresholds.model.check_matches(model)
+    return thresholds
+
+
+def for_model(path: str | Path | None, model: ModelIdentity, is_default_model: bool) -> KVThresholds:
+    """The thresholds an engine uses: ``path``, or the file shipped for the embedded default model."""
+    if path is None:
+        if not is_default_model:
+            raise ValueError("kv_cache_dtype='oaken' needs thresholds calibrated for this model: run "
+                             "`kvmosaic calibrate-kv --model M --out FILE` and pass kv_thresholds=FILE")
+        path = DEFAULT_MODEL_THRESHOLDS
+    return load(path, model)

@@ -1,0 +1,76 @@
+"""Perplexity harness, built-in corpora and the calibrate-kv / eval-ppl commands."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvmosaic.eval.corpus import calibration_text, eval_text
+from kvmosaic.eval.harness import EvalModel
+from kvmosaic.eval.ppl import perplexity, tokenize_windows
+from kvmosaic.model.llama import LlamaForCausalLM
+from kvmosaic.quant.format import KVFormat
+
+
+def test_corpora_are_prose_and_disjoint():
+    evaluation, calibration = eval_text(), calibration_text()
+    assert len(evaluation) > 400_000 and len(calibration) > 100_000
+    paragraphs = [p for p in calibration.split("\n\n") if len(p) > 120]
+    assert len(paragraphs) > 200
+    assert not any(p[:120] in evaluation for p in paragraphs)  # never evaluate on calibration text
+    assert evaluation.count(" the ") > 2000 and calibration.count(" the ") > 1000
+
+
+@pytest.fixture(scope="module")
+def em(default_model) -> EvalModel:
+    model = LlamaForCausalLM(default_model.config, default_model.weights, max_positions=1024)
+    return EvalModel(default_model, model.eval(), torch.float32, True)
+
+
+@pytest.fixture(scope="module")
+def windows(em) -> list[list[int]]:
+    return tokenize_windows(em, eval_text(), 192, 384)
+
+
+def test_chunking_does_not_change_unquantized_perplexity(em, windows):
+    whole = perplexity(em, windows, "auto", chunk=192)
+    chunked = perplexity(em, windows, "auto", chunk=48)
+    assert whole.num_tokens == chunked.num_tokens == 2 * 191
+    assert chunked.mean_nll == pytest.approx(whole.mean_nll, abs=1e-4)
+    assert 2 < whole.perplexity < 100
+
+
+def test_quantized_perplexity_ordering(em, windows):
+    auto = perplexity(em, windows, "auto", chunk=64)
+    int8 = perplexity(em, windows, "int8", chunk=64)
+    int4 = perplexity(em, windows, "int4", chunk=64)
+    assert abs(int8.perplexity / auto.perplexity - 1) < 0.005
+    assert int4.perplexity > int8.perplexity
+    assert (int8.bits_per_value, int4.bits_per_value) == (8.5, 4.5) and auto.bits_per_value == 32
+
+
+@pytest.mark.slow
+def test_calibrate_then_eval_ppl_commands(tmp_path, default_model_path):
+    out = tmp_path / "thr.json"
+    cli = [sys.executable, "-m", "kvmosaic.entrypoints.cli"]
+    proc = subprocess.run(cli + ["calibrate-kv", "--num-prompts", "4", "--prompt-len", "32", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["num_prompts"] == 4 and len(data["layers"]) == 30
+    proc = subprocess.run(cli + ["eval-ppl", "--kv-cache-dtype", "auto", "--kv-cache-dtype", "oaken", "--kv-thresholds",
+                                 str(out), "--max-tokens", "129", "--window", "129", "--chunk", "32", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["kv_cache_dtype"]: r for r in json.loads(proc.stdout)["results"]}
+    assert rows["auto"]["tokens"] == rows["oaken"]["tokens"] == 128
+    assert math.isfinite(rows["oaken"]["perplexity"])
+    assert rows["oaken"]["bits_per_value"] == KVFormat("oaken", 3, 64, data["sparse_capacity"]).bits_per_value
+    bad = subprocess.run(cli + ["eval-ppl", "--kv-cache-dtype", "oaken", "--kv-thresholds", str(tmp_path / "x.json"),
+                                "--max-tokens", "64"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not found" in bad.stderr

@@ -1,0 +1,157 @@
+"""Quantized paged attention: the C++ kernels against the PyTorch reference, and both against
+dense attention over the dequantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmosaic.model.layers import quant_attention
+from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.model.layers.quant_attention import (
+    MODE_IDS,
+    QuantizedKVLayer,
+    dequantize_blocks,
+    paged_attention_quantized,
+    rotate_and_cache_quantized,
+    write_quantized,
+)
+from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.ops import get_quant_ops
+from kvmosaic.quant.codec import decode_rows, encode_rows
+from kvmosaic.quant.format import KVFormat
+
+HQ, HK, D, BS = 9, 3, 64, 4
+THR = (torch.tensor([-2.2, -0.06, 0.05, 2.0]), torch.tensor([-1.8, -0.04, 0.04, 1.9]))
+needs_kernels = pytest.mark.skipif(get_quant_ops() is None, reason="quantized KV kernels not built")
+
+
+def _layer(mode: str, num_blocks: int = 48) -> QuantizedKVLayer:
+    fmt = KVFormat(mode, HK, D, 7 if mode == "oaken" else 0)
+    pools = torch.zeros(2, num_blocks, BS, fmt.record_bytes, dtype=torch.uint8)
+    layer = QuantizedKVLayer(pools[0], pools[1], fmt)
+    if mode == "oaken":
+        layer.k_thresholds, layer.v_thresholds = THR
+    return layer
+
+
+def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, HK, D, generator=gen)
+    k[:, :, 3] *= 6  # a large channel, like real keys
+    return k, torch.randn(n, HK, D, generator=gen)
+
+
+@pytest.fixture(params=["reference", pytest.param("kernels", marks=needs_kernels)])
+def path(request, monkeypatch):
+    if request.param == "reference":
+        monkeypatch.setattr(quant_attention, "get_quant_ops", lambda: None)
+        monkeypatch.setattr(quant_attention, "get_ops", lambda: None)
+    return request.param
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_write_and_dequantize_are_bit_exact(mode, dtype):
+    layer = _layer(mode)
+    k, v = (t.to(dtype) for t in _rows(50, 0))
+    slots = torch.randperm(layer.k_pool.shape[0] * BS, generator=torch.Generator().manual_seed(1))[:50]
+    folded = get_quant_ops().quant_write(k, v, layer.k_pool, layer.v_pool, slots, *layer.args(),
+                                         layer.k_thresholds, layer.v_thresholds)
+    ref_k, folded_k = encode_rows(k, layer.fmt, layer.k_thresholds if mode == "oaken" else None)
+    ref_v, folded_v = encode_rows(v, layer.fmt, layer.v_thresholds if mode == "oaken" else None)
+    assert torch.equal(layer.k_pool.view(-1, layer.fmt.record_bytes)[slots], ref_k)
+    assert torch.equal(layer.v_pool.view(-1, layer.fmt.record_bytes)[slots], ref_v)
+    assert folded == int(folded_k + folded_v)
+    blocks = torch.arange(layer.k_pool.shape[0])
+    kernel = get_quant_ops().dequantize_blocks(layer.k_pool, blocks, *layer.args(), layer.k_thresholds, dtype)
+    thr = layer.k_thresholds if mode == "oaken" else None
+    expected = decode_rows(layer.k_pool.view(-1, layer.fmt.record_bytes), layer.fmt, thr).to(dtype)
+    assert torch.equal(kernel.view(-1, HK, D), expected)
+
+
+def _dense(q, k, v, start):
+    g = HQ // HK
+    k, v = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
+    scores = torch.einsum("nhd,thd->hnt", q.double(), k) * D**-0.5
+    mask = torch.arange(k.shape[0])[None, :] <= (start + torch.arange(q.shape[0]))[:, None]
+    return torch.einsum("hnt,thd->nhd", scores.masked_fill(~mask[None], float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_matches_dense_attention_over_dequantized_kv(path, mode, dtype):
+    """Two decodes (contexts crossing the 16-key tiles) and two prefill chunks, shuffled blocks."""
+    layer = _layer(mode)
+    seqs = [(37, 1), (2, 1), (0, 7), (9, 6)]  # (cached, new)
+    free = torch.randperm(layer.k_pool.shape[0], generator=torch.Generator().manual_seed(2)).tolist()
+    tables = [[free.pop() for _ in range(-(-(c + n) // BS))] for c, n in seqs]
+    history = []
+    for (cached, _), table in zip(seqs, tables):
+        k, v = _rows(cached, 10 + cached)
+        write_quantized(layer, k.to(dtype), v.to(dtype),
+                        torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)], dtype=torch.long))
+        history.append((k, v))
+    total = sum(n for _, n in seqs)
+    q = torch.randn(total, HQ, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    k_new, v_new = _rows(total, 4)
+    slots, prefills, offset = [], [], 0
+    for (cached, new), table in zip(seqs, tables):
+        slots += [table[p // BS] * BS + p % BS for p in range(cached, cached + new)]
+        if new > 1:
+            prefills.append(PrefillSpan(offset, new, cached + new, torch.tensor(table),
+                                        build_causal_mask(cached, new, HQ // HK)))
+        offset += new
+    width = max(len(t) for t in tables[:2])
+    lens = torch.tensor([c + n for c, n in seqs[:2]])
+    meta = AttentionMetadata(torch.tensor(slots), 2, torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]]),
+                             (torch.arange(width * BS)[None, :] < lens[:, None])[:, None, None, :], prefills,
+                             decode_context_lens=lens)
+    write_quantized(layer, k_new.to(dtype), v_new.to(dtype), meta.slot_mapping)
+    out = paged_attention_quantized(q, layer, meta, D**-0.5).double()
+    k_all = dequantize_blocks(layer.k_pool, torch.arange(layer.k_pool.shape[0]), layer, layer.k_thresholds,
+                              torch.float32).view(-1, HK, D)
+    v_all = dequantize_blocks(layer.v_pool, torch.arange(layer.v_pool.shape[0]), layer, layer.v_thresholds,
+                              torch.float32).view(-1, HK, D)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    offset = 0
+    for (cached, new), table in zip(seqs, tables):
+        ctx_slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(cached + new)], dtype=torch.long)
+        sl = slice(offset, offset + new)
+        ref = _dense(q[sl].float(), k_all[ctx_slots], v_all[ctx_slots], cached)
+        torch.testing.assert_close(out[sl], ref, atol=tol, rtol=tol)
+        offset += new
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int8", "oaken"])
+def test_long_decode_kernel_matches_reference(mode, monkeypatch):
+    layer = _layer(mode, num_blocks=200)
+    lens = [1, 16, 17, 300, 511]
+    tables = torch.randint(0, 200, (5, 128), generator=torch.Generator().manual_seed(5))
+    k, v = _rows(200 * BS, 6)
+    write_quantized(layer, k, v, torch.arange(200 * BS))
+    q = torch.randn(5, HQ, D, generator=torch.Generator().manual_seed(7))
+    mask = (torch.arange(128 * BS)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 5, tables, mask, decode_context_lens=torch.tensor(lens))
+    fast = paged_attention_quantized(q, layer, meta, D**-0.5)
+    monkeypatch.setattr(quant_attention, "get_quant_ops", lambda: None)
+    slow = paged_attention_quantized(q, layer, meta, D**-0.5)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_rotate_and_cache_quantized_writes_the_rotated_keys(path):
+    layer = _layer("int8", num_blocks=8)
+    rotary = RotaryEmbedding(D, 64, 10000.0, None)
+    qkv = torch.randn(5, (HQ + 2 * HK) * D, generator=torch.Generator().manual_seed(8))
+    positions = torch.tensor([0, 1, 2, 30, 31])
+    slots = torch.tensor([3, 9, 10, 20, 31])
+    meta = AttentionMetadata(slots, 0, None, None, positions=positions)
+    q = rotate_and_cache_quantized(qkv, rotary, layer, meta, HQ, HK)
+    q_ref, k_ref = rotary.apply(rotary.tables(positions), qkv[:, : HQ * D].reshape(5, HQ, D),
+                                qkv[:, HQ * D: (HQ + HK) * D].reshape(5, HK, D))
+    torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
+    records = layer.k_pool.view(-1, layer.fmt.record_bytes)[slots]
+    assert torch.equal(records, encode_rows(k_ref, layer.fmt)[0])
+    assert MODE_IDS[layer.fmt.mode] == 0

@@ -1,0 +1,111 @@
+"""The engine with a quantized KV cache: block budget, block moves, greedy output, preemption,
+prefix caching and copy-on-write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmosaic import LLM, SamplingParams
+from kvmosaic.config import CacheConfig, ModelConfig
+from kvmosaic.worker.kv_cache import KVCache
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "In the beginning of the twentieth century, physics was transformed by two theories: relativity and",
+    "In the beginning of the twentieth century, physics was transformed by two theories: quantum mechanics and",
+    "1, 2, 3, 4, 5,",
+]
+SMOL = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3)
+
+
+def _greedy(n: int = 16) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("mode,record_bytes", [("int8", 204), ("int4", 108)])
+def test_budget_buys_proportionally_more_blocks(mode, record_bytes):
+    budget = 64 * 2**20
+    auto = KVCache(SMOL, CacheConfig(kv_cache_memory=budget, swap_space=0), torch.float32)
+    quant = KVCache(SMOL, CacheConfig(kv_cache_memory=budget, swap_space=0, kv_cache_dtype=mode), torch.float32)
+    assert auto.bytes_per_block == 30 * 2 * 16 * 3 * 64 * 4
+    assert quant.bytes_per_block == 30 * 2 * 16 * record_bytes
+    assert quant.num_blocks == budget // quant.bytes_per_block
+    assert quant.num_blocks / auto.num_blocks == pytest.approx(768 / record_bytes, rel=0.01)
+    assert quant.device_pool.dtype == torch.uint8 and quant.device_pool.shape[-1] == record_bytes
+    assert quant.device_pool.numel() <= budget
+
+
+def test_swap_and_copy_move_whole_records():
+    cache = KVCache(SMOL, CacheConfig(num_blocks=6, num_host_blocks=4, kv_cache_dtype="int4"), torch.float32)
+    cache.device_pool.random_(0, 256, generator=torch.Generator().manual_seed(0))
+    block2 = cache.device_pool[:, :, 2].clone()
+    cache.swap_out([(2, 3)])
+    assert torch.equal(cache.host_pool[:, :, 3], block2)
+    cache.swap_in([(3, 5)])
+    cache.copy([(5, 0)])
+    assert torch.equal(cache.device_pool[:, :, 0], block2) and torch.equal(cache.device_pool[:, :, 5], block2)
+    assert cache.layers[7].k_pool.data_ptr() == cache.device_pool[7, 0].data_ptr()  # layers are views
+
+
+@pytest.fixture(scope="module")
+def auto_llm(cached_loader) -> LLM:
+    return LLM(dtype="float32", kv_cache_memory="64MiB")
+
+
+@pytest.mark.slow
+def test_int8_greedy_equals_auto_for_16_tokens(cached_loader, auto_llm):
+    int8 = LLM(dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype="int8")
+    prompt = "The capital of France is"
+    assert _tokens(int8.generate(prompt, _greedy(16))) == _tokens(auto_llm.generate(prompt, _greedy(16)))
+
+
+@pytest.fixture(scope="module", params=["int8", "oaken"])
+def quant_reference(request, cached_loader):
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype=request.param)
+    return request.param, llm, _tokens(llm.generate(PROMPTS, _greedy()))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_blocks=10, block_size=4),
+    dict(num_blocks=10, block_size=4, preemption_mode="swap", num_host_blocks=64),
+], ids=["recompute", "swap"])
+def test_preemption_keeps_quantized_greedy_output(quant_reference, kwargs):
+    mode, _, reference = quant_reference
+    small = LLM(dtype="float32", kv_cache_dtype=mode, **kwargs)
+    assert _tokens(small.generate(PROMPTS, _greedy())) == reference
+    stats = small.engine.stats()
+    if "num_blocks" in kwargs:
+        assert stats["num_preemptions"] > 0
+    assert small.engine.kv_manager.num_used_blocks == 0
+
+
+def test_prefix_cache_hits_reuse_quantized_blocks(quant_reference):
+    _, llm, _ = quant_reference
+    prompt = PROMPTS[2] * 3
+    before = llm.engine.stats()["prefix_cache_hits"]
+    first = llm.generate(prompt, _greedy(8))[0]
+    second = llm.generate(prompt, _greedy(8))[0]
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.stats()["prefix_cache_hits"] > before
+    assert second.metrics.num_cached_tokens >= len(second.prompt_token_ids) - 16
+
+
+def test_forked_samples_copy_quantized_blocks(quant_reference):
+    _, llm, reference = quant_reference
+    # n samples share the prompt's blocks and copy the partial one on write; top_k=1 makes each one greedy,
+    # so every sample must equal the single greedy run
+    params = SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True)
+    out = llm.generate(PROMPTS[1], params)[0]
+    assert [c.token_ids for c in out.outputs] == [reference[1]] * 3
+    assert llm.engine.kv_manager.num_used_blocks == 0
+
+
+def test_unknown_kv_cache_dtype_is_rejected():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="fp8")
