@@ -4,6 +4,7 @@ manager and the model runner, and holds no tensors itself."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -57,6 +58,10 @@ class Engine:
                     loaded.config.name or loaded.config.architecture, self.kv_cache.num_blocks,
                     config.cache.block_size, self.kv_cache.num_host_blocks, config.cache.kv_cache_dtype,
                     self.kv_cache.bits_per_value)
+        # Everything built so far (weights, tokenizer tables, modules) lives as long as the engine:
+        # keep it out of the cyclic collector's full passes, which otherwise stall random steps.
+        gc.collect()
+        gc.freeze()
 
     @property
     def max_model_len(self) -> int:
