@@ -73,6 +73,14 @@ def test_batching_does_not_change_greedy_output(cached_loader, reference, kwargs
     assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0
 
 
+def test_lone_chunked_prefill_samples_nothing_until_its_last_chunk(llm):
+    """One request prefilled in 64-token chunks: the first steps hold only a non-final chunk, so the
+    LM head sees zero rows (the decode-size GEMV path must not be taken), then it decodes as usual."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 20
+    lone = LLM(dtype="float32", kv_cache_memory="64MiB", max_num_seqs=1, max_num_batched_tokens=64)
+    assert _tokens(lone.generate(prompt, _greedy(8))) == _tokens(llm.generate(prompt, _greedy(8)))
+
+
 def test_prefix_cache_hits_and_same_output(llm):
     prompt = PROMPTS[4] * 3
     before = llm.engine.stats()["prefix_cache_hits"]

@@ -69,7 +69,7 @@ def test_linear_uses_gemv_for_decode_rows_only(dtype):
     kernel = layer.gemv
     layer.gemv = lambda x, weight: calls.append(x.shape[0]) or kernel(x, weight)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5):
+    for rows in (0, 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5):  # 0 rows: a step that samples nothing
         x = torch.randn(rows, 96).to(dtype)
         ref = torch.nn.functional.linear(x.double(), w.double(), layer.bias.double())
         torch.testing.assert_close(layer(x).double(), ref, atol=tol * 5, rtol=tol)

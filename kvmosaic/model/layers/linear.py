@@ -47,7 +47,7 @@ class Linear(nn.Module):
         self.onednn = weight.dtype == torch.float32 and weight.device.type == "cpu" and _has_onednn_linear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        if self.gemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
             out = self.gemv(x, self.weight)
             return out if self.bias is None else out + self.bias
         if self.onednn:
