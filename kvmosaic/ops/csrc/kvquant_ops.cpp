@@ -1,6 +1,7 @@
 // Kernels for the quantized KV cache (int8, int4, Oaken): quantize-and-write of new K/V rows,
-// dequantization of whole blocks (prefill), and decode attention that dequantizes each K/V head
-// vector on the fly while reading its block in place. The byte layout is the one documented in
+// dequantization of whole blocks (prefill), and decode attention that reads the blocks in place
+// (AVX-512: 16-token tiles, codes widened in registers, for head_dim 64 / 128; else a scalar
+// kernel that dequantizes each head vector into a small buffer). The byte layout is the one documented in
 // kvmosaic/quant/format.py and kvmosaic/quant/oaken.py; encoding matches the PyTorch reference bit
 // for bit (same float32 operation order, fp16 rounding to nearest even, ties-to-even codes).
 #include <torch/extension.h>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -211,6 +213,24 @@ inline OakenScales read_scales(const uint8_t* rec) {
   return {read_half(rec), read_half(rec + 2), read_half(rec + 4), read_half(rec + 6)};
 }
 
+// Oaken's sparse entries of head h written over its dense values in dst[0, d).
+inline void patch_sparse(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, const OakenScales& sc,
+                         const uint8_t* dense, float* dst) {
+  const uint8_t* list = rec + f.sparse_offset + h * f.sparse_bytes;
+  const int64_t count = list[0];
+  const int64_t index_mask = (int64_t{1} << f.index_bits) - 1;
+  // Branch-free patch, by (group, sign): value = base + code * (+-scale), the same float result as
+  // outer_hi + m, outer_lo - m, m and -m with m = code * scale.
+  const float base[4] = {0.f, t.outer_hi, 0.f, t.outer_lo};
+  const float step[4] = {sc.in_s, sc.out_s, -sc.in_s, -sc.out_s};
+  for (int64_t e = 0; e < count; ++e) {
+    const uint8_t* p = list + 1 + e * f.entry_bytes;
+    const int64_t entry = f.entry_bytes == 1 ? p[0] : (p[0] | (p[1] << 8));
+    const int64_t i = entry & index_mask, kind = entry >> f.index_bits;
+    dst[i] = base[kind] + static_cast<float>((dense[i >> 1] >> ((i & 1) * 4)) & 15) * step[kind];
+  }
+}
+
 // One head vector of a record into dst[0, d).
 template <int64_t D = 0>  // D > 0: the head dimension as a compile-time constant (loops unroll)
 inline void decode_head(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, float* __restrict dst) {
@@ -241,19 +261,7 @@ inline void decode_head(const uint8_t* rec, int64_t h, const Format& f, const Th
     dst[2 * j] = y0 + (y0 >= 0.f ? inner_hi : inner_lo);
     dst[2 * j + 1] = y1 + (y1 >= 0.f ? inner_hi : inner_lo);
   }
-  const uint8_t* list = rec + f.sparse_offset + h * f.sparse_bytes;
-  const int64_t count = list[0];
-  const int64_t index_mask = (int64_t{1} << f.index_bits) - 1;
-  // Branch-free patch, by (group, sign): value = base + code * (+-scale), the same float result as
-  // outer_hi + m, outer_lo - m, m and -m with m = code * scale.
-  const float base[4] = {0.f, t.outer_hi, 0.f, t.outer_lo};
-  const float step[4] = {sc.in_s, sc.out_s, -sc.in_s, -sc.out_s};
-  for (int64_t e = 0; e < count; ++e) {
-    const uint8_t* p = list + 1 + e * f.entry_bytes;
-    const int64_t entry = f.entry_bytes == 1 ? p[0] : (p[0] | (p[1] << 8));
-    const int64_t i = entry & index_mask, kind = entry >> f.index_bits;
-    dst[i] = base[kind] + static_cast<float>((dense[i >> 1] >> ((i & 1) * 4)) & 15) * step[kind];
-  }
+  patch_sparse(rec, h, f, t, sc, dense, dst);
 }
 
 // exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (rel. error < 2e-7).
@@ -351,6 +359,314 @@ void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t*
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// ------------------------------------------------ decode attention, AVX-512 (head_dim 64 or 128)
+//
+// One work item is one sequence; each tile of 16 tokens is read once for all KV heads (a record
+// holds every head of a slot). int8 / int4 are affine per token, so they are not dequantized:
+// q . (lo + s c) = lo * sum(q) + s * (q . c) and sum_j p_j (lo_j + s_j c_j) = sum_j p_j lo_j +
+// sum_j (p_j s_j) c_j, with the codes c widened to float in registers. Oaken rows are dequantized
+// (dense codes with vector ops, then the sparse entries) through a one-row L1 buffer.
+
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 bytes_to_float(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+
+// 32 four-bit codes (16 bytes, element 2i in the low nibble of byte i) as two vectors of floats.
+inline void nibbles32(const uint8_t* p, __m512* r) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  r[0] = bytes_to_float(_mm_unpacklo_epi8(lo, hi));
+  r[1] = bytes_to_float(_mm_unpackhi_epi8(lo, hi));
+}
+
+// Oaken row of head_dim 64 (one-byte sparse entries) in registers. Every code has 16 levels, so
+// each group's decoded values are a 16-entry table built once per row (the same float operations
+// as decode_head and patch_sparse); the sparse entries become bit masks over the 64 lanes that pick
+// the table of each lane, and the nibbles index the tables directly.
+inline void load_oaken64(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, __m512* r) {
+  const OakenScales sc = read_scales(rec + h * kOakenHeader);
+  const uint8_t* dense = rec + kOakenHeader * f.hk + h * 32;
+  const uint8_t* list = rec + f.sparse_offset + h * f.sparse_bytes;
+  uint64_t any = 0, outer = 0, neg = 0;
+  for (int64_t e = 1; e <= list[0]; ++e) {
+    const uint64_t bit = uint64_t{1} << (list[e] & 63);
+    any |= bit, outer |= bit & (0 - uint64_t{(list[e] >> 6) & 1u}), neg |= bit & (0 - uint64_t{list[e] >> 7});
+  }
+  const __m512 level = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 y = _mm512_add_ps(_mm512_set1_ps(sc.mid_lo), _mm512_mul_ps(level, _mm512_set1_ps(sc.mid_s)));
+  const __mmask16 nonneg = _mm512_cmp_ps_mask(y, zero, _CMP_GE_OQ);
+  const __m512 middle = _mm512_add_ps(y, _mm512_mask_blend_ps(nonneg, _mm512_set1_ps(t.inner_lo), _mm512_set1_ps(t.inner_hi)));
+  const __m512 inner_mag = _mm512_mul_ps(level, _mm512_set1_ps(sc.in_s));
+  const __m512 outer_mag = _mm512_mul_ps(level, _mm512_set1_ps(sc.out_s));
+  const __m512 inner_pos = _mm512_add_ps(zero, inner_mag), inner_neg = _mm512_sub_ps(zero, inner_mag);
+  const __m512 outer_pos = _mm512_add_ps(_mm512_set1_ps(t.outer_hi), outer_mag);
+  const __m512 outer_neg = _mm512_sub_ps(_mm512_set1_ps(t.outer_lo), outer_mag);
+  const uint64_t masks[4] = {any & ~outer & ~neg, any & ~outer & neg, outer & ~neg, outer & neg};
+  const __m128i raw0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dense));
+  const __m128i raw1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dense + 16));
+  const __m128i high0 = _mm_srli_epi16(raw0, 4), high1 = _mm_srli_epi16(raw1, 4);
+  const __m128i nib[4] = {_mm_unpacklo_epi8(raw0, high0), _mm_unpackhi_epi8(raw0, high0),
+                          _mm_unpacklo_epi8(raw1, high1), _mm_unpackhi_epi8(raw1, high1)};
+  for (int c = 0; c < 4; ++c) {
+    const __m512i code = _mm512_cvtepu8_epi32(nib[c]);  // permutes read the low four bits only
+    __m512 v = _mm512_permutexvar_ps(code, middle);
+    v = _mm512_mask_permutexvar_ps(v, static_cast<__mmask16>(masks[0] >> (16 * c)), code, inner_pos);
+    v = _mm512_mask_permutexvar_ps(v, static_cast<__mmask16>(masks[1] >> (16 * c)), code, inner_neg);
+    v = _mm512_mask_permutexvar_ps(v, static_cast<__mmask16>(masks[2] >> (16 * c)), code, outer_pos);
+    r[c] = _mm512_mask_permutexvar_ps(v, static_cast<__mmask16>(masks[3] >> (16 * c)), code, outer_neg);
+  }
+}
+
+// One head vector into r[NC]: int8 / int4 codes as floats with their (lo, scale), or Oaken's
+// dequantized values (lo = 0, scale = 1 are then not used).
+template <int NC, int64_t MODE>
+inline void load_row(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, __m512* r, float* lo,
+                     float* s, float* buf) {
+  if constexpr (MODE == kInt8) {
+    const uint8_t* p = rec + h * (kIntHeader + NC * 16);
+    *lo = read_half(p), *s = read_half(p + 2);
+    for (int c = 0; c < NC; ++c) r[c] = bytes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kIntHeader + 16 * c)));
+  } else if constexpr (MODE == kInt4) {
+    const uint8_t* p = rec + h * (kIntHeader + NC * 8);
+    *lo = read_half(p), *s = read_half(p + 2);
+    for (int c = 0; c < NC; c += 2) nibbles32(p + kIntHeader + 8 * c, r + c);
+  } else if constexpr (NC == 4) {
+    load_oaken64(rec, h, f, t, r);
+  } else {
+    const OakenScales sc = read_scales(rec + h * kOakenHeader);
+    const uint8_t* dense = rec + kOakenHeader * f.hk + h * (NC * 8);
+    const __m512 mid_lo = _mm512_set1_ps(sc.mid_lo), mid_s = _mm512_set1_ps(sc.mid_s);
+    const __m512 inner_lo = _mm512_set1_ps(t.inner_lo), inner_hi = _mm512_set1_ps(t.inner_hi);
+    for (int c = 0; c < NC; c += 2) nibbles32(dense + 8 * c, r + c);
+    for (int c = 0; c < NC; ++c) {
+      const __m512 y = _mm512_add_ps(mid_lo, _mm512_mul_ps(r[c], mid_s));  // multiply, then add: as encoded
+      const __mmask16 nonneg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GE_OQ);
+      _mm512_storeu_ps(buf + 16 * c, _mm512_add_ps(y, _mm512_mask_blend_ps(nonneg, inner_lo, inner_hi)));
+    }
+    patch_sparse(rec, h, f, t, sc, dense, buf);
+    for (int c = 0; c < NC; ++c) r[c] = _mm512_loadu_ps(buf + 16 * c);
+  }
+}
+
+// Lane sums of 16 vectors at once by a transpose-and-add tree: lane j of the result sums
+// v[kLaneSlot[j]], so the caller stores row j's partial products there.
+constexpr int kLaneSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// exp(x), x <= 0, on 16 lanes: exp_le0's reduction and polynomial, scaled by 2^n with scalef.
+inline __m512 exp16_le0(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  for (float coef : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Running softmax of one query head over tiles of 16 scores. The reference point moves (and the
+// caller rescales its accumulators by *corr) only when a score passes it by more than kSlack, so
+// most tiles skip the rescale; exp(s - ref) stays below e^8 meanwhile.
+struct TileSoftmax {
+  static constexpr float kSlack = 8.f;
+  float ref = -std::numeric_limits<float>::infinity();
+  __m512 sum = _mm512_setzero_ps();
+
+  __m512 update(__m512 scores, __mmask16 valid, float* corr) {
+    const float tile_max = _mm512_mask_reduce_max_ps(valid, scores);
+    *corr = 1.f;
+    if (tile_max > ref + kSlack) {
+      *corr = ref == -std::numeric_limits<float>::infinity() ? 0.f : exp_le0(ref - tile_max);
+      sum = _mm512_mul_ps(sum, _mm512_set1_ps(*corr));
+      ref = tile_max;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16_le0(_mm512_sub_ps(scores, _mm512_set1_ps(ref))));
+    sum = _mm512_add_ps(sum, p);
+    return p;
+  }
+};
+
+// Per-sequence state: the scaled queries (and their sums) in registers, and per query head the
+// value accumulator, the sum_j p_j lo_j lanes (int modes) and the running softmax.
+template <int NC>
+struct SequenceState {
+  std::vector<__m512> q, acc, bias;
+  std::vector<float> q_sum, probs;
+  std::vector<TileSoftmax> softmax;
+  explicit SequenceState(int64_t hq) : q(hq * NC), acc(hq * NC), bias(hq), q_sum(hq), probs(hq * 16), softmax(hq) {}
+
+  template <typename T>
+  void reset(const T* qp, int64_t hq, float scale) {
+    for (int64_t h = 0; h < hq; ++h) {
+      __m512 s = _mm512_setzero_ps();
+      for (int c = 0; c < NC; ++c) {
+        q[h * NC + c] = _mm512_mul_ps(widen16(qp + h * NC * 16 + c * 16), _mm512_set1_ps(scale));
+        s = _mm512_add_ps(s, q[h * NC + c]), acc[h * NC + c] = _mm512_setzero_ps();
+      }
+      q_sum[h] = _mm512_reduce_add_ps(s), bias[h] = _mm512_setzero_ps(), softmax[h] = TileSoftmax();
+    }
+  }
+};
+
+// One KV head over one tile of n <= 16 tokens (records at offsets): scores, softmax, values.
+template <int NC, int64_t MODE>
+inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* vp, const int64_t* offsets, int64_t n,
+                      int64_t kh, int64_t group, const Format& f, const Thresholds& kt, const Thresholds& vt,
+                      __m512* part, float* buf) {
+  constexpr bool kAffine = MODE != kOaken;
+  alignas(64) float lo[16] = {}, s[16] = {};
+  __m512 row[NC];
+  for (int64_t j = 0; j < 16; ++j) {
+    if (j >= n) {
+      for (int64_t g = 0; g < group; ++g) part[g * 16 + kLaneSlot[j]] = _mm512_setzero_ps();
+      continue;
+    }
+    load_row<NC, MODE>(kp + offsets[j], kh, f, kt, row, lo + j, s + j, buf);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512* q = st.q.data() + (kh * group + g) * NC;
+      __m512 d = _mm512_mul_ps(q[0], row[0]);
+      for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], row[c], d);
+      part[g * 16 + kLaneSlot[j]] = d;
+    }
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = kh * group + g;
+    __m512 scores = lane_sums16(part + g * 16);
+    if (kAffine)
+      scores = _mm512_fmadd_ps(_mm512_load_ps(lo), _mm512_set1_ps(st.q_sum[h]), _mm512_mul_ps(_mm512_load_ps(s), scores));
+    float corr;
+    const __m512 p = st.softmax[h].update(scores, valid, &corr);
+    if (corr != 1.f) {
+      for (int c = 0; c < NC; ++c) st.acc[h * NC + c] = _mm512_mul_ps(st.acc[h * NC + c], _mm512_set1_ps(corr));
+      st.bias[h] = _mm512_mul_ps(st.bias[h], _mm512_set1_ps(corr));
+    }
+    _mm512_storeu_ps(st.probs.data() + h * 16, p);
+  }
+  // values: acc[h] += w_j * row_j with w = p * s (int modes; bias[h] += p * lo) or w = p (Oaken),
+  // a few heads at a time with their accumulators in registers
+  constexpr int64_t HB = NC <= 4 ? 4 : 2;
+  for (int64_t j = 0; j < n; ++j) {
+    load_row<NC, MODE>(vp + offsets[j], kh, f, vt, row, lo + j, s + j, buf);
+    std::memcpy(buf + (1 + j) * NC * 16, row, sizeof(row));
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += HB) {
+    const int64_t h0 = kh * group + g0, hn = std::min(HB, group - g0);
+    __m512 a[HB][NC];
+    alignas(64) float w[HB][16];
+    for (int64_t i = 0; i < hn; ++i) {
+      const __m512 p = _mm512_loadu_ps(st.probs.data() + (h0 + i) * 16);
+      _mm512_store_ps(w[i], kAffine ? _mm512_mul_ps(p, _mm512_load_ps(s)) : p);
+      if (kAffine) st.bias[h0 + i] = _mm512_fmadd_ps(p, _mm512_load_ps(lo), st.bias[h0 + i]);
+      for (int c = 0; c < NC; ++c) a[i][c] = st.acc[(h0 + i) * NC + c];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = buf + (1 + j) * NC * 16;
+      __m512 vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int64_t i = 0; i < HB; ++i) {
+        if (i >= hn) break;
+        const __m512 wj = _mm512_set1_ps(w[i][j]);
+        for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(wj, vv[c], a[i][c]);
+      }
+    }
+    for (int64_t i = 0; i < hn; ++i)
+      for (int c = 0; c < NC; ++c) st.acc[(h0 + i) * NC + c] = a[i][c];
+  }
+}
+
+template <typename T, int NC, int64_t MODE>
+void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                             const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
+                             const Thresholds& vt, double scale, at::Tensor& out) {
+  constexpr int64_t D = NC * 16;
+  const int64_t batch = q.size(0), hq = q.size(1), group = hq / f.hk, width = tables.size(1);
+  const int64_t bs = k_pool.size(1);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const uint8_t* kp = k_pool.data_ptr<uint8_t>();
+  const uint8_t* vp = v_pool.data_ptr<uint8_t>();
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    SequenceState<NC> st(hq);
+    std::vector<__m512> part(group * 16);
+    std::vector<float> buf(17 * D);  // row 0: the Oaken row being decoded; rows 1..16: the tile's values
+    int64_t offsets[16];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t ctx = ln[b];
+      const int64_t* table = tb + b * width;
+      auto offset_of = [&](int64_t t) { return (table[t / bs] * bs + t % bs) * f.record; };
+      st.reset(qp + b * hq * D, hq, static_cast<float>(scale));
+      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, ctx - t0);
+        for (int64_t j = 0; j < n; ++j) offsets[j] = offset_of(t0 + j);
+        for (int64_t t = t0 + 16; t < std::min(ctx, t0 + 32); ++t) {  // the next tile's records
+          const int64_t o = offset_of(t);
+          for (int64_t off = 0; off < f.record; off += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kp + o + off), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vp + o + off), _MM_HINT_T0);
+          }
+        }
+        for (int64_t kh = 0; kh < f.hk; ++kh)
+          tile_head<NC, MODE>(st, kp, vp, offsets, n, kh, group, f, kt, vt, part.data(), buf.data());
+      }
+      for (int64_t h = 0; h < hq; ++h) {
+        const float inv = 1.f / _mm512_reduce_add_ps(st.softmax[h].sum);
+        const __m512 bias = _mm512_set1_ps(_mm512_reduce_add_ps(st.bias[h]));
+        alignas(64) float o[D];
+        for (int c = 0; c < NC; ++c) _mm512_store_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(st.acc[h * NC + c], bias), _mm512_set1_ps(inv)));
+        for (int64_t i = 0; i < D; ++i) op[(b * hq + h) * D + i] = static_cast<T>(o[i]);
+      }
+    }
+  });
+}
+
+// The AVX-512 kernel for head_dim 64 / 128; false when it does not apply.
+template <typename T>
+bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
+                           const Thresholds& vt, double scale, at::Tensor& out) {
+  auto run = [&](auto nc) {
+    constexpr int NC = decltype(nc)::value;
+    if (f.mode == kInt8) decode_attention_avx512<T, NC, kInt8>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+    if (f.mode == kInt4) decode_attention_avx512<T, NC, kInt4>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+    if (f.mode == kOaken) decode_attention_avx512<T, NC, kOaken>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+    return true;
+  };
+  if (f.d == 64) return run(std::integral_constant<int, 4>());
+  if (f.d == 128) return run(std::integral_constant<int, 8>());
+  return false;
+}
+#else
+template <typename T>
+bool decode_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const Format&, const Thresholds&, const Thresholds&, double,
+                           at::Tensor&) {
+  return false;
+}
+#endif
+
 void check_pool(const at::Tensor& pool, const Format& f) {
   TORCH_CHECK(pool.scalar_type() == at::kByte && pool.is_contiguous() && pool.dim() == 3,
               "quantized KV pool must be contiguous uint8 [num_blocks, block_size, record_bytes]");
@@ -411,6 +727,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const 
   const uint8_t* vp = v_pool.data_ptr<uint8_t>();
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
+  if (decode_attention_fast<T>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out)) return;
   at::parallel_for(0, batch * f.hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(2 * group * f.d + kTile * f.d + group * kTile + 2 * group);
     for (int64_t item = begin; item < end; ++item) {
