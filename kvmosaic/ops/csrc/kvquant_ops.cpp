@@ -6,6 +6,8 @@
 // for bit (same float32 operation order, fp16 rounding to nearest even, ties-to-even codes).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "simd.h"
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -18,6 +20,8 @@
 #include <vector>
 
 namespace {
+
+using namespace kvmosaic_simd;
 
 enum Mode : int64_t { kInt8 = 0, kInt4 = 1, kOaken = 2 };
 constexpr int64_t kIntHeader = 4;
@@ -264,24 +268,6 @@ inline void decode_head(const uint8_t* rec, int64_t h, const Format& f, const Th
   patch_sparse(rec, h, f, t, sc, dense, dst);
 }
 
-// exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (rel. error < 2e-7).
-inline float exp_le0(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.4426950408889634f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-
 constexpr int64_t kTile = 16;
 
 // Online-softmax decode attention of one (sequence, KV head): tiles of 16 keys are dequantized
@@ -324,12 +310,12 @@ void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t*
       float tile_max = sc[0];
       for (int64_t j = 1; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
       const float new_max = std::max(run[g], tile_max);
-      const float corr = exp_le0(run[g] - new_max);
+      const float corr = exp_nonpositive(run[g] - new_max);
       float* pr = probs + g * kTile;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < kTile; ++j) {
-        pr[j] = exp_le0(sc[j] - new_max);
+        pr[j] = exp_nonpositive(sc[j] - new_max);
         sum += pr[j];
       }
       for (int64_t j = n; j < kTile; ++j) sum -= pr[j], pr[j] = 0.f;  // exp(-inf) clamps to tiny, not 0
@@ -368,11 +354,6 @@ void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t*
 // sum_j (p_j s_j) c_j, with the codes c widened to float in registers. Oaken rows are dequantized
 // (dense codes with vector ops, then the sparse entries) through a one-row L1 buffer.
 
-inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 inline __m512 bytes_to_float(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 
@@ -455,56 +436,8 @@ inline void load_row(const uint8_t* rec, int64_t h, const Format& f, const Thres
   }
 }
 
-// Lane sums of 16 vectors at once by a transpose-and-add tree: lane j of the result sums
-// v[kLaneSlot[j]], so the caller stores row j's partial products there.
-constexpr int kLaneSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-inline __m512 lane_sums16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
-  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                       _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-}
 
-// exp(x), x <= 0, on 16 lanes: exp_le0's reduction and polynomial, scaled by 2^n with scalef.
-inline __m512 exp16_le0(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  for (float coef : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef));
-  return _mm512_scalef_ps(p, n);
-}
 
-// Running softmax of one query head over tiles of 16 scores. The reference point moves (and the
-// caller rescales its accumulators by *corr) only when a score passes it by more than kSlack, so
-// most tiles skip the rescale; exp(s - ref) stays below e^8 meanwhile.
-struct TileSoftmax {
-  static constexpr float kSlack = 8.f;
-  float ref = -std::numeric_limits<float>::infinity();
-  __m512 sum = _mm512_setzero_ps();
-
-  __m512 update(__m512 scores, __mmask16 valid, float* corr) {
-    const float tile_max = _mm512_mask_reduce_max_ps(valid, scores);
-    *corr = 1.f;
-    if (tile_max > ref + kSlack) {
-      *corr = ref == -std::numeric_limits<float>::infinity() ? 0.f : exp_le0(ref - tile_max);
-      sum = _mm512_mul_ps(sum, _mm512_set1_ps(*corr));
-      ref = tile_max;
-    }
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp16_le0(_mm512_sub_ps(scores, _mm512_set1_ps(ref))));
-    sum = _mm512_add_ps(sum, p);
-    return p;
-  }
-};
 
 // Per-sequence state: the scaled queries (and their sums) in registers, and per query head the
 // value accumulator, the sum_j p_j lo_j lanes (int modes) and the running softmax.
@@ -512,7 +445,7 @@ template <int NC>
 struct SequenceState {
   std::vector<__m512> q, acc, bias;
   std::vector<float> q_sum, probs;
-  std::vector<TileSoftmax> softmax;
+  std::vector<OnlineSoftmax> softmax;
   explicit SequenceState(int64_t hq) : q(hq * NC), acc(hq * NC), bias(hq), q_sum(hq), probs(hq * 16), softmax(hq) {}
 
   template <typename T>
@@ -520,10 +453,10 @@ struct SequenceState {
     for (int64_t h = 0; h < hq; ++h) {
       __m512 s = _mm512_setzero_ps();
       for (int c = 0; c < NC; ++c) {
-        q[h * NC + c] = _mm512_mul_ps(widen16(qp + h * NC * 16 + c * 16), _mm512_set1_ps(scale));
+        q[h * NC + c] = _mm512_mul_ps(load16(qp + h * NC * 16 + c * 16), _mm512_set1_ps(scale));
         s = _mm512_add_ps(s, q[h * NC + c]), acc[h * NC + c] = _mm512_setzero_ps();
       }
-      q_sum[h] = _mm512_reduce_add_ps(s), bias[h] = _mm512_setzero_ps(), softmax[h] = TileSoftmax();
+      q_sum[h] = _mm512_reduce_add_ps(s), bias[h] = _mm512_setzero_ps(), softmax[h] = OnlineSoftmax();
     }
   }
 };
@@ -538,7 +471,7 @@ inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* v
   __m512 row[NC];
   for (int64_t j = 0; j < 16; ++j) {
     if (j >= n) {
-      for (int64_t g = 0; g < group; ++g) part[g * 16 + kLaneSlot[j]] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < group; ++g) part[g * 16 + kSumSlot[j]] = _mm512_setzero_ps();
       continue;
     }
     load_row<NC, MODE>(kp + offsets[j], kh, f, kt, row, lo + j, s + j, buf);
@@ -546,13 +479,13 @@ inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* v
       const __m512* q = st.q.data() + (kh * group + g) * NC;
       __m512 d = _mm512_mul_ps(q[0], row[0]);
       for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], row[c], d);
-      part[g * 16 + kLaneSlot[j]] = d;
+      part[g * 16 + kSumSlot[j]] = d;
     }
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = kh * group + g;
-    __m512 scores = lane_sums16(part + g * 16);
+    __m512 scores = sum_lanes16(part + g * 16);
     if (kAffine)
       scores = _mm512_fmadd_ps(_mm512_load_ps(lo), _mm512_set1_ps(st.q_sum[h]), _mm512_mul_ps(_mm512_load_ps(s), scores));
     float corr;
