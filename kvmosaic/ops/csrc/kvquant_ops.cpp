@@ -172,11 +172,93 @@ void encode_oaken_head(const float* x, const uint8_t* group, const Format& f, co
   write_half(header, lo16), write_half(header + 2, mid_s), write_half(header + 4, out_s), write_half(header + 6, in_s);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__) && defined(__BMI2__)
+// One head vector of 64 values, the scalar path's operations lane by lane (bit-exact): groups as
+// 64-bit masks (the first `capacity` outer values kept, then the first inner ones, by pdep),
+// min/max scales by masked reductions, codes by round-to-nearest-even, the dense nibbles packed
+// pairwise, the sparse entries compressed into index order. Returns the outliers folded.
+inline uint64_t low_bits(int64_t k) { return k >= 64 ? ~uint64_t{0} : (uint64_t{1} << k) - 1; }
+
+int64_t encode_oaken_head64(const float* x, const Format& f, const Thresholds& t, uint8_t* header, uint8_t* dense,
+                            uint8_t* list) {
+  __m512 v[4];
+  uint64_t outer = 0, inner = 0, neg = 0;
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm512_loadu_ps(x + 16 * c);
+    const __mmask16 o = _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.outer_hi), _CMP_GT_OQ) |
+                        _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.outer_lo), _CMP_LT_OQ);
+    const __mmask16 i = _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.inner_lo), _CMP_GE_OQ) &
+                        _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.inner_hi), _CMP_LE_OQ) & ~o;
+    outer |= uint64_t{o} << (16 * c), inner |= uint64_t{i} << (16 * c);
+    neg |= uint64_t{_mm512_cmp_ps_mask(v[c], _mm512_setzero_ps(), _CMP_LT_OQ)} << (16 * c);
+  }
+  const int64_t n_outer = __builtin_popcountll(outer), n_inner = __builtin_popcountll(inner);
+  const uint64_t keep_outer = _pdep_u64(low_bits(std::min(f.capacity, n_outer)), outer);
+  const uint64_t keep_inner = _pdep_u64(low_bits(std::max<int64_t>(0, f.capacity - n_outer)), inner);
+  const uint64_t kept = keep_outer | keep_inner;
+  const int64_t folded = n_outer + n_inner - __builtin_popcountll(kept);
+  __m512 w[4], m[4];
+  __m512 mid_lo = _mm512_setzero_ps(), mid_hi = _mm512_setzero_ps(), out_max = _mm512_setzero_ps(), in_max = _mm512_setzero_ps();
+  for (int c = 0; c < 4; ++c) {
+    const auto nc = static_cast<__mmask16>(neg >> (16 * c));
+    const auto mid = static_cast<__mmask16>(~kept >> (16 * c));
+    w[c] = _mm512_sub_ps(v[c], _mm512_mask_blend_ps(nc, _mm512_set1_ps(t.inner_hi), _mm512_set1_ps(t.inner_lo)));
+    mid_lo = _mm512_mask_min_ps(mid_lo, mid, mid_lo, w[c]), mid_hi = _mm512_mask_max_ps(mid_hi, mid, mid_hi, w[c]);
+    m[c] = _mm512_mask_blend_ps(nc, _mm512_sub_ps(v[c], _mm512_set1_ps(t.outer_hi)), _mm512_sub_ps(_mm512_set1_ps(t.outer_lo), v[c]));
+    out_max = _mm512_mask_max_ps(out_max, static_cast<__mmask16>(keep_outer >> (16 * c)), out_max, m[c]);
+    in_max = _mm512_mask_max_ps(in_max, static_cast<__mmask16>(keep_inner >> (16 * c)), in_max, _mm512_abs_ps(v[c]));
+  }
+  const float lo16 = half_round(std::min(_mm512_reduce_min_ps(mid_lo), kNegFloor));
+  const float mid_s = scale_for(_mm512_reduce_max_ps(mid_hi) - lo16, 15);
+  const float out_s = scale_for(_mm512_reduce_max_ps(out_max), 15);
+  const float in_s = scale_for(_mm512_reduce_max_ps(in_max), 15);
+  const __m512 level = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 below = _mm512_cmp_ps_mask(
+      _mm512_add_ps(_mm512_set1_ps(lo16), _mm512_mul_ps(level, _mm512_set1_ps(mid_s))), _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 first = _mm512_set1_ps(static_cast<float>(__builtin_popcount(below)));
+  const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.f);
+  auto quantize = [&](__m512 y, float divisor) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(y, _mm512_set1_ps(divisor)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_min_ps(_mm512_max_ps(r, zero), top);
+  };
+  for (int c = 0; c < 4; ++c) {
+    const auto nc = static_cast<__mmask16>(neg >> (16 * c));
+    __m512 code = quantize(_mm512_sub_ps(w[c], _mm512_set1_ps(lo16)), mid_s > 0.f ? mid_s : 1.f);
+    code = _mm512_mask_blend_ps(nc, _mm512_max_ps(code, first), _mm512_min_ps(code, _mm512_sub_ps(first, _mm512_set1_ps(1.f))));
+    code = _mm512_mask_mov_ps(code, static_cast<__mmask16>(keep_outer >> (16 * c)), quantize(m[c], out_s));
+    code = _mm512_mask_mov_ps(code, static_cast<__mmask16>(keep_inner >> (16 * c)), quantize(_mm512_abs_ps(v[c]), in_s));
+    // 16 codes -> 16 bytes -> 8 bytes of nibble pairs (element 2i low, 2i+1 high)
+    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(code));
+    const __m128i pairs = _mm_or_si128(_mm_and_si128(bytes, _mm_set1_epi16(0x000F)),
+                                       _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi16(0x00F0)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dense + 8 * c), _mm_cvtepi16_epi8(pairs));
+  }
+  __m512i entry = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42,
+                                  41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
+                                  19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  entry = _mm512_mask_add_epi8(entry, keep_outer, entry, _mm512_set1_epi8(0x40));
+  entry = _mm512_mask_add_epi8(entry, neg & kept, entry, _mm512_set1_epi8(static_cast<char>(0x80)));
+  list[0] = static_cast<uint8_t>(__builtin_popcountll(kept));
+  _mm512_mask_storeu_epi8(list + 1, low_bits(f.capacity), _mm512_maskz_compress_epi8(kept, entry));
+  write_half(header, lo16), write_half(header + 2, mid_s), write_half(header + 4, out_s), write_half(header + 6, in_s);
+  return folded;
+}
+#endif
+
 int64_t encode_oaken_token(const float* x, const Format& f, const Thresholds& t, uint8_t* out,
                            std::vector<uint8_t>& group, std::vector<float>& code) {
+  std::memset(out, 0, f.record);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__) && defined(__BMI2__)
+  if (f.d == 64) {
+    int64_t folded = 0;
+    for (int64_t h = 0; h < f.hk; ++h)
+      folded += encode_oaken_head64(x + h * 64, f, t, out + h * kOakenHeader, out + kOakenHeader * f.hk + h * 32,
+                                    out + f.sparse_offset + h * f.sparse_bytes);
+    return folded;
+  }
+#endif
   const int64_t n = f.hk * f.d;
   const int64_t folded = oaken_groups(x, f, t, group.data());
-  std::memset(out, 0, f.record);
   for (int64_t h = 0; h < f.hk; ++h)
     encode_oaken_head(x + h * f.d, group.data() + h * f.d, f, t, out + h * kOakenHeader, code.data() + h * f.d);
   uint8_t* dense = out + kOakenHeader * f.hk;
@@ -351,8 +433,9 @@ void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t*
 // One work item is one sequence; each tile of 16 tokens is read once for all KV heads (a record
 // holds every head of a slot). int8 / int4 are affine per token, so they are not dequantized:
 // q . (lo + s c) = lo * sum(q) + s * (q . c) and sum_j p_j (lo_j + s_j c_j) = sum_j p_j lo_j +
-// sum_j (p_j s_j) c_j, with the codes c widened to float in registers. Oaken rows are dequantized
-// (dense codes with vector ops, then the sparse entries) through a one-row L1 buffer.
+// sum_j (p_j s_j) c_j, with the codes c widened to float in registers. Oaken rows of head_dim 64 take
+// the same affine form (load_oaken64); other Oaken rows are dequantized through a one-row L1 buffer
+// and use lo = 0, s = 1.
 
 
 inline __m512 bytes_to_float(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
@@ -366,42 +449,70 @@ inline void nibbles32(const uint8_t* p, __m512* r) {
   r[1] = bytes_to_float(_mm_unpackhi_epi8(lo, hi));
 }
 
-// Oaken row of head_dim 64 (one-byte sparse entries) in registers. Every code has 16 levels, so
-// each group's decoded values are a 16-entry table built once per row (the same float operations
-// as decode_head and patch_sparse); the sparse entries become bit masks over the 64 lanes that pick
-// the table of each lane, and the nibbles index the tables directly.
-inline void load_oaken64(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, __m512* r) {
-  const OakenScales sc = read_scales(rec + h * kOakenHeader);
-  const uint8_t* dense = rec + kOakenHeader * f.hk + h * 32;
-  const uint8_t* list = rec + f.sparse_offset + h * f.sparse_bytes;
-  uint64_t any = 0, outer = 0, neg = 0;
-  for (int64_t e = 1; e <= list[0]; ++e) {
-    const uint64_t bit = uint64_t{1} << (list[e] & 63);
-    any |= bit, outer |= bit & (0 - uint64_t{(list[e] >> 6) & 1u}), neg |= bit & (0 - uint64_t{list[e] >> 7});
-  }
+// Oaken rows of head_dim 64 (one-byte sparse entries) as affine codes, value_i = lo + s * r_i, like
+// int4, so the scores and value weights take the same per-token (lo, s) path. With y = mid_lo + c *
+// mid_s the middle value is y + inner_lo or y + inner_hi by the sign of y; y grows with the code c,
+// so with lo = mid_lo + inner_lo and s = mid_s a middle slot is r = c, plus (inner_hi - inner_lo) / s
+// from the first code whose level is >= 0 (a 16-entry table the nibbles index). Outlier slots get
+// r = (value - lo) / s. A tile's outliers are decoded first, one row's (at most 16) entries in one
+// vector, with no branch on their count (oaken_outliers64); the rows are then built and patched
+// (load_oaken64): the values, lined up from each 16-lane chunk's first entry, expand into the lanes
+// the sorted indices name. Two passes keep the long decode chain of one row off the dot products.
+struct OakenRow {
+  alignas(64) float table[16];  // affine code of each middle nibble
+  alignas(64) float value[16];  // affine codes of the outliers, in index order
+  uint64_t lanes;               // bit i: lane i holds an outlier
+  float lo, s;
+};
+
+inline void oaken_row64(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, OakenRow* out) {
+  const __m128 scales = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + h * kOakenHeader)));
+  const float mid_lo = _mm_cvtss_f32(scales), mid_s = _mm_cvtss_f32(_mm_movehdup_ps(scales));
+  const float lo = mid_lo + t.inner_lo, inv_s = 1.f / mid_s;
+  out->lo = lo, out->s = mid_s;
   const __m512 level = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512 y = _mm512_add_ps(_mm512_set1_ps(sc.mid_lo), _mm512_mul_ps(level, _mm512_set1_ps(sc.mid_s)));
-  const __mmask16 nonneg = _mm512_cmp_ps_mask(y, zero, _CMP_GE_OQ);
-  const __m512 middle = _mm512_add_ps(y, _mm512_mask_blend_ps(nonneg, _mm512_set1_ps(t.inner_lo), _mm512_set1_ps(t.inner_hi)));
-  const __m512 inner_mag = _mm512_mul_ps(level, _mm512_set1_ps(sc.in_s));
-  const __m512 outer_mag = _mm512_mul_ps(level, _mm512_set1_ps(sc.out_s));
-  const __m512 inner_pos = _mm512_add_ps(zero, inner_mag), inner_neg = _mm512_sub_ps(zero, inner_mag);
-  const __m512 outer_pos = _mm512_add_ps(_mm512_set1_ps(t.outer_hi), outer_mag);
-  const __m512 outer_neg = _mm512_sub_ps(_mm512_set1_ps(t.outer_lo), outer_mag);
-  const uint64_t masks[4] = {any & ~outer & ~neg, any & ~outer & neg, outer & ~neg, outer & neg};
+  const __m512 y = _mm512_add_ps(_mm512_set1_ps(mid_lo), _mm512_mul_ps(level, _mm512_set1_ps(mid_s)));
+  _mm512_store_ps(out->table, _mm512_mask_add_ps(level, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GE_OQ), level,
+                                                 _mm512_set1_ps((t.inner_hi - t.inner_lo) * inv_s)));
+  const uint8_t* list = rec + f.sparse_offset + h * f.sparse_bytes;
+  const __mmask16 valid = static_cast<__mmask16>((1u << list[0]) - 1u);  // count <= 16 (the caller checks)
+  const __m512i entry = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, list + 1));
+  const __m512i idx = _mm512_and_si512(entry, _mm512_set1_epi32(63));
+  // the 4-bit code in the dense slot: nibble idx of the head's 32 bytes (8 dwords)
+  const __m512i dense = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kOakenHeader * f.hk + h * 32)));
+  const __m512i word = _mm512_permutexvar_epi32(_mm512_srli_epi32(idx, 3), dense);
+  const __m512i nib = _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(idx, _mm512_set1_epi32(7)), 2)),
+                                       _mm512_set1_epi32(15));
+  // kind = group | sign << 1; value = base[kind] + code * step[kind]: the reference's outer_hi + m,
+  // outer_lo - m, m, -m with m = code * scale (negation is exact)
+  const __m512i kind = _mm512_srli_epi32(entry, 6);
+  const __m128 step4 = _mm_xor_ps(_mm_permutevar_ps(scales, _mm_setr_epi32(3, 2, 3, 2)), _mm_setr_ps(0.f, 0.f, -0.f, -0.f));
+  const __m512 step = _mm512_permutexvar_ps(kind, _mm512_castps128_ps512(step4));
+  const __m512 base = _mm512_permutexvar_ps(kind, _mm512_castps128_ps512(_mm_setr_ps(0.f, t.outer_hi, 0.f, t.outer_lo)));
+  const __m512 value = _mm512_add_ps(base, _mm512_mul_ps(_mm512_cvtepi32_ps(nib), step));
+  _mm512_store_ps(out->value, _mm512_mul_ps(_mm512_sub_ps(value, _mm512_set1_ps(lo)), _mm512_set1_ps(inv_s)));
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i bits = _mm512_or_si512(
+      _mm512_maskz_sllv_epi64(static_cast<__mmask8>(valid), one, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(idx))),
+      _mm512_maskz_sllv_epi64(static_cast<__mmask8>(valid >> 8), one, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(idx, 1))));
+  out->lanes = static_cast<uint64_t>(_mm512_reduce_or_epi64(bits));
+}
+
+inline void load_oaken64(const uint8_t* rec, int64_t h, const Format& f, const OakenRow& o, __m512* r, float* lo, float* s) {
+  const uint8_t* dense = rec + kOakenHeader * f.hk + h * 32;
+  *lo = o.lo, *s = o.s;
+  const __m512 table = _mm512_load_ps(o.table);
   const __m128i raw0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dense));
   const __m128i raw1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dense + 16));
   const __m128i high0 = _mm_srli_epi16(raw0, 4), high1 = _mm_srli_epi16(raw1, 4);
   const __m128i nib[4] = {_mm_unpacklo_epi8(raw0, high0), _mm_unpackhi_epi8(raw0, high0),
                           _mm_unpacklo_epi8(raw1, high1), _mm_unpackhi_epi8(raw1, high1)};
+  int start = 0;
   for (int c = 0; c < 4; ++c) {
-    const __m512i code = _mm512_cvtepu8_epi32(nib[c]);  // permutes read the low four bits only
-    __m512 v = _mm512_permutexvar_ps(code, middle);
-    v = _mm512_mask_permutexvar_ps(v, static_cast<__mmask16>(masks[0] >> (16 * c)), code, inner_pos);
-    v = _mm512_mask_permutexvar_ps(v, static_cast<__mmask16>(masks[1] >> (16 * c)), code, inner_neg);
-    v = _mm512_mask_permutexvar_ps(v, static_cast<__mmask16>(masks[2] >> (16 * c)), code, outer_pos);
-    r[c] = _mm512_mask_permutexvar_ps(v, static_cast<__mmask16>(masks[3] >> (16 * c)), code, outer_neg);
+    const auto mask = static_cast<__mmask16>(o.lanes >> (16 * c));
+    r[c] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib[c]), table);  // permutes read the low four bits only
+    r[c] = _mm512_mask_expandloadu_ps(r[c], mask, o.value + start);
+    start += __builtin_popcount(mask);
   }
 }
 
@@ -409,7 +520,7 @@ inline void load_oaken64(const uint8_t* rec, int64_t h, const Format& f, const T
 // dequantized values (lo = 0, scale = 1 are then not used).
 template <int NC, int64_t MODE>
 inline void load_row(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, __m512* r, float* lo,
-                     float* s, float* buf) {
+                     float* s, float* buf, const OakenRow* outliers) {
   if constexpr (MODE == kInt8) {
     const uint8_t* p = rec + h * (kIntHeader + NC * 16);
     *lo = read_half(p), *s = read_half(p + 2);
@@ -419,8 +530,9 @@ inline void load_row(const uint8_t* rec, int64_t h, const Format& f, const Thres
     *lo = read_half(p), *s = read_half(p + 2);
     for (int c = 0; c < NC; c += 2) nibbles32(p + kIntHeader + 8 * c, r + c);
   } else if constexpr (NC == 4) {
-    load_oaken64(rec, h, f, t, r);
+    load_oaken64(rec, h, f, *outliers, r, lo, s);
   } else {
+    *lo = 0.f, *s = 1.f;
     const OakenScales sc = read_scales(rec + h * kOakenHeader);
     const uint8_t* dense = rec + kOakenHeader * f.hk + h * (NC * 8);
     const __m512 mid_lo = _mm512_set1_ps(sc.mid_lo), mid_s = _mm512_set1_ps(sc.mid_s);
@@ -465,16 +577,18 @@ struct SequenceState {
 template <int NC, int64_t MODE>
 inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* vp, const int64_t* offsets, int64_t n,
                       int64_t kh, int64_t group, const Format& f, const Thresholds& kt, const Thresholds& vt,
-                      __m512* part, float* buf) {
-  constexpr bool kAffine = MODE != kOaken;
+                      __m512* part, float* buf, OakenRow* outliers) {
+  constexpr bool kTwoPass = MODE == kOaken && NC == 4;
   alignas(64) float lo[16] = {}, s[16] = {};
   __m512 row[NC];
+  if constexpr (kTwoPass)
+    for (int64_t j = 0; j < n; ++j) oaken_row64(kp + offsets[j], kh, f, kt, outliers + j);
   for (int64_t j = 0; j < 16; ++j) {
     if (j >= n) {
       for (int64_t g = 0; g < group; ++g) part[g * 16 + kSumSlot[j]] = _mm512_setzero_ps();
       continue;
     }
-    load_row<NC, MODE>(kp + offsets[j], kh, f, kt, row, lo + j, s + j, buf);
+    load_row<NC, MODE>(kp + offsets[j], kh, f, kt, row, lo + j, s + j, buf, outliers + j);
     for (int64_t g = 0; g < group; ++g) {
       const __m512* q = st.q.data() + (kh * group + g) * NC;
       __m512 d = _mm512_mul_ps(q[0], row[0]);
@@ -486,8 +600,7 @@ inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* v
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = kh * group + g;
     __m512 scores = sum_lanes16(part + g * 16);
-    if (kAffine)
-      scores = _mm512_fmadd_ps(_mm512_load_ps(lo), _mm512_set1_ps(st.q_sum[h]), _mm512_mul_ps(_mm512_load_ps(s), scores));
+    scores = _mm512_fmadd_ps(_mm512_load_ps(lo), _mm512_set1_ps(st.q_sum[h]), _mm512_mul_ps(_mm512_load_ps(s), scores));
     float corr;
     const __m512 p = st.softmax[h].update(scores, valid, &corr);
     if (corr != 1.f) {
@@ -496,11 +609,13 @@ inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* v
     }
     _mm512_storeu_ps(st.probs.data() + h * 16, p);
   }
-  // values: acc[h] += w_j * row_j with w = p * s (int modes; bias[h] += p * lo) or w = p (Oaken),
+  // values: acc[h] += w_j * row_j with w = p * s and bias[h] += p * lo,
   // a few heads at a time with their accumulators in registers
   constexpr int64_t HB = NC <= 4 ? 4 : 2;
+  if constexpr (kTwoPass)
+    for (int64_t j = 0; j < n; ++j) oaken_row64(vp + offsets[j], kh, f, vt, outliers + j);
   for (int64_t j = 0; j < n; ++j) {
-    load_row<NC, MODE>(vp + offsets[j], kh, f, vt, row, lo + j, s + j, buf);
+    load_row<NC, MODE>(vp + offsets[j], kh, f, vt, row, lo + j, s + j, buf, outliers + j);
     std::memcpy(buf + (1 + j) * NC * 16, row, sizeof(row));
   }
   for (int64_t g0 = 0; g0 < group; g0 += HB) {
@@ -509,8 +624,8 @@ inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* v
     alignas(64) float w[HB][16];
     for (int64_t i = 0; i < hn; ++i) {
       const __m512 p = _mm512_loadu_ps(st.probs.data() + (h0 + i) * 16);
-      _mm512_store_ps(w[i], kAffine ? _mm512_mul_ps(p, _mm512_load_ps(s)) : p);
-      if (kAffine) st.bias[h0 + i] = _mm512_fmadd_ps(p, _mm512_load_ps(lo), st.bias[h0 + i]);
+      _mm512_store_ps(w[i], _mm512_mul_ps(p, _mm512_load_ps(s)));
+      st.bias[h0 + i] = _mm512_fmadd_ps(p, _mm512_load_ps(lo), st.bias[h0 + i]);
       for (int c = 0; c < NC; ++c) a[i][c] = st.acc[(h0 + i) * NC + c];
     }
     for (int64_t j = 0; j < n; ++j) {
@@ -545,6 +660,7 @@ void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, cons
     SequenceState<NC> st(hq);
     std::vector<__m512> part(group * 16);
     std::vector<float> buf(17 * D);  // row 0: the Oaken row being decoded; rows 1..16: the tile's values
+    std::vector<OakenRow> outliers(16);
     int64_t offsets[16];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = ln[b];
@@ -562,7 +678,7 @@ void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, cons
           }
         }
         for (int64_t kh = 0; kh < f.hk; ++kh)
-          tile_head<NC, MODE>(st, kp, vp, offsets, n, kh, group, f, kt, vt, part.data(), buf.data());
+          tile_head<NC, MODE>(st, kp, vp, offsets, n, kh, group, f, kt, vt, part.data(), buf.data(), outliers.data());
       }
       for (int64_t h = 0; h < hq; ++h) {
         const float inv = 1.f / _mm512_reduce_add_ps(st.softmax[h].sum);
@@ -587,7 +703,7 @@ bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const 
     if (f.mode == kOaken) decode_attention_avx512<T, NC, kOaken>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
     return true;
   };
-  if (f.d == 64) return run(std::integral_constant<int, 4>());
+  if (f.d == 64 && (f.mode != kOaken || f.capacity <= 16)) return run(std::integral_constant<int, 4>());
   if (f.d == 128) return run(std::integral_constant<int, 8>());
   return false;
 }
