@@ -3,7 +3,8 @@
 The model reads ``--max-tokens`` tokens of the evaluation text (default: the Python language
 reference help topics shipped with CPython, ``pydoc_data.topics``) in windows, prefilled in chunks
 so that later tokens attend to quantized K/V; Oaken uses the thresholds shipped for the default
-model (calibrated on different text, the stdlib module docstrings).
+model (calibrated on different text, the stdlib module docstrings). ``--int4-groups`` adds plain
+int4 rows with one scale per group of that many values, for a comparison at similar bits per value.
 
     HF_HUB_OFFLINE=1 nice -n 19 .venv/bin/python benchmarks/kv_quality.py
 """
@@ -31,15 +32,19 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--kv-thresholds", default=None)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--int4-groups", nargs="*", type=int, default=[32, 16],
+                        help="extra int4 rows, one scale per this many values")
     parser.add_argument("--out", default="benchmarks/results/kv_quality.json")
     args = parser.parse_args()
     text, source = read_text(args.text, EVAL_SOURCE)
     em = load_eval_model(args.model, args.dtype)
     windows = tokenize_windows(em, text, args.window, args.max_tokens)
     rows = []
-    for mode in args.modes:
-        r = perplexity(em, windows, mode, args.chunk, args.kv_thresholds)
-        rows.append({"mode": mode, "perplexity": r.perplexity, "mean_nll": r.mean_nll, "tokens": r.num_tokens,
+    runs = [(mode, None) for mode in args.modes] + [("int4", g) for g in args.int4_groups]
+    for mode, group in runs:
+        r = perplexity(em, windows, mode, args.chunk, args.kv_thresholds, group)
+        name = mode if group is None else f"{mode} (groups of {group})"
+        rows.append({"mode": name, "perplexity": r.perplexity, "mean_nll": r.mean_nll, "tokens": r.num_tokens,
                      "bits_per_value": r.bits_per_value, "folded_outliers": r.folded_outliers, "seconds": r.seconds})
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["perplexity"]

@@ -155,3 +155,35 @@ def test_rotate_and_cache_quantized_writes_the_rotated_keys(path):
     records = layer.k_pool.view(-1, layer.fmt.record_bytes)[slots]
     assert torch.equal(records, encode_rows(k_ref, layer.fmt)[0])
     assert MODE_IDS[layer.fmt.mode] == 0
+
+
+def test_int4_groups_quantize_sub_vectors_and_attend_like_whole_heads():
+    """group_size 16: every 16 values of a head vector get their own (lo, scale); attention reshapes
+    the sub-vectors back into heads (decode through the reference path)."""
+    from kvmosaic.config import ModelConfig
+    from kvmosaic.quant import int_quant
+    from kvmosaic.worker.kv_cache import kv_format
+
+    fmt = kv_format(ModelConfig("llama", 100, HQ * D, 4 * D, 1, HQ, HK), "int4", group_size=16)
+    assert (fmt.num_kv_heads, fmt.head_dim, fmt.record_bytes, fmt.bits_per_value) == (HK * 4, 16, HK * 4 * 12, 6.0)
+    with pytest.raises(ValueError, match="divide"):
+        kv_format(ModelConfig("llama", 100, HQ * D, 4 * D, 1, HQ, HK), "int4", group_size=24)
+    pools = torch.zeros(2, 8, BS, fmt.record_bytes, dtype=torch.uint8)
+    layer = QuantizedKVLayer(pools[0], pools[1], fmt)
+    ctx = 13
+    k, v = _rows(ctx, 11)
+    write_quantized(layer, k, v, torch.arange(ctx))
+    codes, lo, scale = int_quant.quantize(k.view(ctx, HK * 4, 16), 4)
+    expected_k = int_quant.dequantize(codes, lo, scale).view(ctx, HK, D)
+    got_k = dequantize_blocks(layer.k_pool, torch.arange(8), layer, layer.k_thresholds, torch.float32)
+    assert torch.equal(got_k.view(-1, HK, D)[:ctx], expected_k)
+    per_head = int_quant.dequantize(*int_quant.quantize(k, 4))
+    assert (expected_k - k).abs().mean() < (per_head - k).abs().mean()  # finer groups, smaller error
+    v_all = dequantize_blocks(layer.v_pool, torch.arange(8), layer, layer.v_thresholds, torch.float32)
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(12))
+    table = torch.arange(4)[None]
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 1, table,
+                             (torch.arange(4 * BS) < ctx)[None, None, None, :], decode_context_lens=torch.tensor([ctx]))
+    out = paged_attention_quantized(q, layer, meta, D**-0.5).double()
+    ref = _dense(q, expected_k, v_all.view(-1, HK, D)[:ctx], ctx - 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -39,13 +39,14 @@ def load_eval_model(path: str | None, dtype: str = "float32", max_len: int = 409
 
 
 def make_cache(em: EvalModel, kv_cache_dtype: str, max_tokens: int, block_size: int = 16,
-               thresholds: kv_thresholds.KVThresholds | str | None = None) -> KVCache:
-    """A pool holding one sequence of up to ``max_tokens`` tokens in the given KV format."""
+               thresholds: kv_thresholds.KVThresholds | str | None = None, group_size: int | None = None) -> KVCache:
+    """A pool holding one sequence of up to ``max_tokens`` tokens in the given KV format (int8 / int4:
+    one scale per ``group_size`` values, default per head vector)."""
     if kv_cache_dtype == "oaken" and not isinstance(thresholds, kv_thresholds.KVThresholds):
         thresholds = kv_thresholds.for_model(thresholds, em.identity, em.is_default_model)
     config = CacheConfig(block_size=block_size, num_blocks=-(-max_tokens // block_size), num_host_blocks=0,
                          kv_cache_dtype=kv_cache_dtype)
-    return KVCache(em.loaded.config, config, em.dtype, thresholds if kv_cache_dtype == "oaken" else None)
+    return KVCache(em.loaded.config, config, em.dtype, thresholds if kv_cache_dtype == "oaken" else None, group_size)
 
 
 @torch.inference_mode()

@@ -46,11 +46,11 @@ def chunk_nll(logits: torch.Tensor, targets: list[int]) -> float:
 
 @torch.inference_mode()
 def perplexity(em: EvalModel, windows: list[list[int]], kv_cache_dtype: str, chunk: int = 128,
-               thresholds: KVThresholds | str | None = None) -> PerplexityResult:
+               thresholds: KVThresholds | str | None = None, group_size: int | None = None) -> PerplexityResult:
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
     started = time.perf_counter()
-    cache = make_cache(em, kv_cache_dtype, max(len(w) for w in windows), thresholds=thresholds)
+    cache = make_cache(em, kv_cache_dtype, max(len(w) for w in windows), thresholds=thresholds, group_size=group_size)
     total, count = 0.0, 0
     for ids in windows:
         for start in range(0, len(ids), chunk):

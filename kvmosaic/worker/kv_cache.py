@@ -17,14 +17,22 @@ from kvmosaic.quant.format import KVFormat
 from kvmosaic.quant.thresholds import KVThresholds
 
 
-def kv_format(model: ModelConfig, kv_cache_dtype: str, thresholds: KVThresholds | None = None) -> KVFormat | None:
-    """The record format of a quantized cache; None for ``auto``."""
+def kv_format(model: ModelConfig, kv_cache_dtype: str, thresholds: KVThresholds | None = None,
+              group_size: int | None = None) -> KVFormat | None:
+    """The record format of a quantized cache; None for ``auto``. ``group_size`` (int8 / int4 only)
+    gives every ``group_size`` values of a head vector their own scale: the record is then the
+    per-head format over sub-vectors, which the decode path reads through the reference kernel."""
     if kv_cache_dtype == "auto":
         return None
     if kv_cache_dtype == "oaken" and thresholds is None:
         raise ValueError("kv_cache_dtype='oaken' needs calibrated thresholds (kvmosaic calibrate-kv)")
     capacity = thresholds.sparse_capacity if kv_cache_dtype == "oaken" else 0
-    return KVFormat(kv_cache_dtype, model.num_key_value_heads, model.head_dim, capacity)
+    group = group_size or model.head_dim
+    if kv_cache_dtype == "oaken" and group != model.head_dim:
+        raise ValueError("oaken quantizes whole head vectors; group_size applies to int8 / int4")
+    if model.head_dim % group:
+        raise ValueError(f"group_size must divide head_dim ({model.head_dim}), got {group}")
+    return KVFormat(kv_cache_dtype, model.num_key_value_heads * (model.head_dim // group), group, capacity)
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, fmt: KVFormat | None = None) -> int:
@@ -38,11 +46,11 @@ class KVCache:
     quantized cache [2, num_blocks, block_size, record_bytes] uint8 wrapped in a ``QuantizedKVLayer``."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                 thresholds: KVThresholds | None = None) -> None:
+                 thresholds: KVThresholds | None = None, group_size: int | None = None) -> None:
         self.block_size = cache.block_size
         self.dtype = dtype
         self.kv_cache_dtype = cache.kv_cache_dtype
-        self.format = kv_format(model, cache.kv_cache_dtype, thresholds)
+        self.format = kv_format(model, cache.kv_cache_dtype, thresholds, group_size)
         self.bytes_per_block = bytes_per_block(model, cache.block_size, dtype, self.format)
         self.num_blocks, self.num_host_blocks = cache.resolve_num_blocks(self.bytes_per_block)
         if self.format is None:

@@ -50,6 +50,8 @@ def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, s
     """Quantize rows [N, Hk, D] and scatter their records into the pools."""
     if k.shape[0] == 0:
         return
+    rows_shape = (k.shape[0], layer.fmt.num_kv_heads, layer.fmt.head_dim)  # int groups: sub-vectors as heads
+    k, v = k.reshape(rows_shape), v.reshape(rows_shape)
     qops = get_quant_ops()
     if qops is not None:
         layer.folded_outliers += qops.quant_write(k, v, layer.k_pool, layer.v_pool, slot_mapping, *layer.args(),
@@ -96,15 +98,17 @@ def _decode_reference(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionM
                       scale: float) -> torch.Tensor:
     tables = meta.decode_block_tables
     ids = tables.flatten()
-    k = dequantize_blocks(layer.k_pool, ids, layer, layer.k_thresholds, q.dtype)
-    v = dequantize_blocks(layer.v_pool, ids, layer, layer.v_thresholds, q.dtype)
+    shape = (len(ids), layer.k_pool.shape[1], -1, q.shape[-1])
+    k = dequantize_blocks(layer.k_pool, ids, layer, layer.k_thresholds, q.dtype).view(shape)
+    v = dequantize_blocks(layer.v_pool, ids, layer, layer.v_thresholds, q.dtype).view(shape)
     local = dataclasses.replace(meta, decode_block_tables=torch.arange(len(ids)).view(tables.shape))
     return attention._decode_attention(q, k, v, local, scale)
 
 
 def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale: float) -> torch.Tensor:
-    k = dequantize_blocks(layer.k_pool, span.block_table, layer, layer.k_thresholds, q.dtype)
-    v = dequantize_blocks(layer.v_pool, span.block_table, layer, layer.v_thresholds, q.dtype)
+    shape = (len(span.block_table), layer.k_pool.shape[1], -1, q.shape[-1])
+    k = dequantize_blocks(layer.k_pool, span.block_table, layer, layer.k_thresholds, q.dtype).view(shape)
+    v = dequantize_blocks(layer.v_pool, span.block_table, layer, layer.v_thresholds, q.dtype).view(shape)
     local_table = torch.arange(len(span.block_table))
     ops = get_ops()
     if ops is not None and ops.prefill_attention_supports(q.shape[-1]):
@@ -121,6 +125,8 @@ def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: At
     """q: [N, Hq, D] (this step's K/V already written). Returns [N, Hq, D]."""
     nd = meta.num_decode_tokens
     qops = get_quant_ops()
+    if layer.fmt.head_dim != q.shape[-1]:  # int groups smaller than a head: the reference decode path
+        qops = None
     decode_args = (MODE_IDS[layer.fmt.mode], layer.fmt.num_kv_heads, layer.fmt.sparse_capacity,
                    layer.k_thresholds, layer.v_thresholds, scale)
     if nd == q.shape[0] and qops is not None:  # pure decode batch: no output stitching needed
