@@ -656,13 +656,18 @@ void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, cons
   const uint8_t* vp = v_pool.data_ptr<uint8_t>();
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  // A work item is a sequence, or one KV head of a sequence when there are too few sequences to
+  // keep every thread busy (a record holds all heads, so per-head items read each tile once per head).
+  const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? f.hk : 1;
+  const int64_t items_per_seq = f.hk / heads_per_item;
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     SequenceState<NC> st(hq);
     std::vector<__m512> part(group * 16);
     std::vector<float> buf(17 * D);  // row 0: the Oaken row being decoded; rows 1..16: the tile's values
     std::vector<OakenRow> outliers(16);
     int64_t offsets[16];
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_seq, kh0 = (item % items_per_seq) * heads_per_item;
       const int64_t ctx = ln[b];
       const int64_t* table = tb + b * width;
       auto offset_of = [&](int64_t t) { return (table[t / bs] * bs + t % bs) * f.record; };
@@ -677,10 +682,10 @@ void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, cons
             _mm_prefetch(reinterpret_cast<const char*>(vp + o + off), _MM_HINT_T0);
           }
         }
-        for (int64_t kh = 0; kh < f.hk; ++kh)
+        for (int64_t kh = kh0; kh < kh0 + heads_per_item; ++kh)
           tile_head<NC, MODE>(st, kp, vp, offsets, n, kh, group, f, kt, vt, part.data(), buf.data(), outliers.data());
       }
-      for (int64_t h = 0; h < hq; ++h) {
+      for (int64_t h = kh0 * group; h < (kh0 + heads_per_item) * group; ++h) {
         const float inv = 1.f / _mm512_reduce_add_ps(st.softmax[h].sum);
         const __m512 bias = _mm512_set1_ps(_mm512_reduce_add_ps(st.bias[h]));
         alignas(64) float o[D];
