@@ -180,3 +180,36 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)
+
+
+@dataclass(slots=True)
+class DistributedConfig:
+    """The distributed KV cache (``kvmosaic.distributed``): instances on Ray that lend each other blocks."""
+
+    num_instances: int = 2
+    ray_address: str | None = None  # None: start a local Ray runtime
+    enable_borrowing: bool = True  # False: each instance is on its own (long requests preempted or rejected)
+    heartbeat_interval: float = 0.5  # seconds between an instance's heartbeats to the gManager
+    missed_heartbeats: int = 10  # heartbeats missed in a row before an instance is declared dead
+    min_swap_blocks: int = 1  # DGFM resolves a cycle only if every edge carries at least this many blocks
+    dgfm_interval: int = 8  # cluster steps between debt-cycle checks; 0 disables DGFM
+    rpc_timeout: float = 60.0  # seconds any call to another actor may take before it counts as lost
+    lend_lock_timeout: float = 0.5  # a creditor busy scheduling longer than this refuses the loan (no deadlock)
+    instance_concurrency: int = 8  # threads per instance actor (step + remote attention + lending)
+
+    def __post_init__(self) -> None:
+        if self.num_instances < 1:
+            raise ValueError("num_instances must be >= 1")
+        if self.heartbeat_interval <= 0 or self.missed_heartbeats < 1:
+            raise ValueError("heartbeat_interval must be > 0 and missed_heartbeats >= 1")
+        if self.min_swap_blocks < 1 or self.dgfm_interval < 0:
+            raise ValueError("min_swap_blocks must be >= 1 and dgfm_interval >= 0")
+        if self.rpc_timeout <= 0 or self.lend_lock_timeout < 0:
+            raise ValueError("rpc_timeout must be > 0 and lend_lock_timeout >= 0")
+        if self.instance_concurrency < 2:
+            raise ValueError("instance_concurrency must be >= 2 (step and remote attention run side by side)")
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without a heartbeat after which the gManager declares an instance dead."""
+        return self.heartbeat_interval * self.missed_heartbeats

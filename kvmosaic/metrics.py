@@ -39,6 +39,26 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
 }
 
 
+# Distributed KV cache (``kvmosaic serve --instances N``): shown only when the engine reports them.
+_DIST_SERIES: dict[str, tuple[str, str, str]] = {
+    "dist_instances_alive": ("dist_instances_alive", "Engine instances the gManager considers alive", "gauge"),
+    "dist_outstanding_debt_blocks": ("dist_outstanding_debt_blocks", "KV blocks currently lent between instances",
+                                     "gauge"),
+    "dist_borrowed_blocks": ("dist_borrowed_blocks", "KV blocks held on other instances by live requests", "gauge"),
+    "dist_remote_fraction": ("dist_remote_fraction", "Share of live requests' KV blocks that are borrowed", "gauge"),
+    "dist_loans_total": ("dist_loans", "Loans of KV blocks recorded by the gManager", "counter"),
+    "dist_repayments_total": ("dist_repayments", "Loans repaid to their creditors", "counter"),
+    "dist_swaps_total": ("dist_swaps", "Debt cycles resolved by DGFM block swaps", "counter"),
+    "dist_swapped_blocks_total": ("dist_swapped_blocks", "KV blocks moved home by DGFM swaps", "counter"),
+    "dist_written_off_blocks_total": ("dist_written_off_blocks", "Debts dropped because an instance died",
+                                      "counter"),
+    "dist_borrow_failures": ("dist_borrow_failures", "Borrow attempts no creditor could serve", "counter"),
+    "dist_remote_calls": ("dist_remote_attention_calls", "Remote micro-attention calls (per layer, per creditor)",
+                          "counter"),
+    "dist_remote_seconds": ("dist_remote_attention_seconds", "Time spent in distributed attention", "counter"),
+}
+
+
 class EngineStatsCollector(Collector):
     """Turns the latest engine stats snapshot into gauges and counters at scrape time."""
 
@@ -50,6 +70,10 @@ class EngineStatsCollector(Collector):
         for key, (name, doc, kind) in _ENGINE_SERIES.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(f"{PREFIX}_{name}", doc, value=float(snapshot.get(key, 0)))
+        for key, (name, doc, kind) in _DIST_SERIES.items():
+            if key in snapshot:
+                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                yield family(f"{PREFIX}_{name}", doc, value=float(snapshot[key]))
 
 
 class ServerMetrics:

@@ -8,7 +8,7 @@ moves (copy-on-write copies, swaps) the model runner must apply.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvmosaic.core.block_hash import hash_request_blocks
 from kvmosaic.core.block_pool import BlockPool
@@ -19,6 +19,21 @@ if TYPE_CHECKING:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class BlockBorrower(Protocol):
+    """Where blocks come from when the local pool runs out (``kvmosaic.distributed``'s rManager).
+
+    Borrowed blocks appear in block tables as ids >= ``num_blocks`` (rBlock ids); the borrower maps
+    them to (owner instance, physical block). They are never prefix-cached, shared or swapped.
+    """
+
+    @property
+    def num_lendable_blocks(self) -> int: ...
+
+    def borrow(self, request: Request, num_blocks: int) -> list[int] | None: ...
+
+    def release(self, block_ids: list[int]) -> None: ...
 
 
 class KVCacheManager:
@@ -42,6 +57,7 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
+        self.borrower: BlockBorrower | None = None  # set by kvmosaic.distributed; None = local pool only
 
     # ----------------------------------------------------------------- capacity
     @property
@@ -55,6 +71,14 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self._pool.num_blocks - self._pool.num_free_blocks
+
+    @property
+    def num_reachable_blocks(self) -> int:
+        """Blocks one request could ever hold: the local pool plus what other instances could lend."""
+        return self.num_blocks + (self.borrower.num_lendable_blocks if self.borrower is not None else 0)
+
+    def is_remote(self, block_id: int) -> bool:
+        return block_id >= self._pool.num_blocks
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -127,8 +151,14 @@ class KVCacheManager:
         num_fresh = max(0, _cdiv(num_total, self.block_size) - len(table) - len(hits))
         copy_indices = self._shared_blocks_to_write(table, num_computed, num_total)
         num_revived = sum(1 for block_id in hits if self._pool.ref_count(block_id) == 0)
-        if num_fresh + len(copy_indices) + num_revived > self._pool.num_free_blocks:
-            return None
+        shortfall = num_fresh + len(copy_indices) + num_revived - self._pool.num_free_blocks
+        borrowed: list[int] = []
+        if shortfall > 0:
+            if self.borrower is None or shortfall > num_fresh:
+                return None
+            borrowed = self.borrower.borrow(request, shortfall) or []
+            if not borrowed:
+                return None
 
         if hits:
             # Touch before allocating so the hits are not handed out as fresh blocks.
@@ -137,7 +167,8 @@ class KVCacheManager:
             self._num_registered[request_id] = len(hits)
         for index in copy_indices:
             self._copy_on_write(table, index)
-        table.extend(self._pool.allocate(num_fresh))
+        table.extend(self._pool.allocate(num_fresh - len(borrowed)))
+        table.extend(borrowed)
         self._block_tables[request_id] = table
         self._register_full_blocks(request, table, num_total)
         return list(table)
@@ -146,7 +177,8 @@ class KVCacheManager:
         """Indices of existing blocks the new tokens land in that another sequence also references."""
         first = num_computed // self.block_size
         last = min(len(table), _cdiv(num_total, self.block_size))
-        return [index for index in range(first, last) if self._pool.ref_count(table[index]) > 1]
+        return [index for index in range(first, last)
+                if not self.is_remote(table[index]) and self._pool.ref_count(table[index]) > 1]
 
     def _copy_on_write(self, table: list[int], index: int) -> None:
         src = table[index]
@@ -168,6 +200,8 @@ class KVCacheManager:
             hashes = hash_request_blocks(tokens, self.block_size, hashes)
             self._block_hashes[request_id] = hashes
         for index in range(self._num_registered.get(request_id, 0), num_full):
+            if self.is_remote(table[index]):
+                continue  # borrowed blocks live on another instance: never prefix-cached
             start = index * self.block_size
             self._pool.cache_full_block(table[index], hashes[index], tuple(tokens[start:start + self.block_size]))
         self._num_registered[request_id] = max(num_full, self._num_registered.get(request_id, 0))
@@ -182,6 +216,11 @@ class KVCacheManager:
         """Release everything the request holds on both tiers."""
         request_id = request.request_id
         table = self._block_tables.pop(request_id, None)
+        if table and self.borrower is not None:
+            remote = [block_id for block_id in table if self.is_remote(block_id)]
+            if remote:
+                self.borrower.release(remote)
+                table = [block_id for block_id in table if not self.is_remote(block_id)]
         if table:
             # Reverse order: the request's tail blocks are evicted before its shared-prefix head.
             self._pool.free(reversed(table))
@@ -192,6 +231,8 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; writes into shared blocks copy first."""
         table = self._block_tables.get(parent.request_id, [])
+        if any(self.is_remote(block_id) for block_id in table):
+            raise ValueError(f"request {parent.request_id} holds borrowed blocks and cannot be forked")
         self._pool.touch(table)
         self._block_tables[child.request_id] = list(table)
         num_registered = self._num_registered.get(parent.request_id, 0)
@@ -204,8 +245,8 @@ class KVCacheManager:
         """Move the request's blocks to the host tier: (device, host) pairs, or None if the host is full."""
         request_id = request.request_id
         table = self._block_tables.get(request_id, [])
-        if len(table) > len(self._free_host_blocks):
-            return None
+        if len(table) > len(self._free_host_blocks) or any(self.is_remote(block_id) for block_id in table):
+            return None  # borrowed blocks are not swapped: the caller recomputes instead
         host_blocks = [self._free_host_blocks.popleft() for _ in table]
         self._host_tables[request_id] = host_blocks
         self._block_tables.pop(request_id, None)
@@ -231,3 +272,22 @@ class KVCacheManager:
         self._free_host_blocks.extend(host_blocks)
         self._block_tables[request_id] = device_blocks
         return list(zip(host_blocks, device_blocks))
+
+    # ------------------------------------------------------- lending (creditor side)
+    def lend_blocks(self, num_blocks: int) -> list[int] | None:
+        """Reserve free local blocks for another instance's request; None if there are not enough."""
+        if num_blocks > self._pool.num_free_blocks:
+            return None
+        return self._pool.allocate(num_blocks)
+
+    def reclaim_blocks(self, block_ids: list[int]) -> None:
+        """Lent blocks come back to the local pool."""
+        self._pool.free(block_ids)
+
+    def replace_blocks(self, request_id: str, mapping: dict[int, int]) -> None:
+        """Rewrite table entries (a borrowed block brought home by a DGFM swap becomes a local one)."""
+        table = self._block_tables[request_id]
+        self._block_tables[request_id] = [mapping.get(block_id, block_id) for block_id in table]
+
+    def request_ids(self) -> list[str]:
+        return list(self._block_tables)

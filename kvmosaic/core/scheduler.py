@@ -71,7 +71,7 @@ class Scheduler:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` fits the context and the whole KV pool (check at add time)."""
-        num_slots = self.kv_manager.num_blocks * self.kv_manager.block_size
+        num_slots = self.kv_manager.num_reachable_blocks * self.kv_manager.block_size
         return num_tokens <= min(self.config.max_model_len, num_slots)
 
     # ------------------------------------------------------------- entry points
@@ -90,6 +90,20 @@ class Scheduler:
             if request is not None:
                 self._remove_from_queue(request)
                 self._finish(request, status)
+
+    def recompute(self, request_ids: Iterable[str]) -> None:
+        """Drop the KV of live sequences and queue them to run again from the start (their blocks were lost)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self._remove_from_queue(request)
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            self.kv_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
@@ -152,7 +166,8 @@ class Scheduler:
             if victim is not request:
                 self._preempt(victim, plan)
                 continue
-            if self.running:
+            if self.running or self.kv_manager.num_reachable_blocks > self.kv_manager.num_blocks:
+                # With lenders (kvmosaic.distributed) blocks elsewhere may free up: wait, do not give up.
                 self._preempt(request, plan)
             else:
                 # Alone with the whole pool and still no room: it can never grow further.
@@ -260,7 +275,7 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             request.stop_reason = (
                 f"prompt of {request.num_tokens} tokens can never fit: max_model_len={self.config.max_model_len}, "
-                f"KV cache holds {self.kv_manager.num_blocks * self.kv_manager.block_size} tokens"
+                f"KV cache holds {self.kv_manager.num_reachable_blocks * self.kv_manager.block_size} tokens"
             )
         self._finished_by_scheduler.append(request)
 

@@ -3,6 +3,7 @@ manager and the model runner, and holds no tensors itself."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -54,6 +55,9 @@ class Engine:
         self.processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
+        # Held around scheduling and bookkeeping, not the forward pass: kvmosaic.distributed sets a real
+        # lock so other instances can borrow this pool's blocks while the model runs.
+        self.kv_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
         logger.info("kvmosaic engine: %s, %d KV blocks of %d tokens (%d host blocks), KV cache %s (%.2f bits/value)",
                     loaded.config.name or loaded.config.architecture, self.kv_cache.num_blocks,
                     config.cache.block_size, self.kv_cache.num_host_blocks, config.cache.kv_cache_dtype,
@@ -108,7 +112,7 @@ class Engine:
                 f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
             )
         if not self.scheduler.can_ever_fit(prompt_len + params.max_tokens):
-            slots = self.kv_manager.num_blocks * self.kv_manager.block_size
+            slots = self.kv_manager.num_reachable_blocks * self.kv_manager.block_size
             raise ValueError(
                 f"request needs {prompt_len + params.max_tokens} KV slots but the pool holds only {slots}; "
                 "raise kv_cache_memory or lower max_tokens"
@@ -130,12 +134,19 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        sched_out = self.scheduler.schedule()
-        model_out = self.runner.execute(sched_out)
-        updated = self.scheduler.update_from_output(sched_out, model_out)
-        step_outputs, stopped = self.processor.process(updated, model_out)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        with self.kv_lock:
+            sched_out = self.scheduler.schedule()
+        try:
+            model_out = self.runner.execute(sched_out)
+        except BaseException:
+            # Nothing advanced: a caller that recovers (a lost KV holder) just steps again.
+            self._pending_outputs = outputs + self._pending_outputs
+            raise
+        with self.kv_lock:
+            updated = self.scheduler.update_from_output(sched_out, model_out)
+            step_outputs, stopped = self.processor.process(updated, model_out)
+            if stopped:
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs + step_outputs
 
     def stats(self) -> dict:

@@ -82,6 +82,9 @@ class OutputProcessor:
         return [self._make_output(g, now) for g in touched.values()], stopped
 
     def _append(self, seq: SequenceState, req: Request, model_output: ModelOutput, params: SamplingParams) -> bool:
+        if not req.output_token_ids:  # finished by the scheduler before its first token
+            seq.finish_reason, seq.stop_reason = req.status.finish_reason, req.stop_reason
+            return False
         token = req.output_token_ids[-1]
         seq.token_ids.append(token)
         sampled = model_output.sampled.get(req.request_id)

@@ -119,8 +119,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                           max_waiting=args.max_waiting, max_n=args.max_n, shutdown_grace=args.shutdown_grace,
                           log_level=args.log_level, access_log=args.access_log)
-    llm = _make_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    return run_server(llm.engine, config)
+    llm = _make_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    instances=args.instances, ray_address=args.ray_address, enable_borrowing=not args.no_borrowing)
+    try:
+        return run_server(llm.engine, config)
+    finally:
+        llm.shutdown()
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -136,6 +140,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--instances", type=int, default=1,
+                   help="engine instances as Ray actors lending each other KV blocks (each gets --kv-cache-memory)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local runtime")
+    p.add_argument("--no-borrowing", action="store_true", help="with --instances: never borrow blocks across instances")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvmosaic.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
 from kvmosaic.engine.engine import Engine
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
@@ -35,7 +36,12 @@ class LLM:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         kv_thresholds: str | None = None,
+        instances: int = 1,
+        ray_address: str | None = None,
+        enable_borrowing: bool = True,
     ) -> None:
+        """``instances > 1`` (or a ``ray_address``) runs that many engine instances as Ray actors that
+        lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``."""
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -52,7 +58,21 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
         )
-        self.engine = Engine(config)
+        if instances > 1 or ray_address:
+            from kvmosaic.distributed.cluster import Cluster  # ray is imported only for a cluster
+
+            if num_threads is None:  # the instances share the cores
+                config.num_threads = max(1, (os.cpu_count() or 1) // instances)
+            dist = DistributedConfig(num_instances=instances, ray_address=ray_address,
+                                     enable_borrowing=enable_borrowing)
+            self.engine = Cluster(config, dist)
+        else:
+            self.engine = Engine(config)
+
+    def shutdown(self) -> None:
+        """Stop the instance actors of a cluster (a no-op for one in-process engine)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -17,6 +17,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.generators: dict[str, torch.Generator | None] = {}
+        # kvmosaic.distributed's DistAttention planner; None: every block is local (no extra work).
+        self.remote_attention = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -35,13 +37,20 @@ class ModelRunner:
         """Run one forward; logits rows follow the returned requests (those with sample ids)."""
         # Decodes first so they form one batched block; prefills follow in order.
         batch = sorted(scheduled, key=lambda s: s.num_tokens > 1)
-        input_ids, positions, meta, last_rows = self._prepare(batch)
+        spanning: frozenset[str] = frozenset()
+        if self.remote_attention is not None:
+            # Sequences with borrowed blocks go last; the local kernels never see their rows.
+            spanning = self.remote_attention.spanning(batch)
+            batch = sorted(batch, key=lambda s: s.request_id in spanning)
+        input_ids, positions, meta, last_rows = self._prepare(batch, spanning)
+        if spanning:
+            meta.remote = self.remote_attention.bind(batch, meta)
         sampled = [(i, s) for i, s in enumerate(batch) if s.sample_ids]
         logits_indices = torch.tensor([last_rows[i] for i, _ in sampled], dtype=torch.long)
         logits = self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
         return [s for _, s in sampled], logits
 
-    def _prepare(self, batch: list[ScheduledRequest]):
+    def _prepare(self, batch: list[ScheduledRequest], spanning: frozenset[str] = frozenset()):
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -60,6 +69,8 @@ class ModelRunner:
             last_rows.append(start + n - 1)
             context = s.start_pos + n
             needed = s.block_table[: (context + bs - 1) // bs]
+            if s.request_id in spanning:
+                continue
             if n == 1:
                 decode_tables.append(needed)
                 decode_lens.append(context)

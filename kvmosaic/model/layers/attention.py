@@ -17,6 +17,7 @@ online softmax), and the pure PyTorch reference they are tested against.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,21 @@ class PrefillSpan:
     mask: torch.Tensor | None = None  # [num_tokens * g, context_len] bool, True = may attend; built when needed
 
 
+class RemoteKV(Protocol):
+    """Hook for sequences whose KV blocks partly live on other instances (``kvmosaic.distributed``).
+
+    Their rows are left out of the decode tables and prefill spans; the hook writes their K/V where
+    their blocks live and fills their attention output rows. None (the default) costs nothing.
+    """
+
+    def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+                         num_kv_heads: int) -> torch.Tensor: ...
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+               scale: float) -> None: ...
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset)
@@ -45,6 +61,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_context_lens: torch.Tensor | None = None  # [D] long
     positions: torch.Tensor | None = None  # [num_tokens] long
+    remote: RemoteKV | None = None  # set only in steps where some sequence has borrowed blocks
 
 
 def build_causal_mask(start_pos: int, num_tokens: int, group: int) -> torch.Tensor:
@@ -110,6 +127,8 @@ def rotate_and_cache(qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.
                      meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Split a fused qkv projection [N, (Hq + 2 Hk) * D], rotate q and k, write k and v into their
     cache slots. Returns the rotated q as [N, Hq, D]."""
+    if meta.remote is not None:
+        return meta.remote.rotate_and_cache(qkv, rotary, k_cache, v_cache, meta, num_heads, num_kv_heads)
     ops = get_ops()
     if ops is not None:
         return ops.rope_and_cache(qkv, meta.positions, rotary.cos, rotary.sin, k_cache, v_cache,
@@ -145,4 +164,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[sl] = ops.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_table, span.context_len, scale)
         else:
             out[sl] = _prefill_attention(q[sl], k_cache, v_cache, span, scale)
+    if meta.remote is not None:
+        meta.remote.attend(q, k_cache, v_cache, out, scale)
     return out

@@ -1,0 +1,224 @@
+"""DistAttention: attention for sequences whose KV blocks live on several instances.
+
+The model runner asks which scheduled sequences hold borrowed blocks (``spanning``) and, for a step
+with any, binds a ``DistAttentionStep`` to the attention metadata. Per layer the step
+- rotates q/k and writes K/V of tokens in local blocks with the usual kernel, and keeps the rotated
+  K/V of tokens whose slots are on a creditor;
+- sends each creditor, in one call, the queries of its debtor's sequences plus those new K/V rows;
+  the creditor writes them into its blocks and returns partial attention (out, row max, sum-exp);
+- meanwhile computes the local partial over the local blocks, then merges exactly.
+Local sequences of the same batch stay on the fast kernels; their rows are untouched here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention
+from kvmosaic.model.layers.attention import AttentionMetadata, rotate_and_cache
+from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.outputs import ScheduledRequest
+
+
+class CreditorLost(RuntimeError):
+    """A creditor holding KV blocks of this step's sequences is unreachable."""
+
+    def __init__(self, instance_ids: set[int], detail: str) -> None:
+        super().__init__(f"KV blocks on instance(s) {sorted(instance_ids)} are lost: {detail}")
+        self.instance_ids = instance_ids
+
+
+class BlockDirectory(Protocol):
+    """rBlock id -> (owner instance, physical block); and the calls that reach other instances."""
+
+    def locate(self, block_id: int) -> tuple[int, int]: ...
+
+    def remote_attention(self, owner: int, layer: int, items: list[dict], scale: float): ...
+
+    def wait(self, futures: dict[int, object]) -> dict[int, list[tuple]]: ...
+
+
+@dataclass(slots=True)
+class DistAttentionStats:
+    steps: int = 0  # steps with at least one spanning sequence
+    layer_calls: int = 0  # remote micro-attention calls (one per creditor per layer)
+    seconds: float = 0.0  # wall time in the distributed part of attention (local partials included)
+    wait_seconds: float = 0.0  # of which: blocked on creditors after the local partials were done
+
+
+@dataclass(slots=True)
+class _SeqPlan:
+    rows: torch.Tensor  # batch rows of this sequence's tokens
+    q_pos: torch.Tensor
+    local_blocks: torch.Tensor  # physical ids of local blocks in its context
+    local_k_pos: torch.Tensor
+    remote: dict[int, tuple[list[int], torch.Tensor]] = field(default_factory=dict)  # owner -> (blocks, k_pos)
+    writes: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # owner -> (rows, slots)
+
+
+def _key_positions(logical: list[int], block_size: int) -> torch.Tensor:
+    if not logical:
+        return torch.empty(0, dtype=torch.long)
+    base = torch.tensor(logical, dtype=torch.long)[:, None] * block_size
+    return (base + torch.arange(block_size)[None, :]).flatten()
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, Hk, D] cache -> the listed blocks' rows, [len * block_size, Hk, D]."""
+    return cache.index_select(0, block_ids).flatten(0, 1)
+
+
+class DistAttention:
+    def __init__(self, directory: BlockDirectory, block_size: int, num_local_blocks: int) -> None:
+        self.directory = directory
+        self.block_size = block_size
+        self.num_local_blocks = num_local_blocks
+        self.stats = DistAttentionStats()
+
+    def _has_remote(self, s: ScheduledRequest) -> bool:
+        context = s.start_pos + s.num_tokens
+        return any(b >= self.num_local_blocks for b in s.block_table[: -(-context // self.block_size)])
+
+    def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:
+        return frozenset(s.request_id for s in batch if self._has_remote(s))
+
+    def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata) -> DistAttentionStep:
+        self.stats.steps += 1
+        plans: list[_SeqPlan] = []
+        remote_rows: list[int] = []
+        row = 0
+        for s in batch:
+            if self._has_remote(s):
+                plans.append(self._plan(s, row, remote_rows))
+            row += s.num_tokens
+        return DistAttentionStep(self, plans, row, remote_rows, meta.slot_mapping)
+
+    def _plan(self, s: ScheduledRequest, row0: int, remote_rows: list[int]) -> _SeqPlan:
+        bs = self.block_size
+        context = s.start_pos + s.num_tokens
+        local_ids, local_logical = [], []
+        remote: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        for index, block in enumerate(s.block_table[: -(-context // bs)]):
+            if block < self.num_local_blocks:
+                local_ids.append(block)
+                local_logical.append(index)
+            else:
+                owner, physical = self.directory.locate(block)
+                remote[owner][0].append(physical)
+                remote[owner][1].append(index)
+        writes: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        for j, pos in enumerate(range(s.start_pos, context)):
+            block = s.block_table[pos // bs]
+            if block >= self.num_local_blocks:
+                owner, physical = self.directory.locate(block)
+                writes[owner][0].append(row0 + j)
+                writes[owner][1].append(physical * bs + pos % bs)
+                remote_rows.append(row0 + j)
+        return _SeqPlan(
+            rows=torch.arange(row0, row0 + s.num_tokens), q_pos=torch.arange(s.start_pos, context),
+            local_blocks=torch.tensor(local_ids, dtype=torch.long), local_k_pos=_key_positions(local_logical, bs),
+            remote={o: (ids, _key_positions(logical, bs)) for o, (ids, logical) in remote.items()},
+            writes=dict(writes),
+        )
+
+
+class DistAttentionStep:
+    """Bound to one step's metadata; called once per layer by the attention hook points."""
+
+    def __init__(self, owner: DistAttention, plans: list[_SeqPlan], num_rows: int, remote_rows: list[int],
+                 slot_mapping: torch.Tensor) -> None:
+        self.owner = owner
+        self.plans = plans
+        self.layer = 0
+        remote = torch.zeros(num_rows, dtype=torch.bool)
+        remote[remote_rows] = True
+        self.remote_rows = remote.nonzero().flatten()
+        self.local_rows = (~remote).nonzero().flatten()
+        self.row_in_remote = torch.full((num_rows,), -1, dtype=torch.long)
+        self.row_in_remote[self.remote_rows] = torch.arange(len(self.remote_rows))
+        self.local_slots = slot_mapping[self.local_rows]
+        self.k_new: torch.Tensor | None = None
+        self.v_new: torch.Tensor | None = None
+
+    def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+                         num_kv_heads: int) -> torch.Tensor:
+        head_dim = k_cache.shape[-1]
+        q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
+        if len(self.local_rows):
+            sub = AttentionMetadata(self.local_slots, 0, None, None, positions=meta.positions[self.local_rows])
+            q.index_copy_(0, self.local_rows, rotate_and_cache(qkv[self.local_rows], rotary, k_cache, v_cache, sub,
+                                                               num_heads, num_kv_heads))
+        r = len(self.remote_rows)
+        if r:
+            # The same kernel writes into a scratch "cache" of one-token blocks; the rows go to the creditors.
+            k_tmp = torch.empty(r, 1, num_kv_heads, head_dim, dtype=k_cache.dtype)
+            v_tmp = torch.empty_like(k_tmp)
+            sub = AttentionMetadata(torch.arange(r), 0, None, None, positions=meta.positions[self.remote_rows])
+            q.index_copy_(0, self.remote_rows, rotate_and_cache(qkv[self.remote_rows], rotary, k_tmp, v_tmp, sub,
+                                                                num_heads, num_kv_heads))
+            self.k_new, self.v_new = k_tmp[:, 0], v_tmp[:, 0]
+        return q
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+               scale: float) -> None:
+        started = time.perf_counter()
+        owner, layer = self.owner, self.layer
+        self.layer += 1
+        futures = {creditor: owner.directory.remote_attention(creditor, layer, items, scale)
+                   for creditor, items in self._remote_items(q).items()}
+        owner.stats.layer_calls += len(futures)
+        partials: list[list[PartialAttention]] = []
+        for plan in self.plans:
+            k = gather_blocks(k_cache, plan.local_blocks)
+            v = gather_blocks(v_cache, plan.local_blocks)
+            partials.append([partial_attention(q[plan.rows], k, v, plan.q_pos, plan.local_k_pos, scale)])
+        waited = time.perf_counter()
+        results = owner.directory.wait(futures)
+        owner.stats.wait_seconds += time.perf_counter() - waited
+        for creditor, answers in results.items():
+            for index, answer in zip(self._plans_on(creditor), answers, strict=True):
+                partials[index].append(PartialAttention(*answer))
+        for plan, parts in zip(self.plans, partials, strict=True):
+            out.index_copy_(0, plan.rows, merge_partials(parts).to(out.dtype))
+        owner.stats.seconds += time.perf_counter() - started
+
+    def _plans_on(self, creditor: int) -> list[int]:
+        return [i for i, plan in enumerate(self.plans) if creditor in plan.remote or creditor in plan.writes]
+
+    def _remote_items(self, q: torch.Tensor) -> dict[int, list[dict]]:
+        items: dict[int, list[dict]] = defaultdict(list)
+        for plan in self.plans:
+            for creditor in sorted(set(plan.remote) | set(plan.writes)):
+                blocks, k_pos = plan.remote.get(creditor, ([], torch.empty(0, dtype=torch.long)))
+                rows, slots = plan.writes.get(creditor, ([], []))
+                index = self.row_in_remote[torch.tensor(rows, dtype=torch.long)] if rows else None
+                items[creditor].append({
+                    "q": q[plan.rows], "q_pos": plan.q_pos, "blocks": blocks, "k_pos": k_pos,
+                    "slots": slots,
+                    "k_new": self.k_new[index] if index is not None else None,
+                    "v_new": self.v_new[index] if index is not None else None,
+                })
+        return items
+
+
+def creditor_micro_attention(layer_cache: torch.Tensor, items: list[dict], scale: float) -> list[tuple]:
+    """Creditor side of one layer: write the debtor's new K/V into the lent blocks, return partials."""
+    k_cache, v_cache = layer_cache[0], layer_cache[1]
+    hk, dim = k_cache.shape[2], k_cache.shape[3]
+    answers = []
+    for item in items:
+        if item["slots"]:
+            slots = torch.tensor(item["slots"], dtype=torch.long)
+            k_cache.view(-1, hk, dim).index_copy_(0, slots, item["k_new"].to(k_cache.dtype))
+            v_cache.view(-1, hk, dim).index_copy_(0, slots, item["v_new"].to(v_cache.dtype))
+        blocks = torch.tensor(item["blocks"], dtype=torch.long)
+        k = gather_blocks(k_cache, blocks)
+        v = gather_blocks(v_cache, blocks)
+        answers.append(partial_attention(item["q"], k, v, item["q_pos"], item["k_pos"], scale).as_tuple())
+    return answers

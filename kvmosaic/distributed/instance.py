@@ -1,0 +1,183 @@
+"""One engine instance as a Ray actor: an Engine whose KV manager borrows through an rManager.
+
+The actor is threaded: ``step()`` runs the engine while other threads serve creditor calls from
+other instances (lend, repay, remote micro-attention) and a daemon thread sends heartbeats. The
+engine's scheduling and bookkeeping run under ``self.lock``; lent blocks are out of the local free
+pool, so remote attention writing into them never races with the local forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import ray
+import torch
+
+from kvmosaic.config import DistributedConfig, EngineConfig
+from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, creditor_micro_attention
+from kvmosaic.distributed.rmanager import RManager
+from kvmosaic.outputs import RequestOutput
+from kvmosaic.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Instance:
+    def __init__(self, instance_id: int, engine_config: EngineConfig, config: DistributedConfig,
+                 gmanager) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from kvmosaic.engine.engine import Engine  # the model loads in the actor process
+
+        if engine_config.cache.kv_cache_dtype != "auto":
+            raise ValueError("the distributed KV cache supports kv_cache_dtype='auto' only")
+        self.instance_id = instance_id
+        self.config = config
+        self.engine = Engine(engine_config)
+        self.lock = threading.RLock()
+        self.engine.kv_lock = self.lock
+        manager = self.engine.kv_manager
+        self.rmanager = RManager(instance_id, manager, config, gmanager)
+        manager.borrower = self.rmanager
+        self.dist = DistAttention(self.rmanager, manager.block_size, manager.num_blocks)
+        self.engine.runner.remote_attention = self.dist
+        self.errors: dict[str, str] = {}  # request id -> why it failed, reported with the next step
+        self._stop = threading.Event()
+        self.fenced = threading.Event()  # the gManager declared us dead: our loans are gone, stop serving
+        node = ray.get_runtime_context().get_node_id()
+        ray.get(gmanager.register.remote(instance_id, manager.num_blocks, node))
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # ------------------------------------------------------------------ wiring
+    def connect(self, peers: dict[int, object], capacities: dict[int, int]) -> None:
+        self.rmanager.peers = {i: h for i, h in peers.items() if i != self.instance_id}
+        self.rmanager.peer_capacity = {i: n for i, n in capacities.items() if i != self.instance_id}
+
+    def info(self) -> dict:
+        engine = self.engine
+        return {"tokenizer": engine.tokenizer, "model_config": engine.model_config,
+                "max_model_len": engine.max_model_len, "num_blocks": engine.kv_manager.num_blocks}
+
+    def ping(self) -> int:
+        return self.instance_id
+
+    # ------------------------------------------------------------ engine surface
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                    arrival_time: float | None = None) -> str:
+        with self.lock:
+            return self.engine.add_request(request_id, prompt, params, arrival_time)
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            self.engine.abort(request_id, emit_output=False)
+
+    def step(self) -> tuple[list[RequestOutput], dict[str, str]]:
+        """One engine step; also returns {request id: error} for requests failed since the last one."""
+        self._check_fence()
+        self._recompute_lost()
+        try:
+            outputs = self.engine.step()
+        except CreditorLost as exc:
+            logger.warning("instance %d: %s", self.instance_id, exc)
+            with self.lock:
+                self.rmanager.mark_dead(exc.instance_ids)
+                # Blocks allocated for the failed step are already indexed by hash but hold no K/V yet.
+                self.engine.kv_manager.reset_prefix_cache()
+            self._report_dead(exc.instance_ids)
+            outputs = []
+        errors, self.errors = self.errors, {}
+        return outputs, errors
+
+    def _report_dead(self, instance_ids: set[int]) -> None:
+        for instance_id in instance_ids:
+            self.rmanager.gmanager.report_dead.remote(instance_id)
+
+    def _recompute_lost(self) -> None:
+        """Requests whose borrowed blocks died with their creditor run again from the start, or fail."""
+        with self.lock:
+            lost = self.rmanager.requests_with_lost_blocks()
+            if not lost:
+                return
+            scheduler = self.engine.scheduler
+            scheduler.recompute(lost)
+            reachable = self.engine.kv_manager.num_reachable_blocks * self.engine.kv_manager.block_size
+            for request_id in lost:
+                request = scheduler.get_request(request_id)
+                if request is not None and request.num_tokens > reachable:
+                    self.errors[request.group_id] = (
+                        f"the KV blocks of request {request.group_id} were lost with a failed instance and it "
+                        f"no longer fits the {reachable} KV slots still reachable")
+                    self.engine.abort(request.group_id, emit_output=True)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def stats(self) -> dict:
+        with self.lock:
+            stats = self.engine.stats()
+            stats.update(self.rmanager.stats())
+        d = self.dist.stats
+        stats.update({"dist_remote_steps": d.steps, "dist_remote_calls": d.layer_calls,
+                      "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds,
+                      "kv_blocks_free": self.engine.kv_manager.num_free_blocks})
+        return stats
+
+    # ------------------------------------------------------------- creditor side
+    def lend(self, debtor: int, num_blocks: int) -> list[int] | None:
+        if self.fenced.is_set():
+            return None
+        # A debtor and a creditor scheduling at once would wait on each other: refuse instead of waiting.
+        if not self.lock.acquire(timeout=self.config.lend_lock_timeout):
+            return None
+        try:
+            return self.rmanager.lend(debtor, num_blocks)
+        finally:
+            self.lock.release()
+
+    def repay(self, debtor: int, physical: list[int]) -> None:
+        with self.lock:
+            self.rmanager.repay(debtor, physical)
+
+    @torch.inference_mode()
+    def remote_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
+        self._check_fence()
+        return creditor_micro_attention(self.engine.kv_cache.layers[layer], items, scale)
+
+    # ---------------------------------------------------------------------- DGFM
+    def pick_borrowed(self, creditor: int, num_blocks: int) -> list[tuple[int, int]]:
+        with self.lock:
+            return self.rmanager.pick_borrowed(creditor, num_blocks)
+
+    def read_blocks(self, physical: list[int]) -> torch.Tensor:
+        return self.engine.kv_cache.device_pool[:, :, torch.tensor(physical, dtype=torch.long)].clone()
+
+    def bring_home(self, rblock_ids: list[int], lender_to: int, local_blocks: list[int], data: torch.Tensor) -> None:
+        with self.lock:
+            self.engine.kv_cache.device_pool[:, :, torch.tensor(local_blocks, dtype=torch.long)] = data
+            self.rmanager.bring_home(rblock_ids, lender_to, local_blocks)
+
+    # -------------------------------------------------------------------- faults
+    def _heartbeat_loop(self) -> None:
+        gmanager = self.rmanager.gmanager
+        while not self._stop.wait(self.config.heartbeat_interval):
+            try:
+                dead = ray.get(gmanager.heartbeat.remote(self.instance_id, self.engine.kv_manager.num_free_blocks),
+                               timeout=self.config.rpc_timeout)
+            except Exception:  # noqa: BLE001  (keep beating; the gManager may come back)
+                logger.exception("instance %d: heartbeat failed", self.instance_id)
+                continue
+            if self.instance_id in dead and not self.fenced.is_set():
+                logger.error("instance %d was declared dead by the gManager; fencing itself", self.instance_id)
+                self.fenced.set()
+            if set(dead) - self.rmanager.dead:
+                with self.lock:
+                    self.rmanager.mark_dead(set(dead))
+
+    def _check_fence(self) -> None:
+        if self.fenced.is_set():
+            raise RuntimeError(f"instance {self.instance_id} missed its heartbeats and was declared dead")
+
+    def shutdown(self) -> None:
+        self._stop.set()

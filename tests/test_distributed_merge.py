@@ -1,0 +1,214 @@
+"""DistAttention math, the debt ledger and the KV manager's borrowing hook: no Ray, no model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmosaic.core.kv_cache_manager import KVCacheManager
+from kvmosaic.distributed.ledger import DebtLedger, SwapPlan
+from kvmosaic.distributed.merge import merge_partials, partial_attention, reference_attention
+from kvmosaic.request import Request, RequestStatus
+from kvmosaic.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("use_flash", [True, False])
+@pytest.mark.parametrize("holders", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_merge_equals_monolithic_attention(holders: int, seed: int, use_flash: bool) -> None:
+    gen = torch.Generator().manual_seed(seed * 10 + holders)
+    hq, hk, dim = 9, 3, 16
+    context = int(torch.randint(holders, 70, (1,), generator=gen))
+    num_queries = int(torch.randint(1, context + 1, (1,), generator=gen))
+    if use_flash:
+        num_queries = max(num_queries, min(context, 8))  # the flash path takes chunks of 8+ rows
+    q = torch.randn(num_queries, hq, dim, generator=gen)
+    k = torch.randn(context, hk, dim, generator=gen)
+    v = torch.randn(context, hk, dim, generator=gen)
+    q_pos = torch.arange(context - num_queries, context)
+    k_pos = torch.arange(context)
+    owner = torch.randint(0, holders, (context,), generator=gen)  # a random split, holders may be empty
+    scale = dim**-0.5
+    partials = [partial_attention(q, k[owner == h], v[owner == h], q_pos, k_pos[owner == h], scale, use_flash)
+                for h in range(holders)]
+    merged = merge_partials(partials)
+    expected = reference_attention(q, k, v, q_pos, k_pos, scale)
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1), v.repeat_interleave(3, 1).transpose(0, 1),
+        attn_mask=k_pos[None, :] <= q_pos[:, None], scale=scale).transpose(0, 1)
+    torch.testing.assert_close(merged, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_partial_with_no_visible_key_is_neutral() -> None:
+    q = torch.randn(2, 4, 8)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    part = partial_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([5, 6, 7]), 0.3)
+    assert torch.isinf(part.row_max).all() and (part.sum_exp == 0).all() and (part.out == 0).all()
+    empty = partial_attention(q, k[:0], v[:0], torch.tensor([0, 1]), torch.tensor([], dtype=torch.long), 0.3)
+    real = partial_attention(q, k, v, torch.tensor([9, 9]), torch.tensor([5, 6, 7]), 0.3)
+    torch.testing.assert_close(merge_partials([part, empty, real]), real.out)
+
+
+# ------------------------------------------------------------------ ledger (hypothesis)
+_ops = st.lists(st.tuples(st.sampled_from(["borrow", "repay", "beat", "die", "swap"]),
+                          st.integers(0, 3), st.integers(0, 3), st.integers(1, 6)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(num=st.integers(2, 4), ops=_ops)
+def test_ledger_invariants(num: int, ops) -> None:
+    ledger = DebtLedger()
+    for i in range(num):
+        ledger.register(i, 10, node="a" if i < 2 else "b")
+    truth: dict[tuple[int, int], int] = {}
+    for op, a, b, n in ops:
+        a, b = a % num, b % num
+        alive = set(ledger.alive_ids())
+        if op == "borrow" and a != b and a in alive:
+            candidates = ledger.candidates(a, n)
+            assert a not in candidates and all(c in alive for c in candidates)
+            assert all(ledger.instances[c].free_blocks >= n for c in candidates)
+            costs = [(ledger.cost(a, c), -ledger.instances[c].free_blocks) for c in candidates]
+            assert costs == sorted(costs)
+            if candidates:
+                ledger.record_loan(a, candidates[0], n)
+                truth[(a, candidates[0])] = truth.get((a, candidates[0]), 0) + n
+        elif op == "repay" and truth.get((a, b)):
+            paid = min(n, truth[(a, b)])
+            ledger.record_repayment(a, b, paid)
+            truth[(a, b)] -= paid
+        elif op == "beat" and a in alive:
+            ledger.heartbeat(a, n, now=0.0)
+        elif op == "die":
+            ledger.declare_dead(a)
+            truth = {pair: v for pair, v in truth.items() if a not in pair}
+        elif op == "swap":
+            for plan in ledger.find_cycles():
+                ledger.record_swap(plan)
+                for i, d in enumerate(plan.cycle):
+                    truth[(d, plan.cycle[(i + 1) % len(plan.cycle)])] -= plan.num_blocks
+        truth = {pair: v for pair, v in truth.items() if v}
+        assert ledger.loans() == truth  # repaid debts vanish
+        lent = {(d, c): v for c, row in ledger.lent.items() for d, v in row.items()}
+        assert lent == ledger.loans()  # lent equals borrowed per pair
+        assert all(v > 0 for v in lent.values())
+        assert all(info.free_blocks >= 0 for info in ledger.instances.values())
+        assert all(a in alive or not ledger.instances[a].alive for a in ledger.instances)
+    for dead in ledger.dead_ids():
+        assert all(dead not in pair for pair in ledger.loans())
+
+
+def test_ledger_cycles_and_swaps() -> None:
+    ledger = DebtLedger()
+    for i in range(4):
+        ledger.register(i, 16)
+    ledger.record_loan(0, 1, 3)
+    ledger.record_loan(1, 2, 5)
+    ledger.record_loan(2, 0, 4)
+    ledger.record_loan(3, 0, 2)
+    plans = ledger.find_cycles()
+    assert plans == [SwapPlan([0, 1, 2], 3)]
+    ledger.record_swap(plans[0])
+    assert ledger.loans() == {(1, 2): 2, (2, 0): 1, (3, 0): 2}
+    assert ledger.find_cycles() == []
+    assert ledger.find_cycles(min_blocks=5) == []
+    ledger.record_loan(0, 3, 2)
+    assert ledger.find_cycles(min_blocks=3) == []
+    assert ledger.find_cycles(min_blocks=2) == [SwapPlan([0, 3], 2)]
+    ledger.expire(now=100.0, timeout=1.0)  # nobody beat since t=0: all dead, every debt written off
+    assert ledger.loans() == {} and ledger.counters.dead_instances == 4
+
+
+# --------------------------------------------------------------- the KV manager hook
+class FakeBorrower:
+    """Lends from an imaginary creditor: rBlock ids from 100 up; records what comes back."""
+
+    def __init__(self, lendable: int) -> None:
+        self.lendable = lendable
+        self.next_id = 100
+        self.released: list[int] = []
+
+    @property
+    def num_lendable_blocks(self) -> int:
+        return self.lendable
+
+    def borrow(self, request: Request, num_blocks: int) -> list[int] | None:
+        if num_blocks > self.lendable:
+            return None
+        self.lendable -= num_blocks
+        ids = list(range(self.next_id, self.next_id + num_blocks))
+        self.next_id += num_blocks
+        return ids
+
+    def release(self, block_ids: list[int]) -> None:
+        self.released.extend(block_ids)
+        self.lendable += len(block_ids)
+
+
+def _request(rid: str, n: int) -> Request:
+    request = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4))
+    request.status = RequestStatus.RUNNING
+    return request
+
+
+def test_kv_manager_borrows_when_local_pool_is_full() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    request = _request("a", 20)
+    assert manager.allocate_slots(request, 20) is None  # no borrower: all or nothing
+    assert manager.num_free_blocks == 4
+    borrower = FakeBorrower(lendable=3)
+    manager.borrower = borrower
+    assert manager.num_reachable_blocks == 7
+    table = manager.allocate_slots(request, 20)
+    assert table == [0, 1, 2, 3, 100]
+    assert manager.swap_out(request) is None  # borrowed blocks are recomputed, not swapped
+    request.num_computed_tokens = 20
+    assert manager.allocate_slots(request, 8) == [0, 1, 2, 3, 100, 101, 102]
+    request.num_computed_tokens = 28
+    assert manager.allocate_slots(request, 4) is None  # the lender is dry
+    manager.free(request)
+    assert sorted(borrower.released) == [100, 101, 102] and manager.num_free_blocks == 4
+
+
+def test_serve_parses_cluster_flags() -> None:
+    from kvmosaic.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--instances", "3", "--ray-address", "auto", "--no-borrowing"])
+    assert (args.instances, args.ray_address, args.no_borrowing) == (3, "auto", True)
+    assert build_parser().parse_args(["serve"]).instances == 1
+
+
+def test_gmanager_declares_silent_instances_dead_and_writes_off_their_debts() -> None:
+    import time
+
+    from kvmosaic.config import DistributedConfig
+    from kvmosaic.distributed.gmanager import GManager
+
+    gm = GManager(DistributedConfig(heartbeat_interval=0.1, missed_heartbeats=5))  # dead after 0.5 s of silence
+    for i in range(3):
+        gm.register(i, 8)
+    gm.record_loan(0, 1, 3)
+    gm.record_loan(2, 0, 2)
+    assert gm.candidates(0, 4) == [2, 1]  # 2 still has 8 free, 1 has 5
+    for _ in range(40):
+        time.sleep(0.02)
+        gm.heartbeat(0, 4)
+        dead = gm.heartbeat(2, 6)
+    assert dead == [1]  # the silent one; the survivors learn it from their heartbeats
+    snapshot = gm.snapshot()
+    assert snapshot["loans"] == {"2->0": 2} and snapshot["counters"]["written_off_blocks"] == 3
+    assert gm.candidates(0, 1) == [2]
+    gm.record_repayment(2, 0, 2)
+    assert gm.snapshot()["total_debt"] == 0
+
+
+def test_cluster_refuses_quantized_kv_before_starting_anything() -> None:
+    pytest.importorskip("ray")
+    from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig
+    from kvmosaic.distributed.cluster import Cluster
+
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        Cluster(EngineConfig(cache=CacheConfig(kv_cache_dtype="int8")), DistributedConfig())
