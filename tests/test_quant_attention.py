@@ -172,7 +172,12 @@ def test_int4_groups_quantize_sub_vectors_and_attend_like_whole_heads():
     layer = QuantizedKVLayer(pools[0], pools[1], fmt)
     ctx = 13
     k, v = _rows(ctx, 11)
-    write_quantized(layer, k, v, torch.arange(ctx))
+    rotary = RotaryEmbedding(D, 64, 10000.0, None)
+    positions = torch.arange(ctx)
+    qkv = torch.cat([torch.randn(ctx, HQ * D), k.flatten(1), v.flatten(1)], dim=1)
+    rotate_and_cache_quantized(qkv, rotary, layer, AttentionMetadata(positions, 0, None, None, positions=positions),
+                               HQ, HK)
+    _, k = rotary.apply(rotary.tables(positions), qkv[:, : HQ * D].reshape(ctx, HQ, D), k)  # the rotated keys
     codes, lo, scale = int_quant.quantize(k.view(ctx, HK * 4, 16), 4)
     expected_k = int_quant.dequantize(codes, lo, scale).view(ctx, HK, D)
     got_k = dequantize_blocks(layer.k_pool, torch.arange(8), layer, layer.k_thresholds, torch.float32)

@@ -11,6 +11,7 @@ The pure PyTorch path (``kvmosaic.quant.codec``) is the reference the kernels ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +51,9 @@ def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, s
     """Quantize rows [N, Hk, D] and scatter their records into the pools."""
     if k.shape[0] == 0:
         return
-    rows_shape = (k.shape[0], layer.fmt.num_kv_heads, layer.fmt.head_dim)  # int groups: sub-vectors as heads
-    k, v = k.reshape(rows_shape), v.reshape(rows_shape)
+    if k.shape[1] != layer.fmt.num_kv_heads:  # int groups: sub-vectors as heads
+        rows_shape = (k.shape[0], layer.fmt.num_kv_heads, layer.fmt.head_dim)
+        k, v = k.reshape(rows_shape), v.reshape(rows_shape)
     qops = get_quant_ops()
     if qops is not None:
         layer.folded_outliers += qops.quant_write(k, v, layer.k_pool, layer.v_pool, slot_mapping, *layer.args(),
@@ -75,15 +77,20 @@ def dequantize_blocks(pool: torch.Tensor, block_ids: torch.Tensor, layer: Quanti
     return rows.view(len(block_ids), pool.shape[1], layer.fmt.num_kv_heads, layer.fmt.head_dim).to(dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _scratch_slots(n: int) -> torch.Tensor:
+    return torch.arange(n)
+
+
 def rotate_and_cache_quantized(qkv: torch.Tensor, rotary: RotaryEmbedding, layer: QuantizedKVLayer,
                                meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Like ``attention.rotate_and_cache``, writing quantized records. Returns q [N, Hq, D]."""
-    n, head_dim = qkv.shape[0], layer.fmt.head_dim
+    n, head_dim = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     ops = get_ops()
     if ops is not None:  # the float kernel rotates into a scratch "cache" of one slot per token
         scratch = qkv.new_empty(2, n, 1, num_kv_heads, head_dim)
         q = ops.rope_and_cache(qkv, meta.positions, rotary.cos, rotary.sin, scratch[0], scratch[1],
-                               torch.arange(n), num_heads, num_kv_heads)
+                               _scratch_slots(n), num_heads, num_kv_heads)
         k, v = scratch[0].view(n, num_kv_heads, head_dim), scratch[1].view(n, num_kv_heads, head_dim)
     else:
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
