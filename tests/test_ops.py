@@ -69,11 +69,12 @@ def test_linear_uses_gemv_for_decode_rows_only(dtype):
     kernel = layer.gemv
     layer.gemv = lambda x, weight: calls.append(x.shape[0]) or kernel(x, weight)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for rows in (0, 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5):  # 0 rows: a step that samples nothing
+    split = layer.gemv_rows > GEMV_MAX_ROWS  # bfloat16: up to 16 rows in calls of 8
+    for rows in (0, 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5, 2 * GEMV_MAX_ROWS + 1):  # 0 rows: a step that samples nothing
         x = torch.randn(rows, 96).to(dtype)
         ref = torch.nn.functional.linear(x.double(), w.double(), layer.bias.double())
         torch.testing.assert_close(layer(x).double(), ref, atol=tol * 5, rtol=tol)
-    assert calls == [1, GEMV_MAX_ROWS]
+    assert calls == ([1, GEMV_MAX_ROWS, GEMV_MAX_ROWS, 5] if split else [1, GEMV_MAX_ROWS])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
