@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench peers clean
 
-$(STAMP): pyproject.toml Makefile kvmosaic/ops/csrc/kvmosaic_ops.cpp kvmosaic/ops/csrc/kvquant_ops.cpp kvmosaic/ops/csrc/simd.h
+$(STAMP): pyproject.toml Makefile $(wildcard kvmosaic/ops/csrc/*.cpp kvmosaic/ops/csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -18,22 +18,24 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
+CSRC = Path(__file__).parent / "csrc"
 NAME = "kvmosaic_ops"
-SOURCE = Path(__file__).parent / "csrc" / "kvmosaic_ops.cpp"
+SOURCES = (CSRC / "kvmosaic_ops.cpp",)
 BUILD_DIR = Path(__file__).parent / "_build"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 # The quantized-KV kernels (kvmosaic/quant formats): a second extension, built by the same step.
 QUANT_NAME = "kvmosaic_kvquant"
-QUANT_SOURCE = Path(__file__).parent / "csrc" / "kvquant_ops.cpp"
-EXTENSIONS = ((NAME, SOURCE), (QUANT_NAME, QUANT_SOURCE))
+QUANT_SOURCES = tuple(CSRC / f"kvquant_{part}.cpp" for part in ("ops", "encode", "decode", "decode_fast"))
+EXTENSIONS = ((NAME, SOURCES), (QUANT_NAME, QUANT_SOURCES))
 
 
-def _built_library(name: str = NAME, source: Path = SOURCE) -> Path | None:
+def _built_library(name: str, sources: tuple[Path, ...]) -> Path | None:
     candidates = sorted(BUILD_DIR.glob(f"{name}*.so"))
     if not candidates:
         return None
     library = candidates[0]
-    if library.stat().st_mtime < source.stat().st_mtime:
+    newest = max(path.stat().st_mtime for path in (*sources, *CSRC.glob("*.h")))
+    if library.stat().st_mtime < newest:
         logger.warning("kvmosaic C++ ops are older than their source; rebuild with `python -m kvmosaic.ops.build`")
         return None
     return library
@@ -42,19 +44,19 @@ def _built_library(name: str = NAME, source: Path = SOURCE) -> Path | None:
 @functools.cache
 def get_ops() -> ModuleType | None:
     """The compiled kernels, or None (reference PyTorch path)."""
-    return _load(NAME, SOURCE)
+    return _load(NAME, SOURCES)
 
 
 @functools.cache
 def get_quant_ops() -> ModuleType | None:
     """The quantized-KV kernels, or None (reference PyTorch path)."""
-    return _load(QUANT_NAME, QUANT_SOURCE)
+    return _load(QUANT_NAME, QUANT_SOURCES)
 
 
-def _load(name: str, source: Path) -> ModuleType | None:
+def _load(name: str, sources: tuple[Path, ...]) -> ModuleType | None:
     if os.environ.get("KVMOSAIC_DISABLE_OPS", "") not in ("", "0"):
         return None
-    library = _built_library(name, source)
+    library = _built_library(name, sources)
     if library is None:
         return None
     import torch  # noqa: F401  (the extension links against libtorch)

@@ -12,10 +12,10 @@ def build(verbose: bool = False) -> bool:
     from torch.utils.cpp_extension import load
 
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    for name, source in EXTENSIONS:
+    for name, sources in EXTENSIONS:
         try:
-            load(name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 build_directory=str(BUILD_DIR), verbose=verbose)
+            load(name=name, sources=[str(source) for source in sources], extra_cflags=CFLAGS,
+                 extra_ldflags=["-fopenmp"], build_directory=str(BUILD_DIR), verbose=verbose)
         except Exception as exc:  # a missing compiler must not break installation: the PyTorch path still works
             print(f"kvmosaic: C++ kernels {name} not built ({exc}); using the PyTorch reference path",
                   file=sys.stderr)

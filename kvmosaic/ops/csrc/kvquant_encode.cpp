@@ -1,0 +1,257 @@
+// Quantize-and-write of new K/V rows into their records (int8, int4, Oaken), bit for bit the
+// PyTorch reference's encoding (same float32 operation order, fp16 rounding to nearest even,
+// ties-to-even codes).
+#include "kvquant_format.h"
+
+namespace kvquant {
+namespace {
+
+
+void encode_int_head(const float* x, const Format& f, uint8_t* out) {
+  const int levels = f.mode == kInt8 ? 255 : 15;
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < f.d; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+  const float lo16 = half_round(lo);
+  const float s16 = scale_for(hi - lo16, levels);
+  const float div = s16 > 0.f ? s16 : 1.f;
+  write_half(out, lo16);
+  write_half(out + 2, s16);
+  uint8_t* codes = out + kIntHeader;
+  if (f.mode == kInt8) {
+    for (int64_t i = 0; i < f.d; ++i) codes[i] = static_cast<uint8_t>(quantize_code(x[i] - lo16, div, 255.f));
+  } else {
+    for (int64_t i = 0; i < f.d; i += 2) {
+      const auto a = static_cast<uint8_t>(quantize_code(x[i] - lo16, div, 15.f));
+      const auto b = static_cast<uint8_t>(quantize_code(x[i + 1] - lo16, div, 15.f));
+      codes[i / 2] = static_cast<uint8_t>(a | (b << 4));
+    }
+  }
+}
+
+// Groups: 0 middle, 1 kept outer, 2 kept inner. Returns the outliers folded into the middle.
+int64_t oaken_groups(const float* x, const Format& f, const Thresholds& t, uint8_t* group) {
+  int64_t folded = 0;
+  for (int64_t h = 0; h < f.hk; ++h) {
+    const float* xh = x + h * f.d;
+    uint8_t* gh = group + h * f.d;
+    int64_t n_outer = 0;
+    for (int64_t i = 0; i < f.d; ++i) n_outer += (xh[i] > t.outer_hi || xh[i] < t.outer_lo);
+    int64_t outer_rank = 0, inner_rank = n_outer;
+    for (int64_t i = 0; i < f.d; ++i) {
+      gh[i] = 0;
+      if (xh[i] > t.outer_hi || xh[i] < t.outer_lo) {
+        if (++outer_rank <= f.capacity) gh[i] = 1;
+      } else if (xh[i] >= t.inner_lo && xh[i] <= t.inner_hi) {
+        if (++inner_rank <= f.capacity) gh[i] = 2;
+      } else {
+        continue;
+      }
+      folded += gh[i] == 0;
+    }
+  }
+  return folded;
+}
+
+// One head vector: its four fp16 scales into header, its 4-bit codes into code[0, d).
+void encode_oaken_head(const float* x, const uint8_t* group, const Format& f, const Thresholds& t, uint8_t* header,
+                       float* code) {
+  float mid_lo = 0.f, mid_hi = 0.f, out_max = 0.f, in_max = 0.f;
+  for (int64_t i = 0; i < f.d; ++i) {
+    const bool neg = x[i] < 0.f;
+    if (group[i] == 0) {
+      const float v = x[i] - (neg ? t.inner_lo : t.inner_hi);
+      mid_lo = std::min(mid_lo, v), mid_hi = std::max(mid_hi, v);
+    } else if (group[i] == 1) {
+      out_max = std::max(out_max, neg ? t.outer_lo - x[i] : x[i] - t.outer_hi);
+    } else {
+      in_max = std::max(in_max, std::fabs(x[i]));
+    }
+  }
+  const float lo16 = half_round(std::min(mid_lo, kNegFloor));
+  const float mid_s = scale_for(mid_hi - lo16, 15);
+  const float out_s = scale_for(out_max, 15);
+  const float in_s = scale_for(in_max, 15);
+  float first_nonneg = 0.f;
+  for (int c = 0; c < 16; ++c) first_nonneg += (lo16 + static_cast<float>(c) * mid_s < 0.f);
+  for (int64_t i = 0; i < f.d; ++i) {
+    const bool neg = x[i] < 0.f;
+    if (group[i] == 0) {
+      const float c = quantize_code(x[i] - (neg ? t.inner_lo : t.inner_hi) - lo16, mid_s > 0.f ? mid_s : 1.f, 15.f);
+      code[i] = neg ? std::min(c, first_nonneg - 1.f) : std::max(c, first_nonneg);
+    } else if (group[i] == 1) {
+      code[i] = quantize_code(neg ? t.outer_lo - x[i] : x[i] - t.outer_hi, out_s, 15.f);
+    } else {
+      code[i] = quantize_code(std::fabs(x[i]), in_s, 15.f);
+    }
+  }
+  write_half(header, lo16), write_half(header + 2, mid_s), write_half(header + 4, out_s), write_half(header + 6, in_s);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__) && defined(__BMI2__)
+// One head vector of 64 values, the scalar path's operations lane by lane (bit-exact): groups as
+// 64-bit masks (the first `capacity` outer values kept, then the first inner ones, by pdep),
+// min/max scales by masked reductions, codes by round-to-nearest-even, the dense nibbles packed
+// pairwise, the sparse entries compressed into index order. Returns the outliers folded.
+inline uint64_t low_bits(int64_t k) { return k >= 64 ? ~uint64_t{0} : (uint64_t{1} << k) - 1; }
+
+int64_t encode_oaken_head64(const float* x, const Format& f, const Thresholds& t, uint8_t* header, uint8_t* dense,
+                            uint8_t* list) {
+  __m512 v[4];
+  uint64_t outer = 0, inner = 0, neg = 0;
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm512_loadu_ps(x + 16 * c);
+    const __mmask16 o = _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.outer_hi), _CMP_GT_OQ) |
+                        _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.outer_lo), _CMP_LT_OQ);
+    const __mmask16 i = _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.inner_lo), _CMP_GE_OQ) &
+                        _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.inner_hi), _CMP_LE_OQ) & ~o;
+    outer |= uint64_t{o} << (16 * c), inner |= uint64_t{i} << (16 * c);
+    neg |= uint64_t{_mm512_cmp_ps_mask(v[c], _mm512_setzero_ps(), _CMP_LT_OQ)} << (16 * c);
+  }
+  const int64_t n_outer = __builtin_popcountll(outer), n_inner = __builtin_popcountll(inner);
+  const uint64_t keep_outer = _pdep_u64(low_bits(std::min(f.capacity, n_outer)), outer);
+  const uint64_t keep_inner = _pdep_u64(low_bits(std::max<int64_t>(0, f.capacity - n_outer)), inner);
+  const uint64_t kept = keep_outer | keep_inner;
+  const int64_t folded = n_outer + n_inner - __builtin_popcountll(kept);
+  __m512 w[4], m[4];
+  __m512 mid_lo = _mm512_setzero_ps(), mid_hi = _mm512_setzero_ps(), out_max = _mm512_setzero_ps(), in_max = _mm512_setzero_ps();
+  for (int c = 0; c < 4; ++c) {
+    const auto nc = static_cast<__mmask16>(neg >> (16 * c));
+    const auto mid = static_cast<__mmask16>(~kept >> (16 * c));
+    w[c] = _mm512_sub_ps(v[c], _mm512_mask_blend_ps(nc, _mm512_set1_ps(t.inner_hi), _mm512_set1_ps(t.inner_lo)));
+    mid_lo = _mm512_mask_min_ps(mid_lo, mid, mid_lo, w[c]), mid_hi = _mm512_mask_max_ps(mid_hi, mid, mid_hi, w[c]);
+    m[c] = _mm512_mask_blend_ps(nc, _mm512_sub_ps(v[c], _mm512_set1_ps(t.outer_hi)), _mm512_sub_ps(_mm512_set1_ps(t.outer_lo), v[c]));
+    out_max = _mm512_mask_max_ps(out_max, static_cast<__mmask16>(keep_outer >> (16 * c)), out_max, m[c]);
+    in_max = _mm512_mask_max_ps(in_max, static_cast<__mmask16>(keep_inner >> (16 * c)), in_max, _mm512_abs_ps(v[c]));
+  }
+  const float lo16 = half_round(std::min(_mm512_reduce_min_ps(mid_lo), kNegFloor));
+  const float mid_s = scale_for(_mm512_reduce_max_ps(mid_hi) - lo16, 15);
+  const float out_s = scale_for(_mm512_reduce_max_ps(out_max), 15);
+  const float in_s = scale_for(_mm512_reduce_max_ps(in_max), 15);
+  const __m512 level = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 below = _mm512_cmp_ps_mask(
+      _mm512_add_ps(_mm512_set1_ps(lo16), _mm512_mul_ps(level, _mm512_set1_ps(mid_s))), _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 first = _mm512_set1_ps(static_cast<float>(__builtin_popcount(below)));
+  const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.f);
+  auto quantize = [&](__m512 y, float divisor) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(y, _mm512_set1_ps(divisor)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_min_ps(_mm512_max_ps(r, zero), top);
+  };
+  for (int c = 0; c < 4; ++c) {
+    const auto nc = static_cast<__mmask16>(neg >> (16 * c));
+    __m512 code = quantize(_mm512_sub_ps(w[c], _mm512_set1_ps(lo16)), mid_s > 0.f ? mid_s : 1.f);
+    code = _mm512_mask_blend_ps(nc, _mm512_max_ps(code, first), _mm512_min_ps(code, _mm512_sub_ps(first, _mm512_set1_ps(1.f))));
+    code = _mm512_mask_mov_ps(code, static_cast<__mmask16>(keep_outer >> (16 * c)), quantize(m[c], out_s));
+    code = _mm512_mask_mov_ps(code, static_cast<__mmask16>(keep_inner >> (16 * c)), quantize(_mm512_abs_ps(v[c]), in_s));
+    // 16 codes -> 16 bytes -> 8 bytes of nibble pairs (element 2i low, 2i+1 high)
+    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(code));
+    const __m128i pairs = _mm_or_si128(_mm_and_si128(bytes, _mm_set1_epi16(0x000F)),
+                                       _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi16(0x00F0)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dense + 8 * c), _mm_cvtepi16_epi8(pairs));
+  }
+  __m512i entry = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42,
+                                  41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
+                                  19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  entry = _mm512_mask_add_epi8(entry, keep_outer, entry, _mm512_set1_epi8(0x40));
+  entry = _mm512_mask_add_epi8(entry, neg & kept, entry, _mm512_set1_epi8(static_cast<char>(0x80)));
+  list[0] = static_cast<uint8_t>(__builtin_popcountll(kept));
+  _mm512_mask_storeu_epi8(list + 1, low_bits(f.capacity), _mm512_maskz_compress_epi8(kept, entry));
+  write_half(header, lo16), write_half(header + 2, mid_s), write_half(header + 4, out_s), write_half(header + 6, in_s);
+  return folded;
+}
+#endif
+
+int64_t encode_oaken_token(const float* x, const Format& f, const Thresholds& t, uint8_t* out,
+                           std::vector<uint8_t>& group, std::vector<float>& code) {
+  std::memset(out, 0, f.record);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__) && defined(__BMI2__)
+  if (f.d == 64) {
+    int64_t folded = 0;
+    for (int64_t h = 0; h < f.hk; ++h)
+      folded += encode_oaken_head64(x + h * 64, f, t, out + h * kOakenHeader, out + kOakenHeader * f.hk + h * 32,
+                                    out + f.sparse_offset + h * f.sparse_bytes);
+    return folded;
+  }
+#endif
+  const int64_t n = f.hk * f.d;
+  const int64_t folded = oaken_groups(x, f, t, group.data());
+  for (int64_t h = 0; h < f.hk; ++h)
+    encode_oaken_head(x + h * f.d, group.data() + h * f.d, f, t, out + h * kOakenHeader, code.data() + h * f.d);
+  uint8_t* dense = out + kOakenHeader * f.hk;
+  for (int64_t i = 0; i < n; i += 2)
+    dense[i / 2] = static_cast<uint8_t>(static_cast<int>(code[i]) | (static_cast<int>(code[i + 1]) << 4));
+  for (int64_t h = 0; h < f.hk; ++h) {
+    uint8_t* list = out + f.sparse_offset + h * f.sparse_bytes;
+    int64_t count = 0;
+    for (int64_t i = 0; i < f.d; ++i) {
+      const uint8_t g = group[h * f.d + i];
+      if (!g) continue;
+      const int64_t entry = i | (int64_t{g == 1} << f.index_bits) | (int64_t{x[h * f.d + i] < 0.f} << (f.index_bits + 1));
+      uint8_t* e = list + 1 + count * f.entry_bytes;
+      e[0] = static_cast<uint8_t>(entry & 255);
+      if (f.entry_bytes == 2) e[1] = static_cast<uint8_t>(entry >> 8);
+      ++count;
+    }
+    list[0] = static_cast<uint8_t>(count);
+  }
+  return folded;
+}
+
+int64_t encode_token(const float* x, const Format& f, const Thresholds& t, uint8_t* out,
+                     std::vector<uint8_t>& group, std::vector<float>& code) {
+  if (f.mode == kOaken) return encode_oaken_token(x, f, t, out, group, code);
+  for (int64_t h = 0; h < f.hk; ++h) encode_int_head(x + h * f.d, f, out + h * (kIntHeader + f.code_bytes));
+  return 0;
+}
+
+template <typename T>
+void write_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool, at::Tensor& v_pool,
+                const at::Tensor& slots, const Format& f, const Thresholds& kt, const Thresholds& vt,
+                std::vector<int64_t>& folded) {
+  const int64_t n = k.size(0), width = f.hk * f.d;
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  uint8_t* kout = k_pool.data_ptr<uint8_t>();
+  uint8_t* vout = v_pool.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width), code(width);
+    std::vector<uint8_t> group(width);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < width; ++i) row[i] = to_float(kp[t * width + i]);
+      folded[t] = encode_token(row.data(), f, kt, kout + sl[t] * f.record, group, code);
+      for (int64_t i = 0; i < width; ++i) row[i] = to_float(vp[t * width + i]);
+      folded[t] += encode_token(row.data(), f, vt, vout + sl[t] * f.record, group, code);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace kvquant
+
+using namespace kvquant;
+
+// Quantize K/V rows [N, hk, d] and write their records into the pools' slots. Returns the number of
+// Oaken outliers folded into the middle group (0 for int8/int4).
+int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool, at::Tensor v_pool,
+                    const at::Tensor& slot_mapping, int64_t mode, int64_t hk, int64_t d, int64_t capacity,
+                    const at::Tensor& k_thresholds, const at::Tensor& v_thresholds) {
+  const Format f = make_format(mode, hk, d, capacity, k_pool.size(-1));
+  check_pool(k_pool, f);
+  check_pool(v_pool, f);
+  auto kc = k.contiguous(), vc = v.contiguous();
+  TORCH_CHECK(kc.numel() == kc.size(0) * hk * d && vc.sizes() == kc.sizes(), "K/V rows must be [N, hk, d]");
+  auto slots = slot_mapping.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == kc.size(0), "slot_mapping must be int64 [N]");
+  std::vector<int64_t> folded(kc.size(0), 0);
+  const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
+  if (kc.scalar_type() == at::kFloat) {
+    write_impl<float>(kc, vc, k_pool, v_pool, slots, f, kt, vt, folded);
+  } else if (kc.scalar_type() == at::kBFloat16) {
+    write_impl<c10::BFloat16>(kc, vc, k_pool, v_pool, slots, f, kt, vt, folded);
+  } else {
+    TORCH_CHECK(false, "quant_write supports float32 and bfloat16");
+  }
+  int64_t total = 0;
+  for (int64_t x : folded) total += x;
+  return total;
+}
