@@ -1,0 +1,278 @@
+// Decode attention over the paged float KV cache, read in place (no gather copy): one query token
+// per sequence, an online softmax in one pass over the context.
+#include "ops_common.h"
+
+namespace {
+
+using namespace kvops;
+
+// Widen one row to float. The bf16 case is a plain shift so the compiler vectorizes it.
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
+                           double scale) {
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t group = hq / hk;
+  const int64_t width = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t slot_stride = hk * d;
+  const float fscale = static_cast<float>(scale);
+  int64_t max_ctx = 0;
+  for (int64_t b = 0; b < batch; ++b) max_ctx = std::max(max_ctx, lens[b]);
+
+  at::parallel_for(0, batch * hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), row(d), scores(group * max_ctx);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hk, h = item % hk;
+      const int64_t ctx = lens[b];
+      for (int64_t g = 0; g < group; ++g) {
+        load_row(q_ptr + (b * hq + h * group + g) * d, qf.data() + g * d, d);
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= fscale;
+      }
+      // scores[g][t] = q_g . k_t, reading each K row from its block in place
+      for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t block = tables[b * width + t / block_size];
+        load_row(kc + (block * block_size + t % block_size) * slot_stride + h * d, row.data(), d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qv = qf.data() + g * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += qv[i] * row[i];
+          scores[g * ctx + t] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * ctx;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sc[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; ++t) {
+          sc[t] = exp_nonpositive(sc[t] - mx);
+          sum += sc[t];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < ctx; ++t) sc[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t block = tables[b * width + t / block_size];
+        load_row(vc + (block * block_size + t % block_size) * slot_stride + h * d, row.data(), d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * ctx + t];
+          float* a = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] += p * row[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = o_ptr + (b * hq + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) store(dst + i, acc[g * d + i]);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// One query head held in registers; dot() returns the lane-wise partial products of q . k for one
+// cached row (the caller sums the lanes). bf16 uses AVX512-BF16 dot products (float accumulation).
+template <typename T, int NC>
+struct QueryDot;
+
+template <int NC>
+struct QueryDot<float, NC> {
+  __m512 q[NC];
+  void load(const float* p) {
+    for (int c = 0; c < NC; ++c) q[c] = _mm512_loadu_ps(p + c * 16);
+  }
+  __m512 dot(const float* k) const {
+    __m512 s = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+    for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + c * 16), s);
+    return s;
+  }
+};
+
+template <int NC>
+struct QueryDot<c10::BFloat16, NC> {
+#if defined(__AVX512BF16__)
+  __m512bh q[NC / 2];
+  void load(const c10::BFloat16* p) {
+    for (int c = 0; c < NC / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p + c * 32));
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < NC / 2; ++c)
+      s = _mm512_dpbf16_ps(s, q[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
+    return s;
+  }
+#else
+  __m512 q[NC];
+  void load(const c10::BFloat16* p) {
+    for (int c = 0; c < NC; ++c) q[c] = load16(p + c * 16);
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 s = _mm512_mul_ps(q[0], load16(k));
+    for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], load16(k + c * 16), s);
+    return s;
+  }
+#endif
+};
+
+
+
+
+// Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
+// over the context with an online softmax. One work item is one sequence: its K/V rows are read
+// from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
+// sixteen tokens at a time, with the next sixteen prefetched.
+template <typename T, int NC>
+void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
+                          double scale) {
+  constexpr int64_t D = NC * 16;
+  const int64_t batch = q.size(0), hq = q.size(1);
+  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t group = hq / hk;
+  const int64_t width = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t slot_stride = hk * D;
+  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<QueryDot<T, NC>> qd(hq);
+    std::vector<__m512> part(group * 16), acc(hq * NC);
+    std::vector<OnlineSoftmax> softmax(hq);
+    std::vector<float> probs(hq * 16);
+    int64_t slots[16], pf_slots[16];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t ctx = lens[b];
+      const int64_t* table = tables + b * width;
+      auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
+      for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
+      std::fill(softmax.begin(), softmax.end(), OnlineSoftmax());
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, ctx - t0);
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+        for (int64_t j = 0; j < n; ++j) slots[j] = slot_of(t0 + j);
+        // the next sixteen rows (on the last chunk: the next sequence's first ones), prefetched one
+        // row per step of the first score loop below
+        int64_t pf_count = 0;
+        for (int64_t t = t0 + 16; t < std::min(ctx, t0 + 32); ++t) pf_slots[pf_count++] = slot_of(t);
+        if (t0 + 16 >= ctx && b + 1 < end) {
+          const int64_t* next_table = tables + (b + 1) * width;
+          for (int64_t t = 0; t < std::min<int64_t>(16, lens[b + 1]); ++t)
+            pf_slots[pf_count++] = next_table[t / block_size] * block_size + t % block_size;
+        }
+        // scores of the sixteen tokens for every head, folded into the running softmax
+        for (int64_t kh = 0; kh < hk; ++kh) {
+          for (int64_t j = 0; j < 16; ++j) {
+            if (kh == 0 && j < pf_count) {
+              for (int64_t off = 0; off < slot_bytes; off += 64) {
+                _mm_prefetch(reinterpret_cast<const char*>(kc + pf_slots[j] * slot_stride) + off, _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(vc + pf_slots[j] * slot_stride) + off, _MM_HINT_T0);
+              }
+            }
+            for (int64_t g = 0; g < group; ++g)
+              part[g * 16 + kSumSlot[j]] = j < n ? qd[kh * group + g].dot(kc + slots[j] * slot_stride + kh * D)
+                                                 : _mm512_setzero_ps();
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kh * group + g;
+            const __m512 sc = _mm512_mul_ps(sum_lanes16(part.data() + g * 16), vscale);
+            float corr;
+            _mm512_storeu_ps(probs.data() + h * 16, softmax[h].update(sc, valid, &corr));
+            if (corr != 1.f)
+              for (int c = 0; c < NC; ++c) acc[h * NC + c] = _mm512_mul_ps(acc[h * NC + c], _mm512_set1_ps(corr));
+          }
+        }
+        // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
+        constexpr int64_t HB = NC <= 4 ? 4 : 2;
+        for (int64_t kh = 0; kh < hk; ++kh) {
+          for (int64_t g0 = 0; g0 < group; g0 += HB) {
+            const int64_t h0 = kh * group + g0, hn = std::min(HB, group - g0);
+            __m512 a[HB][NC];
+            for (int64_t i = 0; i < HB; ++i)
+              for (int c = 0; c < NC; ++c) a[i][c] = i < hn ? acc[(h0 + i) * NC + c] : _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; ++j) {
+              const T* row = vc + slots[j] * slot_stride + kh * D;
+              __m512 vv[NC];
+              for (int c = 0; c < NC; ++c) vv[c] = load16(row + c * 16);
+              for (int64_t i = 0; i < HB; ++i) {
+                if (i >= hn) break;
+                const __m512 p = _mm512_set1_ps(probs[(h0 + i) * 16 + j]);
+                for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(p, vv[c], a[i][c]);
+              }
+            }
+            for (int64_t i = 0; i < hn; ++i)
+              for (int c = 0; c < NC; ++c) acc[(h0 + i) * NC + c] = a[i][c];
+          }
+        }
+      }
+      for (int64_t h = 0; h < hq; ++h) {
+        const __m512 inv = _mm512_set1_ps(1.f / softmax[h].total());
+        for (int c = 0; c < NC; ++c) store16(o_ptr + (b * hq + h) * D + c * 16, _mm512_mul_ps(acc[h * NC + c], inv));
+      }
+    }
+  });
+}
+#endif
+
+// Dispatch: the register-blocked kernel for head_dim 64 / 128, the generic loop otherwise.
+template <typename T>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
+#if defined(__AVX512F__)
+  const int64_t d = q.size(2);
+  if (d == 64) return decode_attention_vec<T, 4>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+  if (d == 128) return decode_attention_vec<T, 8>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+#endif
+  decode_attention_impl<T>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+}
+
+}  // namespace
+
+using namespace kvops;
+
+// One query token per sequence; K/V read from the sequence's blocks in place.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, hq, head_dim]");
+  check_cache(k_cache, q);
+  check_cache(v_cache, q);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block tables and context lengths must be int64");
+  auto out = at::empty_like(q);
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention<float>(q, k_cache, v_cache, tables, lens, out, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_attention<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}

@@ -1,0 +1,313 @@
+// Per-layer kernels around attention: rotary + KV-cache write, residual add + RMSNorm, the
+// decode-size GEMV, SiLU-and-mul. Float32 and bfloat16; arithmetic in float32.
+#include "ops_common.h"
+
+namespace {
+
+using namespace kvops;
+
+// Rotate one head vector (HF "rotate half" layout) into dst.
+template <typename T>
+inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin, int64_t half) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= half; i += 16) {
+    const __m512 x1 = load16(src + i), x2 = load16(src + i + half);
+    const __m512 c = _mm512_loadu_ps(cos + i), s = _mm512_loadu_ps(sin + i);
+    store16(dst + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+    store16(dst + i + half, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = to_float(src[i]);
+    const float x2 = to_float(src[i + half]);
+    store(dst + i, x1 * cos[i] - x2 * sin[i]);
+    store(dst + i + half, x2 * cos[i] + x1 * sin[i]);
+  }
+}
+
+template <typename T>
+void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
+                         const at::Tensor& sin_table, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, at::Tensor& q_out, int64_t hq, int64_t hk) {
+  const int64_t n = qkv.size(0);
+  const int64_t d = q_out.size(2);
+  const int64_t half = d / 2;
+  const int64_t row_stride = qkv.stride(0);
+  const T* qkv_ptr = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* cos_ptr = cos_table.data_ptr<float>();
+  const float* sin_ptr = sin_table.data_ptr<float>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  T* qo = q_out.data_ptr<T>();
+  const int64_t slot_stride = hk * d;  // cache viewed as [slots, hk, d]
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv_ptr + t * row_stride;
+      const float* c = cos_ptr + pos[t] * half;
+      const float* s = sin_ptr + pos[t] * half;
+      for (int64_t h = 0; h < hq; ++h) rotate_head(row + h * d, qo + (t * hq + h) * d, c, s, half);
+      T* kdst = kc + slots[t] * slot_stride;
+      T* vdst = vc + slots[t] * slot_stride;
+      const T* ksrc = row + hq * d;
+      const T* vsrc = ksrc + hk * d;
+      for (int64_t h = 0; h < hk; ++h) rotate_head(ksrc + h * d, kdst + h * d, c, s, half);
+      std::memcpy(vdst, vsrc, sizeof(T) * hk * d);
+    }
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, at::Tensor& out,
+                       double eps, bool has_delta) {
+  const int64_t n = residual.size(0), h = residual.size(1);
+  T* res = residual.data_ptr<T>();
+  const T* dl = has_delta ? delta.data_ptr<T>() : nullptr;
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(h);
+    for (int64_t t = begin; t < end; ++t) {
+      T* r = res + t * h;
+#if defined(__AVX512F__)
+      if (h % 16 == 0) {  // the same roundings as below, 16 lanes at a time
+        __m512 sq16 = _mm512_setzero_ps();
+        for (int64_t i = 0; i < h; i += 16) {
+          __m512 x = load16(r + i);
+          if (dl) {
+            x = round_to<T>(_mm512_add_ps(x, load16(dl + t * h + i)));
+            store16(r + i, x);
+          }
+          _mm512_storeu_ps(row.data() + i, x);
+          sq16 = _mm512_fmadd_ps(x, x, sq16);
+        }
+        const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq16) / static_cast<float>(h) + static_cast<float>(eps));
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (int64_t i = 0; i < h; i += 16) {
+          const __m512 normed = round_to<T>(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), vinv));
+          store16(o + t * h + i, _mm512_mul_ps(load16(w + i), normed));
+        }
+        continue;
+      }
+#endif
+      float sq = 0.f;
+      for (int64_t i = 0; i < h; ++i) {
+        float x = to_float(r[i]);
+        if (dl) {
+          // round the sum to the activation dtype first, as the unfused residual add would
+          x = to_float(static_cast<T>(x + to_float(dl[t * h + i])));
+          r[i] = static_cast<T>(x);
+        }
+        row[i] = x;
+        sq += x * x;
+      }
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + static_cast<float>(eps));
+      for (int64_t i = 0; i < h; ++i) {
+        // normalize in float, round to the activation dtype, then scale (HF order)
+        const float normed = to_float(static_cast<T>(row[i] * inv));
+        store(o + t * h + i, to_float(w[i]) * normed);
+      }
+    }
+  });
+}
+
+
+#if defined(__AVX512F__)
+// Weight rows as vectors of 16 float lanes: float32 loads directly; bfloat16 multiplies pairs with
+// AVX512-BF16 (32 values per instruction, float accumulation).
+template <typename T>
+struct GemvStep;
+
+template <>
+struct GemvStep<float> {
+  static constexpr int64_t kWidth = 16;
+  static __m512 fma(const float* w, const float* x, __m512 acc) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <>
+struct GemvStep<c10::BFloat16> {
+  static constexpr int64_t kWidth = 32;
+  static __m512 fma(const c10::BFloat16* w, const c10::BFloat16* x, __m512 acc) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w)),
+                            (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x)));
+  }
+};
+#endif
+
+// out[m, n] = x[m, :] . w[n, :] for M (<= 8) activation rows. The weight is read once, front to
+// back (rows are contiguous, so each thread's share is one sequential stream), with U partial sums
+// per output so that M * U multiply-add chains run side by side, and a software prefetch ahead.
+template <typename T, int M, int U>
+void gemv_rows(const T* xp, const T* wp, T* op, int64_t k, int64_t n) {
+  constexpr int64_t W = GemvStep<T>::kWidth;
+  constexpr int64_t kAhead = 4096 / sizeof(T);  // prefetch distance: 4 KiB (1, 2, 8 and 16 KiB measured slower)
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* wr = wp + row * k;
+      __m512 acc[M][U];
+      for (int m = 0; m < M; ++m)
+        for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + U * W <= k; i += U * W) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + i + kAhead), _MM_HINT_T0);
+        for (int u = 0; u < U; ++u)
+          for (int m = 0; m < M; ++m) acc[m][u] = GemvStep<T>::fma(wr + i + u * W, xp + m * k + i + u * W, acc[m][u]);
+      }
+      for (; i < k; i += W)
+        for (int m = 0; m < M; ++m) acc[m][0] = GemvStep<T>::fma(wr + i, xp + m * k + i, acc[m][0]);
+      for (int m = 0; m < M; ++m) {
+        __m512 sum = acc[m][0];
+        for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[m][u]);
+        op[m * n + row] = static_cast<T>(_mm512_reduce_add_ps(sum));
+      }
+    }
+  });
+}
+
+template <typename T>
+bool gemv_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  switch (m) {
+    case 1: gemv_rows<T, 1, 4>(xp, wp, op, k, n); return true;
+    case 2: gemv_rows<T, 2, 4>(xp, wp, op, k, n); return true;
+    case 3: gemv_rows<T, 3, 2>(xp, wp, op, k, n); return true;
+    case 4: gemv_rows<T, 4, 2>(xp, wp, op, k, n); return true;
+    case 5: gemv_rows<T, 5, 2>(xp, wp, op, k, n); return true;
+    case 6: gemv_rows<T, 6, 2>(xp, wp, op, k, n); return true;
+    case 7: gemv_rows<T, 7, 1>(xp, wp, op, k, n); return true;
+    case 8: gemv_rows<T, 8, 1>(xp, wp, op, k, n); return true;
+    default: return false;
+  }
+}
+#endif
+
+// silu(gate) * up for a fused [N, 2F] (gate | up) projection in one pass. silu is rounded to the
+// activation dtype before the product, as the two-op PyTorch path does.
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2;
+  const T* src = gate_up.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = src + t * 2 * f;
+      const T* up = gate + f;
+      T* o = dst + t * f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= f; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+        store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+#endif
+      for (; i < f; ++i) {
+        const float g = to_float(gate[i]);
+        const float silu = to_float(static_cast<T>(g / (1.f + std::exp(-g))));
+        store(o + i, silu * to_float(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+using namespace kvops;
+
+
+// Rotates q and k of a fused qkv projection by their positions, writes k and v
+// into their cache slots, and returns the rotated q as [N, hq, head_dim].
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
+                          const at::Tensor& sin_table, at::Tensor k_cache, at::Tensor v_cache,
+                          const at::Tensor& slot_mapping, int64_t hq, int64_t hk) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [N, (hq + 2 hk) * head_dim], row-major");
+  check_cache(k_cache, qkv);
+  check_cache(v_cache, qkv);
+  const int64_t d = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (hq + 2 * hk) * d, "qkv width does not match head counts");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && cos_table.size(1) * 2 == d, "cos table shape");
+  auto q_out = at::empty({qkv.size(0), hq, d}, qkv.options());
+  auto pos = positions.contiguous();
+  auto slots = slot_mapping.contiguous();
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_and_cache_impl<float>(qkv, pos, cos_table, sin_table, k_cache, v_cache, slots, q_out, hq, hk);
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    rope_and_cache_impl<c10::BFloat16>(qkv, pos, cos_table, sin_table, k_cache, v_cache, slots, q_out, hq, hk);
+  } else {
+    TORCH_CHECK(false, "rope_and_cache supports float32 and bfloat16");
+  }
+  return q_out;
+}
+
+// residual += delta (when given), then returns rms_norm(residual) * weight. Updates residual in place.
+at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be contiguous [N, hidden]");
+  TORCH_CHECK(weight.scalar_type() == residual.scalar_type(), "weight dtype must match activations");
+  at::Tensor d;
+  if (delta.has_value()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == residual.sizes() && d.scalar_type() == residual.scalar_type(), "delta mismatch");
+  }
+  auto out = at::empty_like(residual);
+  auto w = weight.contiguous();
+  if (residual.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(residual, d, w, out, eps, delta.has_value());
+  } else if (residual.scalar_type() == at::kBFloat16) {
+    add_rms_norm_impl<c10::BFloat16>(residual, d, w, out, eps, delta.has_value());
+  } else {
+    TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16");
+  }
+  return out;
+}
+
+// [M, K] x [N, K]^T for M <= 8 rows (decode batches), float32 or bfloat16 (K a multiple of 16 / 32).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(kHasGemv, "gemv was built without AVX-512");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "gemv: x and w dtypes differ");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv needs x [M, K], w [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "gemv handles 1 to 8 rows");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto out = at::empty({x.size(0), w.size(0)}, x.options());
+  bool done = false;
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(x.size(1) % 16 == 0, "float32 gemv needs K % 16 == 0");
+    done = gemv_impl<float>(xc, wc, out);
+  }
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(x.size(1) % 32 == 0, "bfloat16 gemv needs K % 32 == 0");
+    done = gemv_impl<c10::BFloat16>(xc, wc, out);
+  }
+#endif
+#endif
+  TORCH_CHECK(done, "gemv: unsupported dtype ", x.scalar_type());
+  return out;
+}
+
+// silu(gate) * up of a fused [N, 2F] gate/up projection.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul needs [N, 2F]");
+  auto src = gate_up.contiguous();
+  auto out = at::empty({src.size(0), src.size(1) / 2}, src.options());
+  if (src.scalar_type() == at::kFloat) {
+    silu_and_mul_impl<float>(src, out);
+  } else if (src.scalar_type() == at::kBFloat16) {
+    silu_and_mul_impl<c10::BFloat16>(src, out);
+  } else {
+    TORCH_CHECK(false, "silu_and_mul supports float32 and bfloat16");
+  }
+  return out;
+}

@@ -1,0 +1,78 @@
+// Shared by the float KV-cache kernels: dtype helpers, the cache layout check, and the extension's
+// entry points (kvmosaic_ops.cpp binds them; layer_ops.cpp, decode_attention.cpp and
+// prefill_attention.cpp define them).
+#pragma once
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <ATen/Parallel.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace kvops {
+
+using namespace kvmosaic_simd;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void store(T* dst, float x) { *dst = static_cast<T>(x); }
+
+#if defined(__AVX512F__)
+// Rounds float lanes to the precision of T (a no-op for float).
+template <typename T>
+inline __m512 round_to(__m512 v);
+template <>
+inline __m512 round_to<float>(__m512 v) { return v; }
+template <>
+inline __m512 round_to<c10::BFloat16>(__m512 v) {
+#if defined(__AVX512BF16__)
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
+  alignas(64) c10::BFloat16 tmp[16];
+  store16(tmp, v);
+  return load16(tmp);
+#endif
+}
+
+#endif
+
+inline void check_cache(const at::Tensor& cache, const at::Tensor& like) {
+  TORCH_CHECK(cache.is_contiguous(), "KV cache must be contiguous");
+  TORCH_CHECK(cache.scalar_type() == like.scalar_type(), "KV cache dtype must match activations");
+  TORCH_CHECK(cache.dim() == 4, "KV cache must be [num_blocks, block_size, kv_heads, head_dim]");
+}
+
+}  // namespace kvops
+
+#if defined(__AVX512F__)
+constexpr bool kHasGemv = true;
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Gemv = true;
+#else
+constexpr bool kHasBf16Gemv = false;
+#endif
+#else
+constexpr bool kHasGemv = false;
+constexpr bool kHasBf16Gemv = false;
+#endif
+
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
+                          const at::Tensor& sin_table, at::Tensor k_cache, at::Tensor v_cache,
+                          const at::Tensor& slot_mapping, int64_t hq, int64_t hk);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_table, int64_t context_len, double scale);
+at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps);
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
