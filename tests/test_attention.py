@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import mixed_batch_metadata
 
 from kvmosaic.model.layers import attention
 from kvmosaic.model.layers.attention import (
@@ -65,18 +66,7 @@ def test_mixed_batch_matches_naive(path, dtype):
     q = torch.randn(n_tokens, HQ, D, generator=gen)
     k = torch.randn(n_tokens, HK, D, generator=gen)
     v = torch.randn(n_tokens, HK, D, generator=gen)
-    slots, prefills, offset = [], [], 0
-    for (cached, new), table in zip(seqs, tables):
-        slots += [table[p // BS] * BS + p % BS for p in range(cached, cached + new)]
-        if new > 1:
-            prefills.append(PrefillSpan(offset, new, cached + new, torch.tensor(table),
-                                        build_causal_mask(cached, new, HQ // HK)))
-        offset += new
-    width = max(len(t) for t in tables[:2])
-    dec_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]])
-    lens = torch.tensor([c + n for c, n in seqs[:2]])
-    dec_mask = (torch.arange(width * BS)[None, :] < lens[:, None])[:, None, None, :]
-    meta = AttentionMetadata(torch.tensor(slots), 2, dec_tables, dec_mask, prefills, decode_context_lens=lens)
+    meta = mixed_batch_metadata(seqs, tables, BS, HQ // HK)
     k_cache, v_cache, q, k, v = (t.to(dtype) for t in (k_cache, v_cache, q, k, v))
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = paged_attention(q, k_cache, v_cache, meta, D**-0.5).float()

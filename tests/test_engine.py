@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import check_prefix_cache_reuse
 
 from kvmosaic import LLM, SamplingParams
 
@@ -82,13 +83,7 @@ def test_lone_chunked_prefill_samples_nothing_until_its_last_chunk(llm):
 
 
 def test_prefix_cache_hits_and_same_output(llm):
-    prompt = PROMPTS[4] * 3
-    before = llm.engine.stats()["prefix_cache_hits"]
-    first = llm.generate(prompt, _greedy(8))[0]
-    second = llm.generate(prompt, _greedy(8))[0]
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    assert llm.engine.stats()["prefix_cache_hits"] > before
-    assert second.metrics.num_cached_tokens >= len(second.prompt_token_ids) - 16
+    check_prefix_cache_reuse(llm, PROMPTS[4] * 3, _greedy(8))
 
 
 def test_blocks_all_free_after_generation(llm):

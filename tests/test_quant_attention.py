@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import mixed_batch_metadata
 
 from kvmosaic.model.layers import quant_attention
-from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.model.layers.attention import AttentionMetadata
 from kvmosaic.model.layers.quant_attention import (
     MODE_IDS,
     QuantizedKVLayer,
@@ -96,18 +97,7 @@ def test_mixed_batch_matches_dense_attention_over_dequantized_kv(path, mode, dty
     total = sum(n for _, n in seqs)
     q = torch.randn(total, HQ, D, generator=torch.Generator().manual_seed(3)).to(dtype)
     k_new, v_new = _rows(total, 4)
-    slots, prefills, offset = [], [], 0
-    for (cached, new), table in zip(seqs, tables):
-        slots += [table[p // BS] * BS + p % BS for p in range(cached, cached + new)]
-        if new > 1:
-            prefills.append(PrefillSpan(offset, new, cached + new, torch.tensor(table),
-                                        build_causal_mask(cached, new, HQ // HK)))
-        offset += new
-    width = max(len(t) for t in tables[:2])
-    lens = torch.tensor([c + n for c, n in seqs[:2]])
-    meta = AttentionMetadata(torch.tensor(slots), 2, torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]]),
-                             (torch.arange(width * BS)[None, :] < lens[:, None])[:, None, None, :], prefills,
-                             decode_context_lens=lens)
+    meta = mixed_batch_metadata(seqs, tables, BS, HQ // HK)
     write_quantized(layer, k_new.to(dtype), v_new.to(dtype), meta.slot_mapping)
     out = paged_attention_quantized(q, layer, meta, D**-0.5).double()
     k_all = dequantize_blocks(layer.k_pool, torch.arange(layer.k_pool.shape[0]), layer, layer.k_thresholds,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import check_prefix_cache_reuse
 
 from kvmosaic import LLM, SamplingParams
 from kvmosaic.config import CacheConfig, ModelConfig
@@ -108,13 +109,7 @@ def test_preemption_keeps_quantized_greedy_output(quant_reference, kwargs):
 
 def test_prefix_cache_hits_reuse_quantized_blocks(quant_reference):
     _, llm, _, _ = quant_reference
-    prompt = PROMPTS[2] * 3
-    before = llm.engine.stats()["prefix_cache_hits"]
-    first = llm.generate(prompt, _greedy(8))[0]
-    second = llm.generate(prompt, _greedy(8))[0]
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    assert llm.engine.stats()["prefix_cache_hits"] > before
-    assert second.metrics.num_cached_tokens >= len(second.prompt_token_ids) - 16
+    check_prefix_cache_reuse(llm, PROMPTS[2] * 3, _greedy(8))
 
 
 def test_forked_samples_copy_quantized_blocks(quant_reference):
