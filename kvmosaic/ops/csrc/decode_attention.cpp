@@ -20,16 +20,9 @@ template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
                            double scale) {
-  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
-  const int64_t group = hq / hk;
-  const int64_t width = block_tables.size(1);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* o_ptr = out.data_ptr<T>();
+  const int64_t d = q.size(2);
+  const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr] =
+      decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
   const int64_t slot_stride = hk * d;
   const float fscale = static_cast<float>(scale);
   int64_t max_ctx = 0;
@@ -146,16 +139,8 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
                           const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
                           double scale) {
   constexpr int64_t D = NC * 16;
-  const int64_t batch = q.size(0), hq = q.size(1);
-  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
-  const int64_t group = hq / hk;
-  const int64_t width = block_tables.size(1);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* o_ptr = out.data_ptr<T>();
+  const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr] =
+      decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
   const int64_t slot_stride = hk * D;
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));

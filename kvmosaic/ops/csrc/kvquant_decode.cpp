@@ -140,14 +140,8 @@ template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& lens, const Format& f,
                            const Thresholds& kt, const Thresholds& vt, double scale, at::Tensor& out) {
-  const int64_t batch = q.size(0), hq = q.size(1), group = hq / f.hk, width = tables.size(1);
-  const int64_t bs = k_pool.size(1);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const uint8_t* kp = k_pool.data_ptr<uint8_t>();
-  const uint8_t* vp = v_pool.data_ptr<uint8_t>();
-  const int64_t* tb = tables.data_ptr<int64_t>();
-  const int64_t* ln = lens.data_ptr<int64_t>();
+  const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] =
+      decode_batch<T>(q, k_pool, v_pool, tables, lens, f, out);
   if (decode_attention_fast<T>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out)) return;
   at::parallel_for(0, batch * f.hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(2 * group * f.d + kTile * f.d + group * kTile + 2 * group);

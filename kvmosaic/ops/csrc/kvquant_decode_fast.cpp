@@ -31,7 +31,7 @@ inline void nibbles32(const uint8_t* p, __m512* r) {
 // so with lo = mid_lo + inner_lo and s = mid_s a middle slot is r = c, plus (inner_hi - inner_lo) / s
 // from the first code whose level is >= 0 (a 16-entry table the nibbles index). Outlier slots get
 // r = (value - lo) / s. A tile's outliers are decoded first, one row's (at most 16) entries in one
-// vector, with no branch on their count (oaken_outliers64); the rows are then built and patched
+// vector, with no branch on their count (oaken_row64, which also builds the 16-entry middle table); the rows are then built and patched
 // (load_oaken64): the values, lined up from each 16-lane chunk's first entry, expand into the lanes
 // the sorted indices name. Two passes keep the long decode chain of one row off the dot products.
 struct OakenRow {
@@ -224,14 +224,8 @@ void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, cons
                              const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
                              const Thresholds& vt, double scale, at::Tensor& out) {
   constexpr int64_t D = NC * 16;
-  const int64_t batch = q.size(0), hq = q.size(1), group = hq / f.hk, width = tables.size(1);
-  const int64_t bs = k_pool.size(1);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const uint8_t* kp = k_pool.data_ptr<uint8_t>();
-  const uint8_t* vp = v_pool.data_ptr<uint8_t>();
-  const int64_t* tb = tables.data_ptr<int64_t>();
-  const int64_t* ln = lens.data_ptr<int64_t>();
+  const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] =
+      decode_batch<T>(q, k_pool, v_pool, tables, lens, f, out);
   // A work item is a sequence, or one KV head of a sequence when there are too few sequences to
   // keep every thread busy (a record holds all heads, so per-head items read each tile once per head).
   const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? f.hk : 1;

@@ -124,6 +124,25 @@ inline void check_pool(const at::Tensor& pool, const Format& f) {
   TORCH_CHECK(pool.size(2) == f.record, "pool record size does not match the format");
 }
 
+// One decode-attention call's tensors as sizes and raw pointers (both decode kernels unpack it).
+template <typename T>
+struct DecodeBatch {
+  int64_t batch, hq, group, width, block_size;
+  const T* q;
+  T* out;
+  const uint8_t* k;
+  const uint8_t* v;
+  const int64_t* tables;
+  const int64_t* lens;
+};
+
+template <typename T>
+DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& tables, const at::Tensor& lens, const Format& f, at::Tensor& out) {
+  return {q.size(0), q.size(1), q.size(1) / f.hk, tables.size(1), k_pool.size(1), q.data_ptr<T>(), out.data_ptr<T>(),
+          k_pool.data_ptr<uint8_t>(), v_pool.data_ptr<uint8_t>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
+}
+
 // AVX-512 decode attention (kvquant_decode_fast.cpp); false when it does not apply (no AVX-512,
 // a head_dim other than 64 / 128, or Oaken lists longer than 16 entries).
 template <typename T>

@@ -51,6 +51,26 @@ inline void check_cache(const at::Tensor& cache, const at::Tensor& like) {
   TORCH_CHECK(cache.dim() == 4, "KV cache must be [num_blocks, block_size, kv_heads, head_dim]");
 }
 
+// One decode-attention call's tensors as sizes and raw pointers (both decode kernels unpack it).
+template <typename T>
+struct DecodeBatch {
+  int64_t batch, hq, hk, group, width, block_size;
+  const T* q;
+  const T* k;
+  const T* v;
+  const int64_t* tables;
+  const int64_t* lens;
+  T* out;
+};
+
+template <typename T>
+DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out) {
+  return {q.size(0), q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), block_tables.size(1), k_cache.size(1),
+          q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+          context_lens.data_ptr<int64_t>(), out.data_ptr<T>()};
+}
+
 }  // namespace kvops
 
 #if defined(__AVX512F__)
