@@ -30,9 +30,9 @@ inline void nibbles32(const uint8_t* p, __m512* r) {
 // mid_s the middle value is y + inner_lo or y + inner_hi by the sign of y; y grows with the code c,
 // so with lo = mid_lo + inner_lo and s = mid_s a middle slot is r = c, plus (inner_hi - inner_lo) / s
 // from the first code whose level is >= 0 (a 16-entry table the nibbles index). Outlier slots get
-// r = (value - lo) / s. A tile's outliers are decoded first, one row's (at most 16) entries in one
-// vector, with no branch on their count (oaken_row64, which also builds the 16-entry middle table); the rows are then built and patched
-// (load_oaken64): the values, lined up from each 16-lane chunk's first entry, expand into the lanes
+// r = (value - lo) / s. A tile's outliers (and middle tables) are decoded first, one row's (at most
+// 16) entries in one vector, with no branch on their count (oaken_row64); the rows are then built and
+// patched (load_oaken64): the values, lined up from each 16-lane chunk's first entry, expand into the lanes
 // the sorted indices name. Two passes keep the long decode chain of one row off the dot products.
 struct OakenRow {
   alignas(64) float table[16];  // affine code of each middle nibble
