@@ -189,6 +189,17 @@ def test_full_waiting_queue_answers_503_then_recovers(http):
     assert_still_serves(http)
 
 
+def test_batch_larger_than_the_waiting_queue_is_refused_whole(http):
+    aborted = metric(http, "kvmosaic_request_aborted_total")
+    refused = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full", refused.text
+    wait_idle(http)  # the two prompts admitted before the refusal were withdrawn, the queue count is back to 0
+    assert metric(http, "kvmosaic_request_aborted_total") == aborted + 2
+    accepted = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2})
+    assert accepted.status_code == 200 and len(accepted.json()["choices"]) == 2
+    wait_idle(http)
+
+
 # ---------------------------------------------------------------- property-based: no 5xx, ever
 JUNK = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
@@ -254,6 +265,12 @@ CHAT_BODY = st.fixed_dictionaries(
 def test_no_request_body_gets_a_5xx(http, request):
     path, body = request
     r = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    if r.status_code == 503:  # a batch of more prompts than the waiting queue holds (2) is refused whole
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        assert isinstance(prompt, list) and len(prompt) > 2, r.text
+        assert all(isinstance(p, str | list) for p in prompt), r.text
+        assert r.json()["error"]["code"] == "queue_full", r.text
+        return
     assert r.status_code in (200, 400, 404, 422), r.text
     if r.status_code != 200:
         assert set(r.json()["error"]) == ERROR_KEYS
