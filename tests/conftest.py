@@ -9,6 +9,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI (the CI environment variable set) replays the same generated examples on every run, so a
+# result does not depend on the draw; local runs keep exploring new examples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 from kvmosaic.model import loader
 from kvmosaic.model.loader import LoadedModel, load_model
