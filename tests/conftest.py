@@ -11,14 +11,14 @@ import pytest
 import torch
 from hypothesis import settings
 
+from kvmosaic.model import loader
+from kvmosaic.model.loader import LoadedModel, load_model
+
 # CI (the CI environment variable set) replays the same generated examples on every run, so a
 # result does not depend on the draw; local runs keep exploring new examples.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
-
-from kvmosaic.model import loader
-from kvmosaic.model.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,8 @@ from kvmosaic.quant.format import KVFormat
 
 HQ, HK, D, BS = 9, 3, 64, 4
 THR = (torch.tensor([-2.2, -0.06, 0.05, 2.0]), torch.tensor([-1.8, -0.04, 0.04, 1.9]))
+CENTER = torch.randn(HK, D, generator=torch.Generator().manual_seed(11)) * 0.2
+CENTER[:, 3] += 4.0  # the large key channel's common offset
 needs_kernels = pytest.mark.skipif(get_quant_ops() is None, reason="quantized KV kernels not built")
 
 
@@ -33,6 +35,7 @@ def _layer(mode: str, num_blocks: int = 48) -> QuantizedKVLayer:
     layer = QuantizedKVLayer(pools[0], pools[1], fmt)
     if mode == "oaken":
         layer.k_thresholds, layer.v_thresholds = THR
+        layer.k_center = CENTER
     return layer
 
 
@@ -59,8 +62,9 @@ def test_kernel_write_and_dequantize_are_bit_exact(mode, dtype):
     k, v = (t.to(dtype) for t in _rows(50, 0))
     slots = torch.randperm(layer.k_pool.shape[0] * BS, generator=torch.Generator().manual_seed(1))[:50]
     folded = get_quant_ops().quant_write(k, v, layer.k_pool, layer.v_pool, slots, *layer.args(),
-                                         layer.k_thresholds, layer.v_thresholds)
-    ref_k, folded_k = encode_rows(k, layer.fmt, layer.k_thresholds if mode == "oaken" else None)
+                                         layer.k_thresholds, layer.v_thresholds, layer.k_center)
+    centered = k.float() - CENTER if mode == "oaken" else k
+    ref_k, folded_k = encode_rows(centered, layer.fmt, layer.k_thresholds if mode == "oaken" else None)
     ref_v, folded_v = encode_rows(v, layer.fmt, layer.v_thresholds if mode == "oaken" else None)
     assert torch.equal(layer.k_pool.view(-1, layer.fmt.record_bytes)[slots], ref_k)
     assert torch.equal(layer.v_pool.view(-1, layer.fmt.record_bytes)[slots], ref_v)
@@ -111,6 +115,9 @@ def test_mixed_batch_matches_dense_attention_over_dequantized_kv(path, mode, dty
         sl = slice(offset, offset + new)
         ref = _dense(q[sl].float(), k_all[ctx_slots], v_all[ctx_slots], cached)
         torch.testing.assert_close(out[sl], ref, atol=tol, rtol=tol)
+        if mode == "oaken":  # keys are stored centered: adding the center back leaves attention unchanged
+            uncentered = _dense(q[sl].float(), k_all[ctx_slots].double() + CENTER.double(), v_all[ctx_slots], cached)
+            torch.testing.assert_close(uncentered, ref, atol=1e-9, rtol=1e-9)
         offset += new
 
 

@@ -12,6 +12,7 @@ from kvmosaic.quant import thresholds as kvt
 
 IDENTITY = kvt.ModelIdentity("tiny", "llama", 2, 1, 16, 32, 100, 0.125)
 LAYERS = torch.tensor([[[-3.0, -0.1, 0.1, 2.5], [-1.0, -0.05, 0.04, 1.2]]] * 2)
+CENTER = torch.linspace(-1, 1, 2 * 1 * 16).view(2, 1, 16)
 
 
 def _write(tmp_path, data) -> str:
@@ -21,14 +22,14 @@ def _write(tmp_path, data) -> str:
 
 
 def _valid() -> dict:
-    return kvt.KVThresholds(IDENTITY, LAYERS, sparse_capacity=5, num_prompts=3).to_json()
+    return kvt.KVThresholds(IDENTITY, LAYERS, CENTER, sparse_capacity=5, num_prompts=3).to_json()
 
 
 def test_save_load_round_trip(tmp_path):
-    original = kvt.KVThresholds(IDENTITY, LAYERS, 0.05, 0.05, 6, 100, "docs", 0.01, {"prompt_len": 64})
+    original = kvt.KVThresholds(IDENTITY, LAYERS, CENTER, 0.05, 0.05, 6, 100, "docs", 0.01, {"prompt_len": 64})
     original.save(tmp_path / "t.json")
     loaded = kvt.load(tmp_path / "t.json", IDENTITY)
-    assert torch.equal(loaded.layers, LAYERS) and loaded.model == IDENTITY
+    assert torch.equal(loaded.layers, LAYERS) and torch.equal(loaded.k_center, CENTER) and loaded.model == IDENTITY
     assert (loaded.sparse_capacity, loaded.outer_ratio, loaded.extra) == (6, 0.05, {"prompt_len": 64})
 
 
@@ -55,6 +56,9 @@ def test_bf16_rounding_of_the_same_weights_still_matches():
     (lambda d: d["layers"][0].pop("v"), "missing or bad field"),
     (lambda d: d["layers"][0].update(k=[1.0, -0.1, 0.1, 2.0]), "outer_lo <= inner_lo <= 0"),
     (lambda d: d.update(sparse_capacity=99), "sparse_capacity"),
+    (lambda d: d["layers"][1]["k_center"][0].pop(), "k_center has shape|expected sequence"),
+    (lambda d: d["layers"][0]["k_center"][0].__setitem__(2, float("nan")), "k_center must be finite"),
+    (lambda d: d["layers"][0].pop("k_center"), "missing or bad field"),
     (lambda d: d.update(outer_ratio=0.7, inner_ratio=0.5), "ratio"),
 ])
 def test_malformed_files_are_rejected(tmp_path, edit, message):
@@ -62,6 +66,15 @@ def test_malformed_files_are_rejected(tmp_path, edit, message):
     edit(data)
     with pytest.raises(ValueError, match=message):
         kvt.load(_write(tmp_path, data))
+
+
+def test_version_1_files_load_with_zero_key_centers(tmp_path):
+    data = _valid()
+    data["version"] = 1
+    for row in data["layers"]:
+        del row["k_center"]
+    loaded = kvt.load(_write(tmp_path, data), IDENTITY)
+    assert torch.equal(loaded.layers, LAYERS) and torch.equal(loaded.k_center, torch.zeros(2, 1, 16))
 
 
 def test_missing_and_non_json_files(tmp_path):
@@ -82,3 +95,6 @@ def test_shipped_file_matches_the_default_model(default_model):
     shipped = kvt.for_model(None, identity, is_default_model=True)
     assert shipped.num_prompts >= 100 and shipped.calibration_text == "stdlib:module-docstrings"
     assert shipped.layers.shape == (default_model.config.num_hidden_layers, 2, 4)
+    cfg = default_model.config
+    assert shipped.k_center.shape == (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    assert shipped.k_center.abs().amax() > 0.5  # real keys have channels with a large common offset

@@ -1,9 +1,11 @@
 """``kvmosaic calibrate-kv``: Oaken's offline profiling on a calibration text.
 
-About 100 prompts are cut from the text and prefilled one at a time into an unquantized cache;
-for every layer, separately for K (after rotary) and V, each prompt's four thresholds are found by
-top-k and the thresholds are averaged over the prompts. The sparse capacity is then the smallest
-one that holds every outlier of ``capacity_quantile`` of the calibration head vectors.
+About 100 prompts are cut from the text and prefilled one at a time into an unquantized cache.
+Each layer's key center (the mean key after rotary, per KV head and channel, over all prompts) is
+taken first; then for every layer, separately for the centered K and for V, each prompt's four
+thresholds are found by top-k and the thresholds are averaged over the prompts. The sparse
+capacity is then the smallest one that holds every outlier of ``capacity_quantile`` of the
+calibration head vectors.
 """
 
 from __future__ import annotations
@@ -38,21 +40,21 @@ def calibrate(em: EvalModel, text: str, num_prompts: int = 100, prompt_len: int 
               source: str = "") -> KVThresholds:
     prompts = calibration_prompts(em, text, num_prompts, prompt_len)
     num_layers = em.loaded.config.num_hidden_layers
+    kept = [collect_kv(em, prompt) for prompt in prompts]
+    k_center = torch.stack([torch.cat([kv[layer][0] for kv in kept]).mean(0) for layer in range(num_layers)])
+    kept = [[torch.stack((rows[0] - k_center[layer], rows[1])) for layer, rows in enumerate(kv)] for kv in kept]
     sums = torch.zeros(num_layers, 2, 4)
-    kept: list[list[torch.Tensor]] = []
-    for prompt in prompts:
-        kv = collect_kv(em, prompt)
+    for kv in kept:
         for layer, rows in enumerate(kv):
             for which in range(2):
                 sums[layer, which] += run_thresholds(rows[which], outer_ratio, inner_ratio)
-        kept.append(kv)
     layers = sums / len(prompts)
     counts = torch.cat([outliers_per_vector(kv[layer][which], layers[layer, which])
                         for kv in kept for layer in range(num_layers) for which in range(2)])
     head_dim = em.loaded.config.head_dim
     capacity = sparse_capacity if sparse_capacity is not None else choose_capacity(counts, capacity_quantile, head_dim)
     return KVThresholds(
-        model=em.identity, layers=layers, outer_ratio=outer_ratio, inner_ratio=inner_ratio,
+        model=em.identity, layers=layers, k_center=k_center, outer_ratio=outer_ratio, inner_ratio=inner_ratio,
         sparse_capacity=capacity, num_prompts=len(prompts), calibration_text=source,
         overflow_rate=overflow_rate(counts, capacity),
         extra={"prompt_len": prompt_len, "capacity_quantile": capacity_quantile,

@@ -35,6 +35,10 @@ Fused dense-sparse storage (byte offsets in ``kvmosaic.quant.format``), one reco
   negative); ``index_bits = ceil(log2 D)``, so an entry is one byte for D <= 64 (6 + 1 + 1 bits) and
   two little-endian bytes above. Unused entries are zero.
 
+Keys reach the encoder with their layer's calibrated center subtracted (see
+``kvmosaic.quant.thresholds``: softmax makes the center irrelevant to attention, so it is never
+added back); values are encoded as they are.
+
 The capacity is fixed per head vector so blocks keep a fixed size. Outer values take the slots
 first, then inner values, each in index order; the ones left over are folded into the middle group
 (an inner value then decodes to its side's middle level nearest to it) and counted as overflow.

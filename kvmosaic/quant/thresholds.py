@@ -1,13 +1,21 @@
-"""Oaken's offline part: per-layer K/V thresholds, the calibration file, and its validation.
+"""Oaken's offline part: per-layer K/V thresholds and K centers, the calibration file, and its validation.
 
 File format (JSON)::
 
-    {"format": "kvmosaic-kv-thresholds", "version": 1,
+    {"format": "kvmosaic-kv-thresholds", "version": 2,
      "model": {"name", "architecture", "num_hidden_layers", "num_key_value_heads", "head_dim",
                "hidden_size", "vocab_size", "fingerprint"},
      "outer_ratio": 0.04, "inner_ratio": 0.06, "sparse_capacity": 7, "num_prompts": 100,
      "calibration_text": "...", "overflow_rate": 0.004,
-     "layers": [{"k": [outer_lo, inner_lo, inner_hi, outer_hi], "v": [...]}, ...]}
+     "layers": [{"k": [outer_lo, inner_lo, inner_hi, outer_hi], "v": [...],
+                 "k_center": [[head_dim floats] per KV head]}, ...]}
+
+``k_center`` is the calibration mean of each layer's keys (after rotary), per KV head and channel.
+Keys are quantized with it subtracted and it is never added back: a constant vector c added to
+every key changes every score of a query q by the same q . c, which softmax cancels, so attention
+over centered keys is the same function. Centering takes the large common offset of a few key
+channels out of the range the per-token scales must cover; the thresholds are those of the centered
+keys. Version 1 files (no centers) still load, with zero centers.
 
 ``fingerprint`` is the mean absolute value of layer 0's k_proj weight: two checkpoints of the same
 shape but different weights (base vs instruct) are told apart, while a float32 and a bfloat16
@@ -25,7 +33,8 @@ import torch
 from kvmosaic.config import ModelConfig
 
 FORMAT_NAME = "kvmosaic-kv-thresholds"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 FINGERPRINT_RTOL = 1e-3
 DATA_DIR = Path(__file__).parent / "data"
 DEFAULT_MODEL_THRESHOLDS = DATA_DIR / "smollm2-135m-instruct.kv_thresholds.json"
@@ -66,6 +75,7 @@ class ModelIdentity:
 class KVThresholds:
     model: ModelIdentity
     layers: torch.Tensor  # [L, 2 (K, V), 4]: outer_lo, inner_lo, inner_hi, outer_hi
+    k_center: torch.Tensor | None = None  # [L, Hk, head_dim]: subtracted from keys before quantization
     outer_ratio: float = 0.04
     inner_ratio: float = 0.06
     sparse_capacity: int = 7
@@ -82,6 +92,13 @@ class KVThresholds:
                              f"for a model with {self.model.num_hidden_layers} layers")
         if not torch.isfinite(self.layers).all():
             raise ValueError("thresholds must be finite")
+        centers = (self.model.num_hidden_layers, self.model.num_key_value_heads, self.model.head_dim)
+        self.k_center = torch.zeros(centers) if self.k_center is None else torch.as_tensor(
+            self.k_center, dtype=torch.float32)
+        if tuple(self.k_center.shape) != centers:
+            raise ValueError(f"k_center has shape {tuple(self.k_center.shape)}, expected {centers}")
+        if not torch.isfinite(self.k_center).all():
+            raise ValueError("k_center must be finite")
         o_lo, i_lo, i_hi, o_hi = self.layers.unbind(-1)
         if not ((o_lo <= i_lo) & (i_lo <= 0) & (i_hi >= 0) & (i_hi <= o_hi)).all():
             raise ValueError("every threshold row must satisfy outer_lo <= inner_lo <= 0 <= inner_hi <= outer_hi")
@@ -96,7 +113,8 @@ class KVThresholds:
             "outer_ratio": self.outer_ratio, "inner_ratio": self.inner_ratio,
             "sparse_capacity": self.sparse_capacity, "num_prompts": self.num_prompts,
             "calibration_text": self.calibration_text, "overflow_rate": self.overflow_rate, **self.extra,
-            "layers": [{"k": kv[0].tolist(), "v": kv[1].tolist()} for kv in self.layers],
+            "layers": [{"k": kv[0].tolist(), "v": kv[1].tolist(), "k_center": center.tolist()}
+                       for kv, center in zip(self.layers, self.k_center, strict=True)],
         }
 
     def save(self, path: str | Path) -> None:
@@ -107,15 +125,17 @@ def parse(data: dict) -> KVThresholds:
     """Build thresholds from a decoded file; ValueError with the reason when it is not one."""
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise ValueError(f"not a kvmosaic KV thresholds file (missing \"format\": \"{FORMAT_NAME}\")")
-    if data.get("version") != FORMAT_VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"unsupported KV thresholds version {data.get('version')!r}; expected {FORMAT_VERSION}")
     try:
         model = ModelIdentity(**data["model"])
         layers = [[row["k"], row["v"]] for row in data["layers"]]
+        centers = [row["k_center"] for row in data["layers"]] if data["version"] >= 2 else None
         known = {"format", "version", "model", "layers", "outer_ratio", "inner_ratio", "sparse_capacity",
                  "num_prompts", "calibration_text", "overflow_rate"}
         return KVThresholds(
             model=model, layers=torch.tensor(layers, dtype=torch.float32),
+            k_center=None if centers is None else torch.tensor(centers, dtype=torch.float32),
             outer_ratio=float(data["outer_ratio"]), inner_ratio=float(data["inner_ratio"]),
             sparse_capacity=int(data["sparse_capacity"]), num_prompts=int(data.get("num_prompts", 0)),
             calibration_text=str(data.get("calibration_text", "")),

@@ -70,6 +70,8 @@ class KVCache:
         if self.format.mode == "oaken":
             layer.k_thresholds = thresholds.layers[index, 0].clone()
             layer.v_thresholds = thresholds.layers[index, 1].clone()
+            if thresholds.k_center[index].any():
+                layer.k_center = thresholds.k_center[index].clone()
         return layer
 
     @property

@@ -36,6 +36,7 @@ class QuantizedKVLayer:
     fmt: KVFormat
     k_thresholds: torch.Tensor = _NO_THRESHOLDS  # Oaken: (outer_lo, inner_lo, inner_hi, outer_hi)
     v_thresholds: torch.Tensor = _NO_THRESHOLDS
+    k_center: torch.Tensor = _NO_THRESHOLDS  # Oaken: [Hk, D] subtracted from keys before encoding (see thresholds)
     folded_outliers: int = 0  # Oaken outliers that did not fit the sparse lists, so far
 
     def args(self) -> tuple:
@@ -57,9 +58,11 @@ def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, s
     qops = get_quant_ops()
     if qops is not None:
         layer.folded_outliers += qops.quant_write(k, v, layer.k_pool, layer.v_pool, slot_mapping, *layer.args(),
-                                                  layer.k_thresholds, layer.v_thresholds)
+                                                  layer.k_thresholds, layer.v_thresholds, layer.k_center)
         return
     record = layer.fmt.record_bytes
+    if layer.k_center.numel():
+        k = k.float() - layer.k_center
     for rows, pool, thr in ((k, layer.k_pool, layer.k_thresholds), (v, layer.v_pool, layer.v_thresholds)):
         records, folded = encode_rows(rows, layer.fmt, _thresholds(thr))
         pool.view(-1, record).index_copy_(0, slot_mapping, records)

@@ -206,7 +206,7 @@ int64_t encode_token(const float* x, const Format& f, const Thresholds& t, uint8
 template <typename T>
 void write_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool, at::Tensor& v_pool,
                 const at::Tensor& slots, const Format& f, const Thresholds& kt, const Thresholds& vt,
-                std::vector<int64_t>& folded) {
+                const float* k_center, std::vector<int64_t>& folded) {
   const int64_t n = k.size(0), width = f.hk * f.d;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -218,6 +218,8 @@ void write_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool, at
     std::vector<uint8_t> group(width);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t i = 0; i < width; ++i) row[i] = to_float(kp[t * width + i]);
+      if (k_center != nullptr)
+        for (int64_t i = 0; i < width; ++i) row[i] -= k_center[i];
       folded[t] = encode_token(row.data(), f, kt, kout + sl[t] * f.record, group, code);
       for (int64_t i = 0; i < width; ++i) row[i] = to_float(vp[t * width + i]);
       folded[t] += encode_token(row.data(), f, vt, vout + sl[t] * f.record, group, code);
@@ -230,11 +232,12 @@ void write_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool, at
 
 using namespace kvquant;
 
-// Quantize K/V rows [N, hk, d] and write their records into the pools' slots. Returns the number of
-// Oaken outliers folded into the middle group (0 for int8/int4).
+// Quantize K/V rows [N, hk, d] and write their records into the pools' slots; K rows are encoded
+// with k_center [hk, d] subtracted (empty: none). Returns the number of Oaken outliers folded into
+// the middle group (0 for int8/int4).
 int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool, at::Tensor v_pool,
                     const at::Tensor& slot_mapping, int64_t mode, int64_t hk, int64_t d, int64_t capacity,
-                    const at::Tensor& k_thresholds, const at::Tensor& v_thresholds) {
+                    const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, const at::Tensor& k_center) {
   const Format f = make_format(mode, hk, d, capacity, k_pool.size(-1));
   check_pool(k_pool, f);
   check_pool(v_pool, f);
@@ -244,10 +247,13 @@ int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == kc.size(0), "slot_mapping must be int64 [N]");
   std::vector<int64_t> folded(kc.size(0), 0);
   const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
+  TORCH_CHECK(k_center.numel() == 0 || k_center.numel() == hk * d, "k_center must be empty or [hk, d]");
+  const auto center = k_center.to(at::kFloat).contiguous();
+  const float* cp = center.numel() ? center.data_ptr<float>() : nullptr;
   if (kc.scalar_type() == at::kFloat) {
-    write_impl<float>(kc, vc, k_pool, v_pool, slots, f, kt, vt, folded);
+    write_impl<float>(kc, vc, k_pool, v_pool, slots, f, kt, vt, cp, folded);
   } else if (kc.scalar_type() == at::kBFloat16) {
-    write_impl<c10::BFloat16>(kc, vc, k_pool, v_pool, slots, f, kt, vt, folded);
+    write_impl<c10::BFloat16>(kc, vc, k_pool, v_pool, slots, f, kt, vt, cp, folded);
   } else {
     TORCH_CHECK(false, "quant_write supports float32 and bfloat16");
   }

@@ -155,7 +155,7 @@ bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const 
 // The extension's entry points (kvquant_ops.cpp binds them).
 int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool, at::Tensor v_pool,
                     const at::Tensor& slot_mapping, int64_t mode, int64_t hk, int64_t d, int64_t capacity,
-                    const at::Tensor& k_thresholds, const at::Tensor& v_thresholds);
+                    const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, const at::Tensor& k_center);
 at::Tensor dequantize_blocks(const at::Tensor& pool, const at::Tensor& block_ids, int64_t mode, int64_t hk,
                              int64_t d, int64_t capacity, const at::Tensor& thresholds, at::ScalarType dtype);
 at::Tensor quant_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
