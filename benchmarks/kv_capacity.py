@@ -28,17 +28,13 @@ def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return [torch.randint(100, vocab - 100, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
 
 
-def decode_throughput(llm: LLM, batch: int, prompt_len: int, new_tokens: int, repeats: int = 1) -> tuple[float, int]:
-    """(decode tokens/s with every sequence decoding, best of ``repeats`` runs; preemptions during the runs)."""
-    engine = llm.engine
-    prompts = prompts_for(batch, prompt_len, engine.model_config.vocab_size)
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))  # fill the prefix cache
-    before = engine.stats()["num_preemptions"]
-    best = max(_timed_decode(engine, prompts, new_tokens) for _ in range(repeats))
-    return best, engine.stats()["num_preemptions"] - before
+def fill_prefix_cache(llm: LLM, prompts: list[list[int]]) -> None:
+    """Prefill the prompts once, so the timed runs find their blocks cached and only decode."""
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
 
 
-def _timed_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
+def timed_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s of one run, counted from the first step in which every sequence decodes."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request(None, p, params) for p in prompts]
     produced = dict.fromkeys(ids, 0)
@@ -56,23 +52,22 @@ def _timed_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
     return timed_tokens / elapsed
 
 
-def run_mode(mode: str, args: argparse.Namespace, equal_batch: int | None) -> dict:
-    blocks_per_seq = -(-args.seq_len // args.block_size)
-    llm = LLM(dtype=args.dtype, kv_cache_memory=args.budget, kv_cache_dtype=mode, block_size=args.block_size,
-              max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=args.seq_len + 16, swap_space=0)
-    cache = llm.engine.kv_cache
-    max_batch = cache.num_blocks // blocks_per_seq
-    prompt_len = args.seq_len - args.new_tokens
-    row = {"mode": mode, "bits_per_value": cache.bits_per_value, "bytes_per_block": cache.bytes_per_block,
-           "num_blocks": cache.num_blocks, "max_batch": max_batch}
-    batch = min(max_batch, args.max_batch) if args.max_batch else max_batch
-    row["batch"] = batch
-    row["tok_s"], row["preemptions"] = decode_throughput(llm, batch, prompt_len, args.new_tokens, args.repeats)
-    if equal_batch is not None:
-        row["equal_batch"] = equal_batch
-        row["equal_tok_s"], _ = decode_throughput(llm, equal_batch, prompt_len, args.new_tokens, args.repeats)
-    print(json.dumps(row), flush=True)
-    return row
+def best_interleaved(llms: dict[str, LLM], prompts: dict[str, list[list[int]]], new_tokens: int,
+                     repeats: int) -> dict[str, float]:
+    """Best tokens/s per mode over ``repeats`` rounds; each round runs every mode once, so a slow
+    phase of the machine hits all modes alike instead of one."""
+    for mode, llm in llms.items():
+        fill_prefix_cache(llm, prompts[mode])
+    best = dict.fromkeys(llms, 0.0)
+    for _ in range(repeats):
+        for mode, llm in llms.items():
+            best[mode] = max(best[mode], timed_decode(llm.engine, prompts[mode], new_tokens))
+    return best
+
+
+def make_llm(mode: str, args: argparse.Namespace) -> LLM:
+    return LLM(dtype=args.dtype, kv_cache_memory=args.budget, kv_cache_dtype=mode, block_size=args.block_size,
+               max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=args.seq_len + 16, swap_space=0)
 
 
 def main() -> None:
@@ -80,29 +75,47 @@ def main() -> None:
     parser.add_argument("--budget", default="128MiB", help="KV memory budget of every mode")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per sequence (timed)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per sequence (timed)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=0, help="cap the measured batch (0: the largest that fits)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--repeats", type=int, default=3, help="timed decode runs per measurement (best kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed decode rounds per measurement (best kept)")
     parser.add_argument("--out", default="benchmarks/results/kv_capacity.json")
     args = parser.parse_args()
     parse_memory_size(args.budget)
-    rows = [run_mode(args.modes[0], args, None)]
-    equal = rows[0]["batch"]
-    rows[0].update(equal_batch=equal, equal_tok_s=rows[0]["tok_s"])
-    rows += [run_mode(mode, args, equal) for mode in args.modes[1:]]
-    base = rows[0]
-    print(f"\nKV budget {args.budget}, {args.seq_len}-token sequences ({args.new_tokens} decoded), dtype {args.dtype}")
+    llms = {mode: make_llm(mode, args) for mode in args.modes}
+    blocks_per_seq = -(-args.seq_len // args.block_size)
+    prompt_len = args.seq_len - args.new_tokens
+    vocab = llms[args.modes[0]].engine.model_config.vocab_size
+    rows = {}
+    for mode, llm in llms.items():
+        cache = llm.engine.kv_cache
+        max_batch = cache.num_blocks // blocks_per_seq
+        rows[mode] = {"mode": mode, "bits_per_value": cache.bits_per_value, "bytes_per_block": cache.bytes_per_block,
+                      "num_blocks": cache.num_blocks, "max_batch": max_batch,
+                      "batch": min(max_batch, args.max_batch) if args.max_batch else max_batch}
+    preempted = {mode: llm.engine.stats()["num_preemptions"] for mode, llm in llms.items()}
+    at_max = best_interleaved(llms, {m: prompts_for(rows[m]["batch"], prompt_len, vocab) for m in llms},
+                              args.new_tokens, args.repeats)
+    equal = rows[args.modes[0]]["batch"]
+    at_equal = best_interleaved(llms, dict.fromkeys(llms, prompts_for(equal, prompt_len, vocab)), args.new_tokens,
+                                args.repeats)
+    for mode, llm in llms.items():
+        rows[mode].update(tok_s=at_max[mode], equal_batch=equal, equal_tok_s=at_equal[mode],
+                          preemptions=llm.engine.stats()["num_preemptions"] - preempted[mode])
+        print(json.dumps(rows[mode]), flush=True)
+    base = rows[args.modes[0]]
+    print(f"\nKV budget {args.budget}, {args.seq_len}-token sequences ({args.new_tokens} decoded), dtype {args.dtype}, "
+          f"best of {args.repeats} interleaved rounds")
     print("| kv_cache_dtype | bits/value | blocks | max batch | decode tok/s at max batch | "
-          f"decode tok/s at batch {equal} | vs {base['mode']} at equal batch |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+          f"decode tok/s at batch {equal} | vs {base['mode']} at equal batch | preemptions |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows.values():
         print(f"| {r['mode']} | {r['bits_per_value']:.2f} | {r['num_blocks']} | {r['max_batch']} | {r['tok_s']:.1f} | "
-              f"{r['equal_tok_s']:.1f} | {r['equal_tok_s'] / base['equal_tok_s']:.2f}x |")
+              f"{r['equal_tok_s']:.1f} | {r['equal_tok_s'] / base['equal_tok_s']:.2f}x | {r['preemptions']} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"args": vars(args), "rows": list(rows.values())}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ inline void nibbles32(const uint8_t* p, __m512* r) {
 // the sorted indices name. Two passes keep the long decode chain of one row off the dot products.
 struct OakenRow {
   alignas(64) float table[16];  // affine code of each middle nibble
-  alignas(64) float value[16];  // affine codes of the outliers, in index order
+  alignas(64) float value[32];  // affine codes of the outliers, in index order (16 slack: full-width loads)
   uint64_t lanes;               // bit i: lane i holds an outlier
   float lo, s;
 };
@@ -87,7 +87,7 @@ inline void load_oaken64(const uint8_t* rec, int64_t h, const Format& f, const O
   for (int c = 0; c < 4; ++c) {
     const auto mask = static_cast<__mmask16>(o.lanes >> (16 * c));
     r[c] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib[c]), table);  // permutes read the low four bits only
-    r[c] = _mm512_mask_expandloadu_ps(r[c], mask, o.value + start);
+    r[c] = _mm512_mask_expand_ps(r[c], mask, _mm512_loadu_ps(o.value + start));  // register form: cheaper than expandloadu
     start += __builtin_popcount(mask);
   }
 }
