@@ -6,6 +6,24 @@ namespace {
 using namespace kvops;
 
 #if defined(__AVX512F__)
+// The gather both prefill kernels start with: pack(h, tile, j, k_row, v_row) for every context
+// token t = 16 * tile + j and KV head h, the rows read in place from their paged slots, in
+// parallel over 16-token tiles.
+template <typename T, typename Pack>
+void for_each_context_row(const T* kc, const T* vc, const int64_t* table, int64_t block_size, int64_t context_len,
+                          int64_t hk, int64_t d, const Pack& pack) {
+  const int64_t tiles = (context_len + 15) / 16;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      for (int64_t j = 0; j < 16 && tile * 16 + j < context_len; ++j) {
+        const int64_t t = tile * 16 + j;
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        for (int64_t h = 0; h < hk; ++h) pack(h, tile, j, kc + (slot * hk + h) * d, vc + (slot * hk + h) * d);
+      }
+    }
+  });
+}
+
 // Prefill attention for one sequence chunk: n query tokens at positions [start, start + n) over a
 // context of start + n tokens held in paged blocks. The context's K is first gathered per KV head
 // into 16-key tiles transposed to [tile][dim][16] floats, and V into [token][dim] floats, so the
@@ -27,26 +45,16 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
   const T* vc = v_cache.data_ptr<T>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
-  const int64_t slot_stride = hk * D;
   const float fscale = static_cast<float>(scale);
 
   std::vector<float> kt(hk * tiles * D * 16, 0.f), vf(hk * tiles * 16 * D, 0.f);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      for (int64_t j = 0; j < 16 && tile * 16 + j < context_len; ++j) {
-        const int64_t t = tile * 16 + j;
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        for (int64_t h = 0; h < hk; ++h) {
-          const T* krow = kc + slot * slot_stride + h * D;
-          const T* vrow = vc + slot * slot_stride + h * D;
-          float* kdst = kt.data() + (h * tiles + tile) * D * 16 + j;
-          float* vdst = vf.data() + (h * tiles * 16 + t) * D;
-          for (int64_t i = 0; i < D; ++i) {
-            kdst[i * 16] = to_float(krow[i]);
-            vdst[i] = to_float(vrow[i]);
-          }
-        }
-      }
+  for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
+                       [&](int64_t h, int64_t tile, int64_t j, const T* krow, const T* vrow) {
+    float* kdst = kt.data() + (h * tiles + tile) * D * 16 + j;
+    float* vdst = vf.data() + (h * tiles * 16 + tile * 16 + j) * D;
+    for (int64_t i = 0; i < D; ++i) {
+      kdst[i * 16] = to_float(krow[i]);
+      vdst[i] = to_float(vrow[i]);
     }
   });
 
@@ -143,27 +151,17 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
   const int64_t* table = block_table.data_ptr<int64_t>();
   auto* o_ptr = out.data_ptr<c10::BFloat16>();
-  const int64_t slot_stride = hk * D;
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
   const int64_t tile_elems = 16 * D;  // bf16 values per packed tile of K or V
 
   std::vector<uint16_t> kp(hk * tiles * tile_elems, 0), vp(hk * tiles * tile_elems, 0);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      for (int64_t j = 0; j < 16 && tile * 16 + j < context_len; ++j) {
-        const int64_t t = tile * 16 + j;
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        for (int64_t h = 0; h < hk; ++h) {
-          const uint16_t* krow = kc + slot * slot_stride + h * D;
-          const uint16_t* vrow = vc + slot * slot_stride + h * D;
-          uint16_t* kt = kp.data() + (h * tiles + tile) * tile_elems;
-          uint16_t* vt = vp.data() + (h * tiles + tile) * tile_elems + (j / 2) * D * 2 + (j % 2);
-          for (int64_t i = 0; i < D; ++i) {
-            kt[((i / 2) * 16 + j) * 2 + (i % 2)] = krow[i];
-            vt[i * 2] = vrow[i];
-          }
-        }
-      }
+  for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
+                       [&](int64_t h, int64_t tile, int64_t j, const uint16_t* krow, const uint16_t* vrow) {
+    uint16_t* kt = kp.data() + (h * tiles + tile) * tile_elems;
+    uint16_t* vt = vp.data() + (h * tiles + tile) * tile_elems + (j / 2) * D * 2 + (j % 2);
+    for (int64_t i = 0; i < D; ++i) {
+      kt[((i / 2) * 16 + j) * 2 + (i % 2)] = krow[i];
+      vt[i * 2] = vrow[i];
     }
   });
 
