@@ -1,4 +1,4 @@
-"""Compiled kernels vs their PyTorch reference (residual + RMSNorm)."""
+"""Compiled kernels vs their references (residual + RMSNorm, packed linear layers, SwiGLU)."""
 
 from __future__ import annotations
 
@@ -36,45 +36,71 @@ def test_kernels_reject_bad_input():
         ops.add_rms_norm(torch.randn(3, 4, dtype=torch.float64), None, torch.ones(4, dtype=torch.float64), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-def test_gemv_matches_dense_linear(rows, dtype):
+def _packing_ops(dtype):
     ops = get_ops()
-    if not getattr(ops, "has_gemv", False) or (dtype == torch.bfloat16 and not ops.has_bf16_gemv):
-        pytest.skip("CPU without AVX-512 / AVX512-BF16")
-    gen = torch.Generator().manual_seed(3)
+    if ops is None or not ops.packed_linear_supports(dtype, 16, 2):
+        pytest.skip("no packed linear kernel for this dtype on this CPU")
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 64, 131, 300])
+def test_packed_linear_matches_dense_linear(rows, dtype):
+    """Every row count (micro-kernel tails of 1-7 rows, several 128-row slabs) and a last panel of
+    fewer than 48 columns (1008 = 21 panels of 48) against a float64 product."""
+    ops = _packing_ops(dtype)
+    gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=gen).to(dtype)
-    w = torch.randn(1001, 576, generator=gen).to(dtype)  # 1001: a last block of fewer rows
-    exact = x.double() @ w.double().T
-    out = ops.gemv(x, w).double()
+    w = torch.randn(1008 + 32, 576, generator=gen).to(dtype)
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype)
+    exact = x.double() @ w.double().T + bias.double()
+    packed = ops.pack_linear_weight(w)
+    assert packed.shape == (w.shape[0] // 16, 576 * 16) and packed.dtype == dtype
+    out = ops.packed_linear(x, packed, bias.float()).double()
     if dtype == torch.float32:
         torch.testing.assert_close(out, exact, atol=1e-4, rtol=1e-5)
     else:
         # both sum bf16 products in float32; only the final rounding to bf16 and the order differ
+        dense = torch.nn.functional.linear(x, w, bias).double()
+        assert (out - exact).abs().max() <= (dense - exact).abs().max() * 1.5 + 1e-3
         torch.testing.assert_close(out, exact, atol=0.25, rtol=1e-2)
-        assert (out - exact).abs().max() <= (torch.nn.functional.linear(x, w).double() - exact).abs().max() * 1.5 + 1e-3
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        ops.gemv(torch.zeros(9, 576, dtype=dtype), w)
+    no_bias = ops.packed_linear(x, packed).double()
+    torch.testing.assert_close(no_bias, out - bias.double(), atol=0.25 if dtype == torch.bfloat16 else 1e-4,
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_packed_linear_layout_and_bad_input():
+    ops = _packing_ops(torch.float32)
+    w = torch.arange(32 * 3, dtype=torch.float32).view(32, 3)  # w[n, k] = 3n + k
+    packed = ops.pack_linear_weight(w).view(2, 3, 16)  # [block, k, column]
+    assert torch.equal(packed[1, 2], w[16:32, 2])
+    assert not ops.packed_linear_supports(torch.float32, 33, 3)  # output width not a multiple of 16
+    assert not ops.packed_linear_supports(torch.float16, 32, 4)
+    with pytest.raises(RuntimeError, match="N % 16"):
+        ops.pack_linear_weight(torch.zeros(20, 8))
+    with pytest.raises(RuntimeError, match="has 4 features"):
+        ops.packed_linear(torch.zeros(2, 4), ops.pack_linear_weight(w))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.packed_linear(torch.zeros(2, 3, dtype=torch.float64), ops.pack_linear_weight(w))
+    assert ops.packed_linear(torch.zeros(0, 3), ops.pack_linear_weight(w)).shape == (0, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_uses_gemv_for_decode_rows_only(dtype):
-    from kvmosaic.model.layers.linear import GEMV_MAX_ROWS, Linear
+def test_linear_packs_supported_weights_and_falls_back_otherwise(dtype):
+    from kvmosaic.model.layers.linear import Linear
 
-    w = torch.randn(64, 96).to(dtype)
-    layer = Linear(w, torch.randn(64).to(dtype))
-    if layer.gemv is None:
-        pytest.skip("no GEMV kernel for this dtype on this CPU")
-    calls = []
-    kernel = layer.gemv
-    layer.gemv = lambda x, weight: calls.append(x.shape[0]) or kernel(x, weight)
+    _packing_ops(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    split = layer.gemv_rows > GEMV_MAX_ROWS  # bfloat16: up to 16 rows in calls of 8
-    for rows in (0, 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5, 2 * GEMV_MAX_ROWS + 1):  # 0 rows: a step that samples nothing
-        x = torch.randn(rows, 96).to(dtype)
-        ref = torch.nn.functional.linear(x.double(), w.double(), layer.bias.double())
-        torch.testing.assert_close(layer(x).double(), ref, atol=tol * 5, rtol=tol)
-    assert calls == ([1, GEMV_MAX_ROWS, GEMV_MAX_ROWS, 5] if split else [1, GEMV_MAX_ROWS])
+    for out_features, packed in ((64, True), (40, False)):  # 40: not a multiple of 16 -> dense path
+        w = torch.randn(out_features, 96).to(dtype)
+        layer = Linear(w, torch.randn(out_features).to(dtype))
+        assert (layer.packed is not None) == packed and (layer.weight is None) == packed
+        for shape in ((0, 96), (1, 96), (5, 96), (3, 7, 96)):  # 0 rows: a step that samples nothing
+            x = torch.randn(*shape).to(dtype)
+            ref = torch.nn.functional.linear(x.double(), w.double(), layer.bias.double())
+            out = layer(x)
+            assert out.shape == (*shape[:-1], out_features) and out.dtype == dtype
+            torch.testing.assert_close(out.double(), ref, atol=tol * 5, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

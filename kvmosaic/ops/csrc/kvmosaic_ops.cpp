@@ -1,8 +1,8 @@
-// CPU kernels for the decode path: rotary + KV-cache write, decode attention that
+// CPU kernels of the model: linear layers on packed weights, rotary + KV-cache write, decode attention that
 // reads K/V blocks in place (no gather copy), residual add + RMSNorm.
 // Float32 and bfloat16; all arithmetic in float32.
-// This file binds the entry points; the kernels live in layer_ops.cpp, decode_attention.cpp and
-// prefill_attention.cpp.
+// This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
+// decode_attention.cpp and prefill_attention.cpp.
 #include "ops_common.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -17,9 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   });
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU over a fused gate/up projection");
-  m.def("gemv", &gemv, "decode-size (<= 8 rows) matrix-vector product");
-  m.attr("has_gemv") = kHasGemv;
-  m.attr("has_bf16_gemv") = kHasBf16Gemv;
+  m.def("packed_linear_supports", [](py::object dtype, int64_t out_features, int64_t in_features) {
+    return packed_linear_supports(torch::python::detail::py_object_to_dtype(dtype), out_features, in_features);
+  }, "whether a weight of this dtype and shape can be packed");
+  m.def("pack_linear_weight", &pack_linear_weight, "[N, K] weight -> the packed layout of packed_linear");
+  m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight (+ float32 bias)", py::arg("x"),
+        py::arg("packed"), py::arg("bias") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
 }

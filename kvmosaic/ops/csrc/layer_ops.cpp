@@ -114,81 +114,6 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::
 }
 
 
-#if defined(__AVX512F__)
-// Weight rows as vectors of 16 float lanes: float32 loads directly; bfloat16 multiplies pairs with
-// AVX512-BF16 (32 values per instruction, float accumulation).
-template <typename T>
-struct GemvStep;
-
-template <>
-struct GemvStep<float> {
-  static constexpr int64_t kWidth = 16;
-  static __m512 fma(const float* w, const float* x, __m512 acc) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
-  }
-};
-
-#if defined(__AVX512BF16__)
-template <>
-struct GemvStep<c10::BFloat16> {
-  static constexpr int64_t kWidth = 32;
-  static __m512 fma(const c10::BFloat16* w, const c10::BFloat16* x, __m512 acc) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w)),
-                            (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x)));
-  }
-};
-#endif
-
-// out[m, n] = x[m, :] . w[n, :] for M (<= 8) activation rows. The weight is read once, front to
-// back (rows are contiguous, so each thread's share is one sequential stream), with U partial sums
-// per output so that M * U multiply-add chains run side by side, and a software prefetch ahead.
-template <typename T, int M, int U>
-void gemv_rows(const T* xp, const T* wp, T* op, int64_t k, int64_t n) {
-  constexpr int64_t W = GemvStep<T>::kWidth;
-  constexpr int64_t kAhead = 4096 / sizeof(T);  // prefetch distance: 4 KiB (1, 2, 8 and 16 KiB measured slower)
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const T* wr = wp + row * k;
-      __m512 acc[M][U];
-      for (int m = 0; m < M; ++m)
-        for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
-      int64_t i = 0;
-      for (; i + U * W <= k; i += U * W) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + i + kAhead), _MM_HINT_T0);
-        for (int u = 0; u < U; ++u)
-          for (int m = 0; m < M; ++m) acc[m][u] = GemvStep<T>::fma(wr + i + u * W, xp + m * k + i + u * W, acc[m][u]);
-      }
-      for (; i < k; i += W)
-        for (int m = 0; m < M; ++m) acc[m][0] = GemvStep<T>::fma(wr + i, xp + m * k + i, acc[m][0]);
-      for (int m = 0; m < M; ++m) {
-        __m512 sum = acc[m][0];
-        for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[m][u]);
-        op[m * n + row] = static_cast<T>(_mm512_reduce_add_ps(sum));
-      }
-    }
-  });
-}
-
-template <typename T>
-bool gemv_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  switch (m) {
-    case 1: gemv_rows<T, 1, 4>(xp, wp, op, k, n); return true;
-    case 2: gemv_rows<T, 2, 4>(xp, wp, op, k, n); return true;
-    case 3: gemv_rows<T, 3, 2>(xp, wp, op, k, n); return true;
-    case 4: gemv_rows<T, 4, 2>(xp, wp, op, k, n); return true;
-    case 5: gemv_rows<T, 5, 2>(xp, wp, op, k, n); return true;
-    case 6: gemv_rows<T, 6, 2>(xp, wp, op, k, n); return true;
-    case 7: gemv_rows<T, 7, 1>(xp, wp, op, k, n); return true;
-    case 8: gemv_rows<T, 8, 1>(xp, wp, op, k, n); return true;
-    default: return false;
-  }
-}
-#endif
-
 // silu(gate) * up for a fused [N, 2F] (gate | up) projection in one pass. silu is rounded to the
 // activation dtype before the product, as the two-op PyTorch path does.
 template <typename T>
@@ -268,32 +193,6 @@ at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& de
   } else {
     TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16");
   }
-  return out;
-}
-
-// [M, K] x [N, K]^T for M <= 8 rows (decode batches), float32 or bfloat16 (K a multiple of 16 / 32).
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(kHasGemv, "gemv was built without AVX-512");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "gemv: x and w dtypes differ");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv needs x [M, K], w [N, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "gemv handles 1 to 8 rows");
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  auto out = at::empty({x.size(0), w.size(0)}, x.options());
-  bool done = false;
-#if defined(__AVX512F__)
-  if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(x.size(1) % 16 == 0, "float32 gemv needs K % 16 == 0");
-    done = gemv_impl<float>(xc, wc, out);
-  }
-#if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(x.size(1) % 32 == 0, "bfloat16 gemv needs K % 32 == 0");
-    done = gemv_impl<c10::BFloat16>(xc, wc, out);
-  }
-#endif
-#endif
-  TORCH_CHECK(done, "gemv: unsupported dtype ", x.scalar_type());
   return out;
 }
 

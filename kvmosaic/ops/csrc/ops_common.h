@@ -1,5 +1,5 @@
 // Shared by the float KV-cache kernels: dtype helpers, the cache layout check, and the extension's
-// entry points (kvmosaic_ops.cpp binds them; layer_ops.cpp, decode_attention.cpp and
+// entry points (kvmosaic_ops.cpp binds them; layer_ops.cpp, gemm.cpp, decode_attention.cpp and
 // prefill_attention.cpp define them).
 #pragma once
 #include <torch/extension.h>
@@ -73,18 +73,6 @@ DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 }  // namespace kvops
 
-#if defined(__AVX512F__)
-constexpr bool kHasGemv = true;
-#if defined(__AVX512BF16__)
-constexpr bool kHasBf16Gemv = true;
-#else
-constexpr bool kHasBf16Gemv = false;
-#endif
-#else
-constexpr bool kHasGemv = false;
-constexpr bool kHasBf16Gemv = false;
-#endif
-
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
                           const at::Tensor& sin_table, at::Tensor k_cache, at::Tensor v_cache,
                           const at::Tensor& slot_mapping, int64_t hq, int64_t hk);
@@ -94,5 +82,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& block_table, int64_t context_len, double scale);
 at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double eps);
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w);
+bool packed_linear_supports(at::ScalarType dtype, int64_t out_features, int64_t in_features);
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
