@@ -13,6 +13,7 @@ import torch
 
 from kvmosaic.config import CacheConfig, ModelConfig
 from kvmosaic.model.layers.quant_attention import QuantizedKVLayer
+from kvmosaic.ops.memory import zeros_huge
 from kvmosaic.quant.format import KVFormat
 from kvmosaic.quant.thresholds import KVThresholds
 
@@ -58,7 +59,7 @@ class KVCache:
         else:
             per_slot, pool_dtype = (self.format.record_bytes,), torch.uint8
         shape = (model.num_hidden_layers, 2, self.num_blocks, cache.block_size) + per_slot
-        self.device_pool = torch.zeros(shape, dtype=pool_dtype)
+        self.device_pool = zeros_huge(shape, pool_dtype)  # read in scattered blocks every step
         host_shape = (model.num_hidden_layers, 2, self.num_host_blocks) + shape[3:]
         self.host_pool = torch.zeros(host_shape, dtype=pool_dtype)
         self.layers = list(self.device_pool.unbind(0))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmosaic.ops import get_ops
+from kvmosaic.ops.memory import to_huge
 
 
 def _has_onednn_linear() -> bool:

@@ -47,11 +47,12 @@ struct Step<c10::BFloat16> {
 #endif
 
 // MR rows x NB blocks. w points at the first block's k = 0; blocks are block_stride elements apart.
-// steps = K / kPack. Prefetching (for small MR, where the weights stream from memory) runs a few
-// KiB ahead in each block.
+// steps = K / kPack. The weights come from memory once per slab: with few rows (decode, the stream
+// is the bottleneck) each block is prefetched 2 KiB ahead; with more rows, the first rows of a slab
+// prefetch the same part of the next panel (next) while this panel computes.
 template <typename T, int MR, int NB>
 inline void micro_kernel(const T* x, int64_t ldx, const T* w, int64_t block_stride, int64_t steps, T* out,
-                         int64_t ldo, const float* bias) {
+                         int64_t ldo, const float* bias, const T* next) {
   using S = Step<T>;
   constexpr int64_t kStepElems = kBlock * S::kPack;
   constexpr int64_t kAhead = 2048 / sizeof(T);
@@ -64,9 +65,13 @@ inline void micro_kernel(const T* x, int64_t ldx, const T* w, int64_t block_stri
     typename S::Vec wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
-      const T* p = w + j * block_stride + s * kStepElems;
-      if constexpr (MR <= 4) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-      wv[j] = S::weight(p);
+      const int64_t at = j * block_stride + s * kStepElems;
+      if constexpr (MR <= 4) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + at + kAhead), _MM_HINT_T0);
+      } else {
+        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T0);
+      }
+      wv[j] = S::weight(w + at);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -85,16 +90,16 @@ inline void micro_kernel(const T* x, int64_t ldx, const T* w, int64_t block_stri
 
 template <typename T, int NB>
 inline void rows_kernel(int64_t mr, const T* x, int64_t ldx, const T* w, int64_t block_stride, int64_t steps,
-                        T* out, int64_t ldo, const float* bias) {
+                        T* out, int64_t ldo, const float* bias, const T* next) {
   switch (mr) {
-    case 1: micro_kernel<T, 1, NB>(x, ldx, w, block_stride, steps, out, ldo, bias); break;
-    case 2: micro_kernel<T, 2, NB>(x, ldx, w, block_stride, steps, out, ldo, bias); break;
-    case 3: micro_kernel<T, 3, NB>(x, ldx, w, block_stride, steps, out, ldo, bias); break;
-    case 4: micro_kernel<T, 4, NB>(x, ldx, w, block_stride, steps, out, ldo, bias); break;
-    case 5: micro_kernel<T, 5, NB>(x, ldx, w, block_stride, steps, out, ldo, bias); break;
-    case 6: micro_kernel<T, 6, NB>(x, ldx, w, block_stride, steps, out, ldo, bias); break;
-    case 7: micro_kernel<T, 7, NB>(x, ldx, w, block_stride, steps, out, ldo, bias); break;
-    default: micro_kernel<T, 8, NB>(x, ldx, w, block_stride, steps, out, ldo, bias); break;
+    case 1: micro_kernel<T, 1, NB>(x, ldx, w, block_stride, steps, out, ldo, bias, next); break;
+    case 2: micro_kernel<T, 2, NB>(x, ldx, w, block_stride, steps, out, ldo, bias, next); break;
+    case 3: micro_kernel<T, 3, NB>(x, ldx, w, block_stride, steps, out, ldo, bias, next); break;
+    case 4: micro_kernel<T, 4, NB>(x, ldx, w, block_stride, steps, out, ldo, bias, next); break;
+    case 5: micro_kernel<T, 5, NB>(x, ldx, w, block_stride, steps, out, ldo, bias, next); break;
+    case 6: micro_kernel<T, 6, NB>(x, ldx, w, block_stride, steps, out, ldo, bias, next); break;
+    case 7: micro_kernel<T, 7, NB>(x, ldx, w, block_stride, steps, out, ldo, bias, next); break;
+    default: micro_kernel<T, 8, NB>(x, ldx, w, block_stride, steps, out, ldo, bias, next); break;
   }
 }
 
@@ -119,13 +124,15 @@ void gemm_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias,
         const int64_t nb = std::min<int64_t>(kPanel, blocks - b0);
         const T* w = wp + b0 * block_stride;
         const float* bb = bias != nullptr ? bias + b0 * kBlock : nullptr;
+        const T* next = p + 1 < end ? w + kPanel * block_stride : nullptr;
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t mr = std::min<int64_t>(kRows, r1 - r);
           const T* xr = xp + r * k;
           T* o = op + r * n + b0 * kBlock;
-          if (nb == 3) rows_kernel<T, 3>(mr, xr, k, w, block_stride, steps, o, n, bb);
-          else if (nb == 2) rows_kernel<T, 2>(mr, xr, k, w, block_stride, steps, o, n, bb);
-          else rows_kernel<T, 1>(mr, xr, k, w, block_stride, steps, o, n, bb);
+          const T* pf = r == r0 ? next : nullptr;
+          if (nb == 3) rows_kernel<T, 3>(mr, xr, k, w, block_stride, steps, o, n, bb, pf);
+          else if (nb == 2) rows_kernel<T, 2>(mr, xr, k, w, block_stride, steps, o, n, bb, pf);
+          else rows_kernel<T, 1>(mr, xr, k, w, block_stride, steps, o, n, bb, pf);
         }
       }
     }

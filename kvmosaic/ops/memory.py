@@ -1,0 +1,62 @@
+"""Large tensors backed by transparent huge pages where the OS allows it.
+
+The KV cache pool and the packed weights are read in scattered blocks or long streams every step;
+with 4 KiB pages each new page costs a TLB miss and a page walk. On Linux with transparent huge
+pages in ``madvise`` or ``always`` mode the allocation is aligned to 2 MiB and marked
+MADV_HUGEPAGE before its first touch, so the kernel backs it with 2 MiB pages. Elsewhere (or for
+small tensors) this is plain ``torch.empty``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise when transparent huge pages can be asked for, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        setting = _THP_SETTING.read_text()
+    except OSError:
+        return None
+    if "[never]" in setting:
+        return None
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized contiguous tensor whose pages are asked to be 2 MiB ones."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    madvise = _madvise()
+    if madvise is None or nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    madvise(raw.data_ptr() + offset, nbytes, _MADV_HUGEPAGE)  # best effort: a refusal leaves 4 KiB pages
+    return raw[offset: offset + nbytes].view(dtype).view(shape)
+
+
+def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return empty_huge(shape, dtype).zero_()
+
+
+def to_huge(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in huge-page memory (the tensor itself when it is small)."""
+    if tensor.numel() * tensor.element_size() < HUGE_PAGE:
+        return tensor.contiguous()
+    return empty_huge(tuple(tensor.shape), tensor.dtype).copy_(tensor)
