@@ -5,6 +5,16 @@ namespace {
 
 using namespace kvops;
 
+// Work item -> (KV head, block of query rows). A causal row block costs in proportion to its
+// position and parallel_for gives each thread one contiguous range of items, so consecutive items
+// alternate between the cheapest and the dearest remaining row blocks: every range gets a fair
+// share (in head-major order the thread holding the last rows did ~1.4x the other's work).
+inline void balanced_item(int64_t item, int64_t hk, int64_t row_blocks, int64_t* h, int64_t* rb) {
+  const int64_t i = item / hk;
+  *h = item % hk;
+  *rb = i % 2 == 0 ? i / 2 : row_blocks - 1 - i / 2;
+}
+
 #if defined(__AVX512F__)
 // The gather both prefill kernels start with: pack(h, tile, j, k_row, v_row) for every context
 // token t = 16 * tile + j and KV head h, the rows read in place from their paged slots, in
@@ -65,7 +75,8 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
     alignas(64) float qf[RB][D];
     alignas(64) float probs[RB][16];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / row_blocks, rb = item % row_blocks;
+      int64_t h, rb;
+      balanced_item(item, hk, row_blocks, &h, &rb);
       const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
       int64_t last[RB];  // the last key each row may see
       __m512 acc[RB][NC];
@@ -171,7 +182,8 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
     alignas(64) uint32_t qpairs[RB][D / 2];
     alignas(64) uint16_t probs[RB][16];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / row_blocks, rb = item % row_blocks;
+      int64_t h, rb;
+      balanced_item(item, hk, row_blocks, &h, &rb);
       const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
       int64_t last[RB];
       __m512 acc[RB][NC];
