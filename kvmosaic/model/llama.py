@@ -44,9 +44,13 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor | QuantizedKVLayer, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor | QuantizedKVLayer, meta: AttentionMetadata,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual`` is the running hidden state (updated in place with ``delta``, the previous
-        layer's output); returns this layer's MLP output, to be added by the next norm."""
+        layer's output); returns (residual, this layer's MLP output, to be added by the next norm).
+
+        ``keep_rows`` (the last layer): only these rows go on past attention; the others' K/V are
+        cached and nothing reads their output, so their share of o_proj and the MLP is skipped."""
         # submodules' forward() is called directly: nn.Module.__call__ costs microseconds per call,
         # which adds up to a visible share of a single-stream decode step over 30 layers
         n = residual.shape[0]
@@ -57,8 +61,11 @@ class DecoderLayer(nn.Module):
         else:
             q = rotate_and_cache(qkv, rotary, kv_cache[0], kv_cache[1], meta, self.num_heads, self.num_kv_heads)
             attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        hidden = self.post_attention_layernorm.forward(residual, self.o_proj.forward(attn.view(n, self.q_size)))
-        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(hidden)))
+        attn = attn.view(n, self.q_size)
+        if keep_rows is not None:
+            attn, residual = attn[keep_rows], residual[keep_rows]
+        hidden = self.post_attention_layernorm.forward(residual, self.o_proj.forward(attn))
+        return residual, self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(hidden)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -87,8 +94,8 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed_tokens(input_ids)
         meta.positions = positions
         delta = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            delta = layer.forward(residual, delta, self.rotary, cache, meta)
-        if logits_indices is not None:
-            residual, delta = residual[logits_indices], delta[logits_indices]
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            keep = logits_indices if i == last else None
+            residual, delta = layer.forward(residual, delta, self.rotary, cache, meta, keep)
         return self.lm_head(self.norm(residual, delta)).float()
