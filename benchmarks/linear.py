@@ -60,9 +60,9 @@ def main() -> None:
             for rows in rows_list:
                 x = torch.randn(rows, k, generator=gen).to(dtype)
                 calls = {
-                    "packed": lambda: ops.packed_linear(x, packed),
-                    "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-                    "F.linear": lambda: F.linear(x, w),
+                    "packed": lambda x=x, packed=packed: ops.packed_linear(x, packed),
+                    "onednn": lambda x=x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                    "F.linear": lambda x=x, w=w: F.linear(x, w),
                 }
                 best = dict.fromkeys(calls, float("inf"))
                 for _ in range(args.repeats):

@@ -102,3 +102,20 @@ def test_default_gguf_matches_hf(default_model, hf_gguf_model):
     prompt = default_model.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
     _compare(hf_gguf_model, default_model, prompt)
     _compare(hf_gguf_model, default_model, prompt, prefill_chunk=4)
+
+
+def test_last_layer_skips_rows_without_logits(tmp_path, smollm_tokenizer_json):
+    """Two prefill chunks in one batch: logits of their last rows are the same whether the last
+    layer carries every row (logits_indices=None) or only those rows."""
+    _write_random_checkpoint(tmp_path, "llama", smollm_tokenizer_json)
+    runner = _runner(load_model(str(tmp_path), torch.float32))
+    first, second = list(range(5, 16)), list(range(100, 107))
+    reqs = [ScheduledRequest(name, ids, 0, table, GREEDY, sample_ids=[name], sample_seeds=[None])
+            for name, ids, table in (("a", first, [0, 1, 2]), ("b", second, [3, 4]))]
+    input_ids, positions, meta, last_rows = runner._prepare(reqs)
+    caches = runner.kv_cache.layers
+    every_row = runner.model(input_ids, positions, caches, meta)
+    _, _, meta, _ = runner._prepare(reqs)
+    picked = runner.model(input_ids, positions, caches, meta, torch.tensor(last_rows))
+    assert last_rows == [len(first) - 1, len(first) + len(second) - 1]
+    torch.testing.assert_close(picked, every_row[last_rows], atol=1e-5, rtol=1e-5)

@@ -42,7 +42,7 @@ class Linear(nn.Module):
         self.bias = bias
         ops = _packing_ops(weight)
         if ops is not None:
-            self.packed = ops.pack_linear_weight(weight)
+            self.packed = to_huge(ops.pack_linear_weight(weight))  # streamed whole every decode step
             self.packed_bias = None if bias is None else bias.float().contiguous()
             self.kernel = ops.packed_linear
             self.weight = None
