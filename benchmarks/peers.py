@@ -13,11 +13,13 @@ Workloads (token-id prompts, greedy, EOS ignored, 2 threads everywhere):
   S  kvmosaic only: process start -> first token with the embedded default model
 
 Every (engine, dtype, workload) runs in its own subprocess (peer_runners/*_runner.py) that prints one
-JSON line. Prints one table and writes benchmarks/results/peers.json.
+JSON line. With --rounds N the whole matrix runs N times over and each entry keeps its best round
+(a shared machine's slow phases then cost an engine at most one round). Prints one table and writes
+benchmarks/results/peers.json.
 
     make peers
     python benchmarks/peers.py [--engines kvmosaic,hf,vllm,llamacpp,ct2] [--dtypes float32,bfloat16]
-                               [--workloads A,B,C] [--timeout 1500] [--json out.json]
+                               [--workloads A,B,C] [--rounds 1] [--timeout 1500] [--json out.json]
 """
 
 from __future__ import annotations
@@ -153,20 +155,31 @@ def _parse_result(stdout: str) -> dict | None:
 
 
 def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], timeout: float,
-               quiet_wait: float) -> list[dict]:
-    results = []
-    for dtype in dtypes:
-        for workload in workloads:
-            for engine in engines:
-                print(f"  {engine.label:16} {dtype:9} {workload} ...", end=" ", flush=True)
-                wait_for_quiet(quiet_wait)
-                res = run_one(engine, dtype, workload, timeout)
-                res.update(engine=engine.key, dtype=dtype, workload=workload)
-                results.append(res)
-                done = (res.get("error") or res.get("unsupported")
-                        or f"{res['tokens_per_s']:.1f} {res['metric']} ({res['seconds']:.2f} s)")
-                print(f"{done}; others used {100 * res.get('other_cpu_share', 0):.0f}% CPU", flush=True)
-    return results
+               quiet_wait: float, rounds: int = 1) -> list[dict]:
+    """Every (engine, dtype, workload) once per round, rounds one after the other, so a slow phase
+    of a shared machine hits each engine in at most one of its rounds; the best round is kept."""
+    best: dict[tuple[str, str, str], dict] = {}
+    for round_no in range(1, rounds + 1):
+        for dtype in dtypes:
+            for workload in workloads:
+                for engine in engines:
+                    tag = f" r{round_no}" if rounds > 1 else ""
+                    print(f"  {engine.label:16} {dtype:9} {workload}{tag} ...", end=" ", flush=True)
+                    wait_for_quiet(quiet_wait)
+                    res = run_one(engine, dtype, workload, timeout)
+                    res.update(engine=engine.key, dtype=dtype, workload=workload)
+                    done = (res.get("error") or res.get("unsupported")
+                            or f"{res['tokens_per_s']:.1f} {res['metric']} ({res['seconds']:.2f} s)")
+                    print(f"{done}; others used {100 * res.get('other_cpu_share', 0):.0f}% CPU", flush=True)
+                    key = (engine.key, dtype, workload)
+                    kept = best.get(key)
+                    rates = (kept or {}).get("round_rates", []) + [res.get("tokens_per_s")]
+                    if kept is None or (succeeded(res) and (not succeeded(kept)
+                                                            or res["tokens_per_s"] > kept["tokens_per_s"])):
+                        kept = res
+                    kept["round_rates"] = rates
+                    best[key] = kept
+    return list(best.values())
 
 
 def run_startup(dtypes: list[str], timeout: float, quiet_wait: float) -> list[dict]:
@@ -241,6 +254,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1500, help="seconds per (engine, dtype, workload) run")
     parser.add_argument("--quiet-wait", type=float, default=120,
                         help="before each run, wait up to this many seconds for other processes to go quiet")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole matrix this many times and keep each entry's best round")
     parser.add_argument("--no-startup", action="store_true", help="skip kvmosaic's start-up measurement")
     parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
     return parser.parse_args()
@@ -256,7 +271,9 @@ def main() -> None:
         print(f"note: {key} skipped: {why}")
     running = [e for e in engines if e.key not in skipped]
     print(f"running {', '.join(e.label for e in running)} x {dtypes} x {workloads}, {THREADS} threads")
-    results = run_matrix(running, dtypes, workloads, args.timeout, args.quiet_wait)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    results = run_matrix(running, dtypes, workloads, args.timeout, args.quiet_wait, args.rounds)
     startup = [] if args.no_startup or "kvmosaic" in skipped else run_startup(dtypes, args.timeout, args.quiet_wait)
 
     print(f"\nSmolLM2-135M-Instruct, greedy, EOS ignored, {THREADS} threads; A: 1 x 128 prompt + 128 output "
@@ -288,7 +305,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.machine(), "processor": platform.processor(), "threads": THREADS,
             "dtypes": dtypes, "workloads": {w: asdict(WORKLOADS[w]) for w in workloads},
-            "first_tokens_kept": FIRST_TOKENS}
+            "first_tokens_kept": FIRST_TOKENS, "rounds": args.rounds}
     out.write_text(json.dumps({"config": meta, "skipped": skipped, "results": results, "startup": startup,
                                "float32_tokens_match": same, "roofline": roofline, "table": lines}, indent=2))
     print(f"wrote {out}")
