@@ -1,5 +1,5 @@
-// Per-layer kernels around attention: rotary + KV-cache write, residual add + RMSNorm, the
-// decode-size GEMV, SiLU-and-mul. Float32 and bfloat16; arithmetic in float32.
+// Per-layer kernels around attention: rotary + KV-cache write, residual add + RMSNorm,
+// SiLU-and-mul. Float32 and bfloat16; arithmetic in float32.
 #include "ops_common.h"
 
 namespace {
