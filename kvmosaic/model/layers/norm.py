@@ -26,6 +26,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.eps = eps
+        self._weight = self.weight.data  # a plain attribute: no nn.Module.__getattr__ per call
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        return add_rms_norm(residual, delta, self.weight, self.eps)
+        return add_rms_norm(residual, delta, self._weight, self.eps)
