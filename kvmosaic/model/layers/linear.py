@@ -46,10 +46,11 @@ class Linear(nn.Module):
             self.packed_bias = None if bias is None else bias.float().contiguous()
             self.kernel = ops.packed_linear
             self.weight = None
+            self.onednn = False
         else:
             self.packed = self.kernel = None
             self.weight = weight.contiguous()
-        self.onednn = weight.dtype == torch.float32 and weight.device.type == "cpu" and _has_onednn_linear()
+            self.onednn = weight.dtype == torch.float32 and weight.device.type == "cpu" and _has_onednn_linear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dim() == 2:  # the model's case: packed tokens x features
