@@ -156,10 +156,12 @@ def test_decode_kernel_matches_naive(dtype, hq, hk, dim, block_size):
                     reason="prefill kernel needs the C++ kernels on an AVX-512 CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hk,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5), (5, 5, 64, 7)])
-@pytest.mark.parametrize("cached,new", [(0, 1), (0, 37), (16, 16), (100, 61)])
-def test_prefill_kernel_matches_naive(dtype, hq, hk, dim, block_size, cached, new):
+@pytest.mark.parametrize("cached,new,spread", [(0, 1, 1), (0, 37, 1), (16, 16, 1), (100, 61, 1), (70, 200, 6)])
+def test_prefill_kernel_matches_naive(dtype, hq, hk, dim, block_size, cached, new, spread):
     """The prefill kernel: causal chunk attention over a shuffled paged context, with cached tokens
-    before the chunk, query-row blocks that straddle tokens, and tiles cut by the causal edge."""
+    before the chunk, query-row blocks that straddle tokens, tiles and 64-key blocks cut by the
+    causal edge, and (spread) scores wide enough that the softmax reference moves mid-row. The
+    result is written into the given rows of a larger output tensor."""
     gen = torch.Generator().manual_seed(2)
     ctx = cached + new
     blocks = (ctx + block_size - 1) // block_size
@@ -167,9 +169,14 @@ def test_prefill_kernel_matches_naive(dtype, hq, hk, dim, block_size, cached, ne
     table = torch.randperm(num_blocks, generator=gen)[:blocks]
     k_cache = torch.randn(num_blocks, block_size, hk, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, hk, dim, generator=gen).to(dtype)
-    q = torch.randn(new, hq, dim, generator=gen).to(dtype)
+    q = (torch.randn(new, hq, dim, generator=gen) * spread).to(dtype)
     scale = dim**-0.5
+    batch_out = torch.full((new + 3, hq, dim), float("nan"), dtype=dtype)
+    written = get_ops().paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale, batch_out[2:new + 2])
+    assert written.data_ptr() == batch_out[2].data_ptr()
+    assert batch_out[:2].isnan().all() and batch_out[new + 2:].isnan().all()
     out = get_ops().paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale).double()
+    torch.testing.assert_close(batch_out[2:new + 2].double(), out, atol=0, rtol=0)
     slots = table.repeat_interleave(block_size) * block_size + torch.arange(blocks * block_size) % block_size
     g = hq // hk
     k = k_cache.view(-1, hk, dim)[slots[:ctx]].double().repeat_interleave(g, dim=1)

@@ -1,4 +1,5 @@
-"""Compiled kernels vs their references (residual + RMSNorm, packed linear layers, SwiGLU)."""
+"""Compiled kernels vs their references (residual + RMSNorm, packed linear layers, SwiGLU, the
+fused gate/up projection)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,57 @@ def test_silu_and_mul_matches_reference(dtype, rows, width):
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 130, 300])
+def test_packed_swiglu_equals_projection_then_silu(dtype, rows):
+    """The fused gate/up product with SwiGLU in its epilogue gives bit for bit what the packed
+    projection followed by silu_and_mul gives (same sums, same roundings), for every row tail of the
+    6-row tile and several slabs; large gate values reach the exp overflow/underflow edges."""
+    ops = _packing_ops(dtype)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    gate_up = (torch.randn(2 * 96, 96, generator=gen) * 2).to(dtype)  # F = 96: 3 panels of 32 outputs
+    fused = ops.packed_swiglu(x, ops.pack_swiglu_weight(gate_up))
+    unfused = ops.silu_and_mul(ops.packed_linear(x, ops.pack_linear_weight(gate_up)))
+    assert fused.shape == (rows, 96) and fused.dtype == dtype
+    assert torch.equal(fused, unfused)
+    g, u = (x.double() @ gate_up.double().T).chunk(2, dim=-1)
+    torch.testing.assert_close(fused.double(), torch.nn.functional.silu(g) * u, atol=TOL[dtype] * 20,
+                               rtol=TOL[dtype])
+
+
+def test_packed_swiglu_layout_and_bad_input():
+    ops = _packing_ops(torch.float32)
+    gate_up = torch.arange(128 * 2, dtype=torch.float32).view(128, 2)  # 64 gate rows, then 64 up rows
+    packed = ops.pack_swiglu_weight(gate_up).view(8, 2, 16)  # [block, k, column]
+    # blocks: gate 0-15, gate 16-31, up 0-15, up 16-31, gate 32-47, ...
+    for block, first_row in enumerate([0, 16, 64, 80, 32, 48, 96, 112]):
+        assert torch.equal(packed[block, 1], gate_up[first_row:first_row + 16, 1])
+    assert ops.packed_swiglu_supports(torch.float32, 64, 2)
+    assert not ops.packed_swiglu_supports(torch.float32, 48, 2)  # F not a multiple of 32
+    with pytest.raises(RuntimeError, match="F % 32"):
+        ops.pack_swiglu_weight(torch.zeros(96, 8))
+    with pytest.raises(RuntimeError, match="has 3 features"):
+        ops.packed_swiglu(torch.zeros(2, 3), ops.pack_swiglu_weight(gate_up))
+    assert ops.packed_swiglu(torch.zeros(0, 2), ops.pack_swiglu_weight(gate_up)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_projection_fuses_supported_widths_and_falls_back_otherwise(dtype):
+    from kvmosaic.model.layers.linear import GatedProjection
+
+    _packing_ops(dtype)
+    for width, fused in ((64, True), (48, False)):  # 48: not a multiple of 32 -> projection, then SwiGLU
+        gate, up = torch.randn(width, 96).to(dtype), torch.randn(width, 96).to(dtype)
+        layer = GatedProjection(gate, up)
+        assert (layer.kernel is not None) == fused and (layer.proj is None) == fused
+        for shape in ((0, 96), (1, 96), (7, 96), (2, 3, 96)):
+            x = torch.randn(*shape).to(dtype)
+            ref = torch.nn.functional.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
+            out = layer(x)
+            assert out.shape == (*shape[:-1], width) and out.dtype == dtype
+            torch.testing.assert_close(out.double(), ref, atol=TOL[dtype] * 20, rtol=TOL[dtype] * 5)
+    with pytest.raises(ValueError, match="differ in shape"):
+        GatedProjection(torch.zeros(64, 8), torch.zeros(64, 9))

@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.activation import silu_and_mul
 from kvmosaic.model.layers.attention import AttentionMetadata, paged_attention, rotate_and_cache
-from kvmosaic.model.layers.linear import Linear
+from kvmosaic.model.layers.linear import GatedProjection, Linear
 from kvmosaic.model.layers.norm import RMSNorm
 from kvmosaic.model.layers.quant_attention import (
     QuantizedKVLayer,
@@ -37,7 +36,7 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = Linear(qkv_weight, qkv_bias)
         self.o_proj = Linear(w[att + "o_proj.weight"])
         mlp = prefix + "mlp."
-        self.gate_up_proj = Linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
+        self.gate_up_proj = GatedProjection(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"])
         self.down_proj = Linear(w[mlp + "down_proj.weight"])
         self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
@@ -70,7 +69,7 @@ class DecoderLayer(nn.Module):
         if keep_rows is not None:
             attn, residual = attn[keep_rows], residual[keep_rows]
         hidden = post_norm(residual, o_proj(attn))
-        return residual, down_proj(silu_and_mul(gate_up_proj(hidden)))
+        return residual, down_proj(gate_up_proj(hidden))
 
 
 class LlamaForCausalLM(nn.Module):

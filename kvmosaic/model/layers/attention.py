@@ -160,8 +160,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     prefill_kernel = ops is not None and ops.prefill_attention_supports(q.shape[-1])
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
-        if prefill_kernel:
-            out[sl] = ops.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_table, span.context_len, scale)
+        if prefill_kernel:  # writes the chunk's rows of out in place
+            ops.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_table, span.context_len, scale, out[sl])
         else:
             out[sl] = _prefill_attention(q[sl], k_cache, v_cache, span, scale)
     if meta.remote is not None:

@@ -9,6 +9,10 @@ prefill chunks (the weights stay in cache while a slab of rows uses them). It
 measured 2-3x oneDNN's throughput at decode batch sizes and 1.05-1.25x at
 prefill sizes on this project's shapes (benchmarks/linear.py). The dense weight
 is dropped after packing. Otherwise the dense weight stays and oneDNN runs it.
+
+``GatedProjection`` is the gate/up projection of a gated MLP with its SwiGLU: on
+the kernels it is one packed product whose epilogue applies silu(gate) * up in
+registers, so the [N, 2F] projection output is never written.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmosaic.model.layers.activation import silu_and_mul
 from kvmosaic.ops import get_ops
 from kvmosaic.ops.memory import to_huge
 
@@ -67,3 +72,34 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed is not None}"
+
+
+class GatedProjection(nn.Module):
+    """silu(x G^T) * (x U^T): the gate and up projections of a gated MLP and their SwiGLU."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
+        super().__init__()
+        if gate.shape != up.shape:
+            raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} projections differ in shape")
+        self.in_features = gate.shape[1]
+        self.out_features = gate.shape[0]
+        fused = torch.cat([gate, up])
+        ops = _packing_ops(fused)
+        if ops is not None and hasattr(ops, "packed_swiglu") and ops.packed_swiglu_supports(
+                fused.dtype, self.out_features, self.in_features):
+            self.packed = to_huge(ops.pack_swiglu_weight(fused))
+            self.kernel = ops.packed_swiglu
+            self.proj = None
+        else:  # the fused projection, then the activation as its own pass
+            self.packed = self.kernel = None
+            self.proj = Linear(fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dim() == 2:
+            return self.kernel(x, self.packed)
+        if self.kernel is not None:
+            return self.kernel(x.reshape(-1, self.in_features), self.packed).view(*x.shape[:-1], self.out_features)
+        return silu_and_mul(self.proj.forward(x))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fused={self.kernel is not None}"

@@ -8,7 +8,9 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding + KV cache write");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of a prefill chunk over paged KV");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of a prefill chunk over paged KV",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"),
+        py::arg("scale"), py::arg("out") = py::none());
   m.def("prefill_attention_supports", [](int64_t head_dim) {
 #if defined(__AVX512F__)
     return head_dim == 64 || head_dim == 128;
@@ -23,6 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] weight -> the packed layout of packed_linear");
   m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight (+ float32 bias)", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());
+  m.def("packed_swiglu_supports", [](py::object dtype, int64_t intermediate, int64_t in_features) {
+    return packed_swiglu_supports(torch::python::detail::py_object_to_dtype(dtype), intermediate, in_features);
+  }, "whether a gate/up pair of this dtype and shape can be packed for packed_swiglu");
+  m.def("pack_swiglu_weight", &pack_swiglu_weight, "[2F, K] gate/up weight -> the packed layout of packed_swiglu");
+  m.def("packed_swiglu", &packed_swiglu, "silu(x G^T) * (x U^T) on a packed gate/up weight");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
 }

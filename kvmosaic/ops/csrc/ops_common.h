@@ -79,10 +79,14 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, co
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_table, int64_t context_len, double scale);
+                                   const at::Tensor& block_table, int64_t context_len, double scale,
+                                   const c10::optional<at::Tensor>& out);
 at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double eps);
 bool packed_linear_supports(at::ScalarType dtype, int64_t out_features, int64_t in_features);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+bool packed_swiglu_supports(at::ScalarType dtype, int64_t intermediate, int64_t in_features);
+at::Tensor pack_swiglu_weight(const at::Tensor& gate_up);
+at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

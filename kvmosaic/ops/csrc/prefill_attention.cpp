@@ -34,17 +34,54 @@ void for_each_context_row(const T* kc, const T* vc, const int64_t* table, int64_
   });
 }
 
-// Prefill attention for one sequence chunk: n query tokens at positions [start, start + n) over a
-// context of start + n tokens held in paged blocks. The context's K is first gathered per KV head
-// into 16-key tiles transposed to [tile][dim][16] floats, and V into [token][dim] floats, so the
-// inner loops are plain FMAs: a tile's 16 scores for one query row are dim broadcast-FMAs, and
-// the probability-weighted V sum keeps the head dimension in registers. Online softmax per row;
-// RB query rows share every K/V load. Float arithmetic throughout.
+// Prefill attention for one sequence chunk in float arithmetic: n query tokens at positions
+// [start, start + n) over a context of start + n tokens held in paged blocks. The context's K is
+// first gathered per KV head into 16-key tiles transposed to [tile][dim][16] floats, and V into
+// [token][dim] floats. Keys then go in blocks of up to 64 (4 tiles): RB query rows x the block's
+// tiles of scores stay in registers while the head dimension streams (4 K loads and RB broadcasts
+// per 4 * RB FMAs), the online-softmax reference moves at most once per block, and the RB x D
+// output sums live in L1 between blocks (their load/store is small next to the block's FMAs).
+template <int NC, int RB, int NT>
+inline void block_scores(const float* qf, const float* kp, float* sc) {
+  constexpr int64_t D = NC * 16;
+  __m512 s[RB][NT];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) s[r][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; ++i) {
+    __m512 kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = _mm512_loadu_ps(kp + t * D * 16 + i * 16);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 a = _mm512_set1_ps(qf[r * D + i]);
+      for (int t = 0; t < NT; ++t) s[r][t] = _mm512_fmadd_ps(a, kv[t], s[r][t]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_store_ps(sc + r * 64 + t * 16, s[r][t]);
+}
+
+template <int NC, int RB>
+inline void block_pv(const float* probs, const float* vp, int64_t keys, float* oacc) {
+  constexpr int64_t D = NC * 16;
+  __m512 acc[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_load_ps(oacc + r * D + c * 16);
+  for (int64_t j = 0; j < keys; ++j) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vp + j * D + c * 16);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * 64 + j]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_store_ps(oacc + r * D + c * 16, acc[r][c]);
+}
+
 template <typename T, int NC>
 void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
   constexpr int64_t D = NC * 16;
-  constexpr int RB = NC <= 4 ? 6 : 2;  // query rows per register block (6: 1.3x over 4 in f32, 1.15x in bf16)
+  constexpr int RB = 24 / NC;  // RB x 4 score vectors, then RB x NC output sums, in the 32 registers
   const int64_t n = q.size(0), hq = q.size(1);
   const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
   const int64_t group = hq / hk;
@@ -57,84 +94,108 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
   T* o_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
-  std::vector<float> kt(hk * tiles * D * 16, 0.f), vf(hk * tiles * 16 * D, 0.f);
+  // K as [head][tile][dim][16], V as [head][token][dim]; zero past the context (masked keys must
+  // still be finite: 0 * NaN is NaN)
+  const int64_t kt_head = tiles * D * 16, vf_head = tiles * 16 * D;
+  std::vector<float> kt(hk * kt_head, 0.f), vf(hk * vf_head, 0.f);
   for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
                        [&](int64_t h, int64_t tile, int64_t j, const T* krow, const T* vrow) {
-    float* kdst = kt.data() + (h * tiles + tile) * D * 16 + j;
-    float* vdst = vf.data() + (h * tiles * 16 + tile * 16 + j) * D;
+    float* kdst = kt.data() + h * kt_head + tile * D * 16 + j;
+    float* vdst = vf.data() + h * vf_head + (tile * 16 + j) * D;
     for (int64_t i = 0; i < D; ++i) {
       kdst[i * 16] = to_float(krow[i]);
       vdst[i] = to_float(vrow[i]);
     }
   });
 
-  // work items: (KV head, block of RB query rows); rows are (token, group member) pairs
+  // A work item is G register blocks of RB rows: each key block is read from L2 once and used by all
+  // G x RB rows from L1 (QK for each register block, the softmax of all rows, then PV for each).
+  constexpr int G = 2;
+  constexpr int ROWS = G * RB;
   const int64_t rows_per_head = n * group;
-  const int64_t row_blocks = (rows_per_head + RB - 1) / RB;
+  const int64_t row_blocks = (rows_per_head + ROWS - 1) / ROWS;
   at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float qf[RB][D];
-    alignas(64) float probs[RB][16];
+    alignas(64) float qf[ROWS * D];
+    alignas(64) float sc[ROWS * 64];
+    alignas(64) float oacc[ROWS * D];
     for (int64_t item = begin; item < end; ++item) {
       int64_t h, rb;
       balanced_item(item, hk, row_blocks, &h, &rb);
-      const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
-      int64_t last[RB];  // the last key each row may see
-      __m512 acc[RB][NC];
-      OnlineSoftmax softmax[RB];
-      for (int r = 0; r < RB; ++r) {
+      const int64_t r0 = rb * ROWS, rn = std::min<int64_t>(ROWS, rows_per_head - r0);
+      int64_t last[ROWS];
+      float ref[ROWS];
+      __m512 sum[ROWS];
+      for (int r = 0; r < ROWS; ++r) {
         const int64_t row = r0 + std::min<int64_t>(r, rn - 1);  // idle rows repeat the last real one
         const int64_t tok = row / group, g = row % group;
         last[r] = start + tok;
         const T* src = q_ptr + (tok * hq + h * group + g) * D;
-        for (int64_t i = 0; i < D; ++i) qf[r][i] = to_float(src[i]) * fscale;
-        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; ++i) qf[r * D + i] = to_float(src[i]) * fscale;
+        ref[r] = -std::numeric_limits<float>::infinity();
+        sum[r] = _mm512_setzero_ps();
       }
-      int64_t max_last = 0;
-      for (int r = 0; r < RB; ++r) max_last = std::max(max_last, last[r]);
-      const float* ktile = kt.data() + h * tiles * D * 16;
-      const float* vhead = vf.data() + h * tiles * 16 * D;
-      for (int64_t tile = 0; tile * 16 <= max_last; ++tile) {
-        const float* kp = ktile + tile * D * 16;
-        // two accumulators per row (even / odd dims): twice the independent FMA chains
-        __m512 s[RB], s_odd[RB];
-        for (int r = 0; r < RB; ++r) s[r] = s_odd[r] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D; i += 2) {
-          const __m512 k0 = _mm512_loadu_ps(kp + i * 16), k1 = _mm512_loadu_ps(kp + (i + 1) * 16);
-          for (int r = 0; r < RB; ++r) {
-            s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][i]), k0, s[r]);
-            s_odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][i + 1]), k1, s_odd[r]);
+      std::memset(oacc, 0, sizeof(oacc));
+      int64_t sub_last[G];  // rows are in token order: a register block's last row sees the most keys
+      for (int b = 0; b < G; ++b) sub_last[b] = last[b * RB + RB - 1];
+      const float* khead = kt.data() + h * kt_head;
+      const float* vhead = vf.data() + h * vf_head;
+      for (int64_t k0 = 0; k0 <= sub_last[G - 1]; k0 += 64) {
+        const float* kp = khead + (k0 / 16) * D * 16;
+        int64_t sub_keys[G];
+        for (int b = 0; b < G; ++b) {
+          sub_keys[b] = std::max<int64_t>(0, std::min<int64_t>(64, sub_last[b] - k0 + 1));
+          if (sub_keys[b] == 0) continue;
+          float* scb = sc + b * RB * 64;
+          const float* qb = qf + b * RB * D;
+          switch ((sub_keys[b] + 15) / 16) {
+            case 1: block_scores<NC, RB, 1>(qb, kp, scb); break;
+            case 2: block_scores<NC, RB, 2>(qb, kp, scb); break;
+            case 3: block_scores<NC, RB, 3>(qb, kp, scb); break;
+            default: block_scores<NC, RB, 4>(qb, kp, scb); break;
           }
         }
-        for (int r = 0; r < RB; ++r) s[r] = _mm512_add_ps(s[r], s_odd[r]);
-        int64_t tile_keys = 0;
-        for (int r = 0; r < RB; ++r) {
-          const int64_t visible = std::min<int64_t>(16, last[r] - tile * 16 + 1);
-          tile_keys = std::max(tile_keys, visible);
-          const __mmask16 valid = visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1u);
-          if (!valid) {
-            _mm512_store_ps(probs[r], _mm512_setzero_ps());
+        for (int r = 0; r < ROWS; ++r) {
+          const int64_t nt = (sub_keys[r / RB] + 15) / 16;
+          if (nt == 0) continue;
+          const int64_t visible = std::min<int64_t>(nt * 16, last[r] - k0 + 1);
+          float* row = sc + r * 64;
+          if (visible <= 0) {
+            for (int t = 0; t < nt; ++t) _mm512_store_ps(row + t * 16, _mm512_setzero_ps());
             continue;
           }
-          float corr;
-          _mm512_store_ps(probs[r], softmax[r].update(s[r], valid, &corr));
-          if (corr != 1.f)
-            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(corr));
-        }
-        const float* vp = vhead + tile * 16 * D;
-        for (int64_t j = 0; j < tile_keys; ++j) {
-          __m512 vv[NC];
-          for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vp + j * D + c * 16);
-          for (int r = 0; r < RB; ++r) {
-            const __m512 p = _mm512_set1_ps(probs[r][j]);
-            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+          __mmask16 masks[4];
+          __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (int t = 0; t < nt; ++t) {
+            const int64_t v = std::min<int64_t>(16, visible - t * 16);
+            masks[t] = v <= 0 ? 0 : static_cast<__mmask16>(v >= 16 ? 0xFFFFu : (1u << v) - 1u);
+            vmax = _mm512_mask_max_ps(vmax, masks[t], vmax, _mm512_load_ps(row + t * 16));
+          }
+          // the reference moves (and the sums are rescaled) only when a score passes it by kSlack
+          if (_mm512_cmp_ps_mask(vmax, _mm512_set1_ps(ref[r] + OnlineSoftmax::kSlack), _CMP_GT_OQ)) {
+            const float block_max = _mm512_reduce_max_ps(vmax);
+            const float corr = ref[r] == -std::numeric_limits<float>::infinity() ? 0.f
+                                                                                    : exp_nonpositive(ref[r] - block_max);
+            ref[r] = block_max;
+            const __m512 vc = _mm512_set1_ps(corr);
+            sum[r] = _mm512_mul_ps(sum[r], vc);
+            for (int c = 0; c < NC; ++c)
+              _mm512_store_ps(oacc + r * D + c * 16, _mm512_mul_ps(_mm512_load_ps(oacc + r * D + c * 16), vc));
+          }
+          const __m512 vref = _mm512_set1_ps(ref[r]);
+          for (int t = 0; t < nt; ++t) {
+            const __m512 p = _mm512_maskz_mov_ps(masks[t], exp16(_mm512_sub_ps(_mm512_load_ps(row + t * 16), vref)));
+            sum[r] = _mm512_add_ps(sum[r], p);
+            _mm512_store_ps(row + t * 16, p);
           }
         }
+        for (int b = 0; b < G; ++b)
+          if (sub_keys[b] > 0) block_pv<NC, RB>(sc + b * RB * 64, vhead + k0 * D, sub_keys[b], oacc + b * RB * D);
       }
       for (int r = 0; r < rn; ++r) {
         const int64_t row = r0 + r, tok = row / group, g = row % group;
-        const __m512 inv = _mm512_set1_ps(1.f / softmax[r].total());
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum[r]));
         T* dst = o_ptr + (tok * hq + h * group + g) * D;
-        for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(acc[r][c], inv));
+        for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(oacc + r * D + c * 16), inv));
       }
     }
   });
@@ -256,9 +317,11 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 using namespace kvops;
 
-// Attention of one prefill chunk (n query tokens, the last n of context_len) over its paged context.
+// Attention of one prefill chunk (n query tokens, the last n of context_len) over its paged context,
+// written into `out` when given (a contiguous tensor shaped like q, e.g. the chunk's rows of a batch).
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_table, int64_t context_len, double scale) {
+                                   const at::Tensor& block_table, int64_t context_len, double scale,
+                                   const c10::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [n, hq, head_dim]");
   check_cache(k_cache, q);
   check_cache(v_cache, q);
@@ -266,7 +329,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(context_len >= q.size(0) && block_table.size(0) * k_cache.size(1) >= context_len,
               "context longer than its block table");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  auto out = at::empty_like(q);
+  at::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
+                "out must be a contiguous tensor shaped like q");
+  } else {
+    out = at::empty_like(q);
+  }
   auto table = block_table.contiguous();
   bool done = false;
 #if defined(__AVX512F__)
