@@ -119,3 +119,34 @@ def test_last_layer_skips_rows_without_logits(tmp_path, smollm_tokenizer_json):
     picked = runner.model(input_ids, positions, caches, meta, torch.tensor(last_rows))
     assert last_rows == [len(first) - 1, len(first) + len(second) - 1]
     torch.testing.assert_close(picked, every_row[last_rows], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch):
+    """Pure-decode steps run all layers in one kernel call (ops.decode_layers) when every product is
+    packed; its logits equal the per-layer path's bit for bit, over a batch of three sequences with
+    different context lengths (and q/k/v biases for qwen2)."""
+    _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json)
+    loaded = load_model(str(tmp_path), torch.float32)
+    stacked, looped = _runner(loaded), _runner(loaded)
+    if stacked.model._decode_stack is None:
+        pytest.skip("decode stack needs the C++ kernels with packed weights")
+    looped.model._decode_stack = None
+    decode_layers, weights = stacked.model._decode_stack
+    calls = []
+    stacked.model._decode_stack = (lambda *args: calls.append(1) or decode_layers(*args), weights)
+    gen = torch.Generator().manual_seed(3)
+    seqs = {name: [int(t) for t in torch.randint(3, 49152, (n,), generator=gen)]
+            for name, n in (("a", 3), ("b", 17), ("c", 9))}
+    tables = {"a": [0, 1, 2, 3, 4], "b": [20, 6, 7, 8, 9, 10, 11], "c": [12, 13, 14, 15, 16, 17]}
+    for runner in (stacked, looped):
+        for name, ids in seqs.items():
+            req = ScheduledRequest(name, ids, 0, tables[name], GREEDY, sample_ids=[name], sample_seeds=[None])
+            runner.compute_logits([req])
+    for step in range(4):
+        reqs = [ScheduledRequest(name, [ids[-1] + step], len(ids) + step, tables[name], GREEDY,
+                                 sample_ids=[name], sample_seeds=[None]) for name, ids in seqs.items()]
+        _, ours = stacked.compute_logits(reqs)
+        _, ref = looped.compute_logits(reqs)
+        assert torch.equal(ours, ref), f"step {step}: max diff {(ours - ref).abs().max().item()}"
+    assert len(calls) == 4  # the decode steps, not the prefills

@@ -19,6 +19,7 @@ from kvmosaic.model.layers.quant_attention import (
     rotate_and_cache_quantized,
 )
 from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.ops import get_ops
 
 
 class DecoderLayer(nn.Module):
@@ -45,6 +46,19 @@ class DecoderLayer(nn.Module):
         # eight times per layer and token, a visible share of single-stream decode
         self._steps = (self.input_layernorm.forward, self.qkv_proj.forward, self.o_proj.forward,
                        self.post_attention_layernorm.forward, self.gate_up_proj.forward, self.down_proj.forward)
+
+    def packed_weights(self) -> list[torch.Tensor] | None:
+        """This layer's weights in the order ``ops.decode_layers`` takes them, or None when one of
+        its products does not run on the packed kernels."""
+        linears = (self.qkv_proj, self.o_proj, self.down_proj)
+        if any(lin.kernel is None for lin in linears) or self.gate_up_proj.kernel is None:
+            return None
+        if self.o_proj.packed_bias is not None or self.down_proj.packed_bias is not None:
+            return None
+        qkv_bias = self.qkv_proj.packed_bias
+        return [self.input_layernorm.weight.data, self.qkv_proj.packed,
+                torch.empty(0) if qkv_bias is None else qkv_bias, self.o_proj.packed,
+                self.post_attention_layernorm.weight.data, self.gate_up_proj.packed, self.down_proj.packed]
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor | QuantizedKVLayer, meta: AttentionMetadata,
@@ -86,6 +100,28 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
+        # Pure-decode steps run all layers in one kernel call when every product is packed.
+        ops = get_ops()
+        per_layer = [layer.packed_weights() for layer in self.layers]
+        self._decode_stack = None
+        if ops is not None and hasattr(ops, "decode_layers") and all(w is not None for w in per_layer):
+            self._decode_stack = (ops.decode_layers, [t for w in per_layer for t in w])
+
+    def _run_decode_stack(self, residual: torch.Tensor, kv_caches: list,
+                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All layers of a pure-decode step on a plain KV cache in one call (bit-identical to the
+        layer loop), or None when this step needs the per-layer path."""
+        if (self._decode_stack is None or meta.remote is not None or meta.prefills
+                or meta.num_decode_tokens != residual.shape[0] or residual.shape[0] == 0
+                or not isinstance(kv_caches[0], torch.Tensor)):
+            return None
+        decode_layers, weights = self._decode_stack
+        cfg, first = self.config, self.layers[0]
+        residual, delta = decode_layers(residual, None, weights, kv_caches, meta.positions, self.rotary.cos,
+                                        self.rotary.sin, meta.slot_mapping, meta.decode_block_tables,
+                                        meta.decode_context_lens, cfg.num_attention_heads,
+                                        cfg.num_key_value_heads, cfg.rms_norm_eps, first.scale)
+        return residual, delta
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
@@ -97,6 +133,10 @@ class LlamaForCausalLM(nn.Module):
         """
         residual = self.embed_tokens(input_ids)
         meta.positions = positions
+        stacked = self._run_decode_stack(residual, kv_caches, meta)
+        if stacked is not None:
+            hidden = self.norm(*stacked)
+            return self.lm_head(hidden if logits_indices is None else hidden[logits_indices]).float()
         delta = None
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 NAME = "kvmosaic_ops"
 SOURCES = tuple(CSRC / f"{part}.cpp"
-                for part in ("kvmosaic_ops", "layer_ops", "gemm", "decode_attention", "prefill_attention"))
+                for part in ("kvmosaic_ops", "layer_ops", "gemm", "decode_attention", "prefill_attention",
+                             "decoder_step"))
 BUILD_DIR = Path(__file__).parent / "_build"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 # The quantized-KV kernels (kvmosaic/quant formats): a second extension, built by the same step.

@@ -2,7 +2,7 @@
 // reads K/V blocks in place (no gather copy), residual add + RMSNorm.
 // Float32 and bfloat16; all arithmetic in float32.
 // This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
-// decode_attention.cpp and prefill_attention.cpp.
+// decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
 #include "ops_common.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -30,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "whether a gate/up pair of this dtype and shape can be packed for packed_swiglu");
   m.def("pack_swiglu_weight", &pack_swiglu_weight, "[2F, K] gate/up weight -> the packed layout of packed_swiglu");
   m.def("packed_swiglu", &packed_swiglu, "silu(x G^T) * (x U^T) on a packed gate/up weight");
+  m.def("decode_layers", &decode_layers, "a pure-decode step through all decoder layers (packed weights)");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
 }

@@ -1,0 +1,42 @@
+// A decode step through the whole stack of decoder layers in one call. Each layer is the same kernel
+// sequence the Python model runs (residual add + RMSNorm, packed qkv, rotary + cache write, paged
+// decode attention, packed o_proj, add + RMSNorm, fused gate/up SwiGLU, packed down_proj), with the
+// same roundings, so the result is bit-identical; what goes away is the interpreter and dispatch
+// work between the ~10 kernels of each layer, a visible share of a single-stream step of a small
+// model (its weights stream from memory in a few milliseconds).
+#include "ops_common.h"
+
+namespace {
+constexpr size_t kPerLayer = 7;  // input norm, qkv, qkv bias, o, post norm, gate/up, down
+}
+
+// residual [N, hidden] is updated in place; delta is the previous layer's MLP output (or none).
+// weights: kPerLayer tensors per layer in the order above (an empty tensor for no qkv bias);
+// kv_caches: one [2, num_blocks, block_size, hk, head_dim] tensor per layer.
+// Returns (residual, delta): the last layer's MLP output is left for the final norm to add.
+std::vector<at::Tensor> decode_layers(at::Tensor residual, const c10::optional<at::Tensor>& delta,
+                                      const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& kv_caches,
+                                      const at::Tensor& positions, const at::Tensor& cos_table,
+                                      const at::Tensor& sin_table, const at::Tensor& slot_mapping,
+                                      const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
+                                      int64_t hk, double eps, double scale) {
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(weights.size() == kPerLayer * layers, "decode_layers: ", kPerLayer, " weights per layer, got ",
+              weights.size(), " for ", layers, " layers");
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == block_tables.size(0),
+              "decode_layers: one residual row per decode sequence");
+  const int64_t n = residual.size(0);
+  c10::optional<at::Tensor> carry = delta;
+  for (size_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + kPerLayer * i;
+    const c10::optional<at::Tensor> qkv_bias = w[2].numel() > 0 ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
+    const at::Tensor qkv = packed_linear(add_rms_norm(residual, carry, w[0], eps), w[1], qkv_bias);
+    at::Tensor k_cache = kv_caches[i].select(0, 0), v_cache = kv_caches[i].select(0, 1);
+    const at::Tensor q = rope_and_cache(qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping, hq, hk);
+    const at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+    const at::Tensor hidden = add_rms_norm(residual, packed_linear(attn.view({n, -1}), w[3], c10::nullopt), w[4], eps);
+    carry = packed_linear(packed_swiglu(hidden, w[5]), w[6], c10::nullopt);
+  }
+  TORCH_CHECK(carry.has_value(), "decode_layers needs at least one layer or a delta");
+  return {residual, *carry};
+}
