@@ -130,6 +130,41 @@ struct QueryDot<c10::BFloat16, NC> {
 
 
 
+// part[g][kSumSlot[j]] = the 16-lane partial dot products of G query heads (sharing one KV head)
+// with the chunk's K rows j < n (zero past n); the G queries stay in registers.
+template <typename T, int NC, int G, typename Prefetch>
+inline void head_scores(const QueryDot<T, NC>* qd, const T* krows, const int64_t* slots, int64_t n,
+                        int64_t slot_stride, __m512* part, const Prefetch& prefetch_some) {
+  QueryDot<T, NC> q[G];
+  for (int g = 0; g < G; ++g) q[g] = qd[g];
+  for (int64_t j = 0; j < 16; ++j) {
+    prefetch_some();
+    const T* row = krows + slots[j] * slot_stride;
+    for (int g = 0; g < G; ++g) part[g * 16 + kSumSlot[j]] = j < n ? q[g].dot(row) : _mm512_setzero_ps();
+  }
+}
+
+// acc[i] += sum over the chunk's n tokens j of probs[i][j] * v_j for HN heads sharing one KV head; the
+// HN x NC sums stay in registers (a runtime head count left them on the stack, 2x slower).
+template <typename T, int NC, int HN>
+inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t slot_stride, const float* probs,
+                     __m512* acc) {
+  __m512 a[HN][NC];
+  for (int i = 0; i < HN; ++i)
+    for (int c = 0; c < NC; ++c) a[i][c] = acc[i * NC + c];
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = vrows + slots[j] * slot_stride;
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load16(row + c * 16);
+    for (int i = 0; i < HN; ++i) {
+      const __m512 p = _mm512_set1_ps(probs[i * 16 + j]);
+      for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(p, vv[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < HN; ++i)
+    for (int c = 0; c < NC; ++c) acc[i * NC + c] = a[i][c];
+}
+
 // Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
 // over the context with an online softmax. One work item is one sequence: its K/V rows are read
 // from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
@@ -187,11 +222,22 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         int64_t issued = 0;
         // scores of the sixteen tokens for every head, folded into the running softmax
         for (int64_t kh = 0; kh < hk; ++kh) {
-          for (int64_t j = 0; j < 16; ++j) {
+          auto prefetch_some = [&] {
             for (int64_t i = 0; i < per_iter && issued < nlines; ++i) _mm_prefetch(pf_lines[issued++], _MM_HINT_T1);
-            for (int64_t g = 0; g < group; ++g)
-              part[g * 16 + kSumSlot[j]] = j < n ? qd[kh * group + g].dot(kc + slots[j] * slot_stride + kh * D)
-                                                 : _mm512_setzero_ps();
+          };
+          const QueryDot<T, NC>* qh = qd.data() + kh * group;
+          const T* krows = kc + kh * D;
+          switch (group) {
+            case 1: head_scores<T, NC, 1>(qh, krows, slots, n, slot_stride, part.data(), prefetch_some); break;
+            case 2: head_scores<T, NC, 2>(qh, krows, slots, n, slot_stride, part.data(), prefetch_some); break;
+            case 3: head_scores<T, NC, 3>(qh, krows, slots, n, slot_stride, part.data(), prefetch_some); break;
+            case 4: head_scores<T, NC, 4>(qh, krows, slots, n, slot_stride, part.data(), prefetch_some); break;
+            default:
+              for (int64_t j = 0; j < 16; ++j) {
+                prefetch_some();
+                for (int64_t g = 0; g < group; ++g)
+                  part[g * 16 + kSumSlot[j]] = j < n ? qh[g].dot(krows + slots[j] * slot_stride) : _mm512_setzero_ps();
+              }
           }
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kh * group + g;
@@ -206,22 +252,14 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         constexpr int64_t HB = NC <= 4 ? 4 : 2;
         for (int64_t kh = 0; kh < hk; ++kh) {
           for (int64_t g0 = 0; g0 < group; g0 += HB) {
-            const int64_t h0 = kh * group + g0, hn = std::min(HB, group - g0);
-            __m512 a[HB][NC];
-            for (int64_t i = 0; i < HB; ++i)
-              for (int c = 0; c < NC; ++c) a[i][c] = i < hn ? acc[(h0 + i) * NC + c] : _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; ++j) {
-              const T* row = vc + slots[j] * slot_stride + kh * D;
-              __m512 vv[NC];
-              for (int c = 0; c < NC; ++c) vv[c] = load16(row + c * 16);
-              for (int64_t i = 0; i < HB; ++i) {
-                if (i >= hn) break;
-                const __m512 p = _mm512_set1_ps(probs[(h0 + i) * 16 + j]);
-                for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(p, vv[c], a[i][c]);
-              }
+            const int64_t h0 = kh * group + g0;
+            const T* vrows = vc + kh * D;
+            switch (std::min(HB, group - g0)) {
+              case 1: pv_heads<T, NC, 1>(vrows, slots, n, slot_stride, probs.data() + h0 * 16, acc.data() + h0 * NC); break;
+              case 2: pv_heads<T, NC, 2>(vrows, slots, n, slot_stride, probs.data() + h0 * 16, acc.data() + h0 * NC); break;
+              case 3: pv_heads<T, NC, 3>(vrows, slots, n, slot_stride, probs.data() + h0 * 16, acc.data() + h0 * NC); break;
+              default: pv_heads<T, NC, HB>(vrows, slots, n, slot_stride, probs.data() + h0 * 16, acc.data() + h0 * NC); break;
             }
-            for (int64_t i = 0; i < hn; ++i)
-              for (int c = 0; c < NC; ++c) acc[(h0 + i) * NC + c] = a[i][c];
           }
         }
       }
