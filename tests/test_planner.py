@@ -32,7 +32,7 @@ from kvmosaic.planner import (
     tokens_per_second,
     workload,
 )
-from kvmosaic.planner.probe import THIS_MACHINE, probe_hardware
+from kvmosaic.planner.probe import THIS_MACHINE, packed_matmul, probe_hardware
 
 V5E = HARDWARE_PRESETS["tpu-v5e"]
 LLAMA2 = MODEL_PRESETS["llama2-13b"]
@@ -163,6 +163,17 @@ def test_probe_returns_a_usable_hardware_spec():
         assert math.isfinite(value) and value > 0
     step = roofline_step_time(MODEL_PRESETS["default"], hw, 8, 256, weight_bytes_per_param=4, kv_bytes_per_elem=4)
     assert step.matmul_flops_s == pytest.approx(2 * 8 * param_count(MODEL_PRESETS["default"]) / hw.flops_fp32)
+
+
+def test_probe_packed_matmul_computes_the_same_product():
+    """The FLOP/s probe also times kvmosaic's packed kernel; what it times must be a @ b."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(48, 64, generator=gen), torch.randn(64, 96, generator=gen)
+    fn = packed_matmul(a, b)
+    if fn is None:
+        pytest.skip("packed linear kernel not built")
+    torch.testing.assert_close(fn(), a @ b, atol=1e-4, rtol=1e-5)
+    assert packed_matmul(a[:, :60], b[:60, :90]) is None  # 90 columns: not a multiple of 16
 
 
 def test_cli_plan_prints_the_book_table(capsys):
