@@ -127,9 +127,20 @@ def test_long_prefill_chunked_queries_match_naive(cached, new):
 @pytest.mark.skipif(get_ops() is None, reason="C++ kernels not built (python -m kvmosaic.ops.build)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hk,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5), (4, 4, 64, 3), (6, 2, 32, 16)])
-def test_decode_kernel_matches_naive(dtype, hq, hk, dim, block_size):
+@pytest.mark.parametrize("threads", [None, 8])  # 8 threads > 6 sequences: work items are (sequence, KV head)
+def test_decode_kernel_matches_naive(dtype, hq, hk, dim, block_size, threads):
     """The decode kernel (register-blocked for head_dim 64/128, generic otherwise) on contexts that end
-    inside, at and across its 16-token chunks, with shuffled block tables."""
+    inside, at and across its 16-token chunks, with shuffled block tables; with more threads than
+    sequences each (sequence, KV head) is its own work item."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        _check_decode_kernel(dtype, hq, hk, dim, block_size)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _check_decode_kernel(dtype, hq, hk, dim, block_size):
     gen = torch.Generator().manual_seed(1)
     lens = [1, 15, 16, 17, 40, 300]
     width = max((n + block_size - 1) // block_size for n in lens)

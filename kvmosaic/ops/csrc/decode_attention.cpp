@@ -168,7 +168,8 @@ inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t sl
 // Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
 // over the context with an online softmax. One work item is one sequence: its K/V rows are read
 // from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
-// sixteen tokens at a time, with the next sixteen prefetched.
+// sixteen tokens at a time, with the next sixteen prefetched. With fewer sequences than threads
+// (single-stream decode) a work item is one KV head of a sequence, so every thread has work.
 template <typename T, int NC>
 void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
@@ -178,20 +179,24 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
       decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
   const int64_t slot_stride = hk * D;
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));  // one KV head of a slot
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  const int64_t parts = batch < at::get_num_threads() ? hk : 1;  // work items per sequence
+  const int64_t part_heads = hk / parts;
+  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<QueryDot<T, NC>> qd(hq);
     std::vector<__m512> part(group * 16), acc(hq * NC);
     std::vector<OnlineSoftmax> softmax(hq);
     std::vector<float> probs(hq * 16);
     int64_t slots[16];
     std::vector<const char*> pf_lines(2 * 16 * ((slot_bytes + 63) / 64));
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / parts, kh0 = item % parts * part_heads, kh1 = kh0 + part_heads;
       const int64_t ctx = lens[b];
       const int64_t* table = tables + b * width;
       auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
-      for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
+      for (int64_t h = kh0 * group; h < kh1 * group; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
       std::fill(softmax.begin(), softmax.end(), OnlineSoftmax());
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
@@ -205,7 +210,7 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         auto add_lines = [&](const int64_t* tbl, int64_t from, int64_t to) {
           for (int64_t t = from; t < to; ++t) {
             const int64_t sl = tbl[t / block_size] * block_size + t % block_size;
-            for (int64_t off = 0; off < slot_bytes; off += 64) {
+            for (int64_t off = kh0 * head_bytes; off < kh1 * head_bytes; off += 64) {
               pf_lines[nlines++] = reinterpret_cast<const char*>(kc + sl * slot_stride) + off;
               pf_lines[nlines++] = reinterpret_cast<const char*>(vc + sl * slot_stride) + off;
             }
@@ -214,14 +219,14 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         const int64_t ahead = t0 + 32, padded_ctx = (ctx + 15) / 16 * 16;
         if (ahead < ctx) {
           add_lines(table, ahead, std::min(ctx, ahead + 16));
-        } else if (b + 1 < end && ahead - padded_ctx < lens[b + 1]) {
+        } else if (parts == 1 && b + 1 < end && ahead - padded_ctx < lens[b + 1]) {
           const int64_t from = ahead - padded_ctx;
           add_lines(tables + (b + 1) * width, from, std::min(lens[b + 1], from + 16));
         }
-        const int64_t per_iter = (nlines + hk * 16 - 1) / (hk * 16);
+        const int64_t per_iter = (nlines + part_heads * 16 - 1) / (part_heads * 16);
         int64_t issued = 0;
         // scores of the sixteen tokens for every head, folded into the running softmax
-        for (int64_t kh = 0; kh < hk; ++kh) {
+        for (int64_t kh = kh0; kh < kh1; ++kh) {
           auto prefetch_some = [&] {
             for (int64_t i = 0; i < per_iter && issued < nlines; ++i) _mm_prefetch(pf_lines[issued++], _MM_HINT_T1);
           };
@@ -250,7 +255,7 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         }
         // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
         constexpr int64_t HB = NC <= 4 ? 4 : 2;
-        for (int64_t kh = 0; kh < hk; ++kh) {
+        for (int64_t kh = kh0; kh < kh1; ++kh) {
           for (int64_t g0 = 0; g0 < group; g0 += HB) {
             const int64_t h0 = kh * group + g0;
             const T* vrows = vc + kh * D;
@@ -263,7 +268,7 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
           }
         }
       }
-      for (int64_t h = 0; h < hq; ++h) {
+      for (int64_t h = kh0 * group; h < kh1 * group; ++h) {
         const __m512 inv = _mm512_set1_ps(1.f / softmax[h].total());
         for (int c = 0; c < NC; ++c) store16(o_ptr + (b * hq + h) * D + c * 16, _mm512_mul_ps(acc[h * NC + c], inv));
       }
