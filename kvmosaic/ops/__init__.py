@@ -1,4 +1,5 @@
-"""Optional C++ kernels (rotary + cache write, paged decode attention; quantized KV cache).
+"""Optional C++ kernels (packed linears and gate/up SwiGLU, rotary + cache write, paged decode and
+prefill attention, the whole decode step; quantized KV cache).
 
 They are compiled once at install (`python -m kvmosaic.ops.build`, run by the
 Makefile) into ``kvmosaic/ops/_build``. When they are missing, or when

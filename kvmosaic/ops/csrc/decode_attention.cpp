@@ -127,9 +127,6 @@ struct QueryDot<c10::BFloat16, NC> {
 #endif
 };
 
-
-
-
 // part[g][kSumSlot[j]] = the 16-lane partial dot products of G query heads (sharing one KV head)
 // with the chunk's K rows j < n (zero past n); the G queries stay in registers.
 template <typename T, int NC, int G, typename Prefetch>

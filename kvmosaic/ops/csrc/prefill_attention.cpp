@@ -203,7 +203,8 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
 #endif
 
 #if defined(__AVX512BF16__)
-// The bfloat16 twin of prefill_attention_vec with AVX512-BF16 dot products: K tiles are packed as
+// Prefill attention on AVX512-BF16 dot products, one 16-key tile at a time with RB query rows per
+// register block (prefill_attention_vec's 64-key blocks are not ported here): K tiles are packed as
 // dimension pairs [tile][dim / 2][16 keys][2] so one instruction adds 2 dims x 16 keys of q . k;
 // V as key pairs [tile][key / 2][dim][2] so one instruction adds 2 keys x 16 dims of p . v.
 // Probabilities are rounded to bfloat16 for the p . v products (as a bfloat16 matmul of softmax
