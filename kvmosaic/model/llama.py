@@ -53,8 +53,6 @@ class DecoderLayer(nn.Module):
         linears = (self.qkv_proj, self.o_proj, self.down_proj)
         if any(lin.kernel is None for lin in linears) or self.gate_up_proj.kernel is None:
             return None
-        if self.o_proj.packed_bias is not None or self.down_proj.packed_bias is not None:
-            return None
         qkv_bias = self.qkv_proj.packed_bias
         return [self.input_layernorm.weight.data, self.qkv_proj.packed,
                 torch.empty(0) if qkv_bias is None else qkv_bias, self.o_proj.packed,
@@ -116,11 +114,11 @@ class LlamaForCausalLM(nn.Module):
                 or not isinstance(kv_caches[0], torch.Tensor)):
             return None
         decode_layers, weights = self._decode_stack
-        cfg, first = self.config, self.layers[0]
-        residual, delta = decode_layers(residual, None, weights, kv_caches, meta.positions, self.rotary.cos,
+        cfg = self.config
+        residual, delta = decode_layers(residual, weights, kv_caches, meta.positions, self.rotary.cos,
                                         self.rotary.sin, meta.slot_mapping, meta.decode_block_tables,
                                         meta.decode_context_lens, cfg.num_attention_heads,
-                                        cfg.num_key_value_heads, cfg.rms_norm_eps, first.scale)
+                                        cfg.num_key_value_heads, cfg.rms_norm_eps, self.layers[0].scale)
         return residual, delta
 
     @torch.inference_mode()

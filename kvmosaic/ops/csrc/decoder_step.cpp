@@ -10,12 +10,11 @@ namespace {
 constexpr size_t kPerLayer = 7;  // input norm, qkv, qkv bias, o, post norm, gate/up, down
 }
 
-// residual [N, hidden] is updated in place; delta is the previous layer's MLP output (or none).
+// residual [N, hidden] (the embeddings) is updated in place.
 // weights: kPerLayer tensors per layer in the order above (an empty tensor for no qkv bias);
 // kv_caches: one [2, num_blocks, block_size, hk, head_dim] tensor per layer.
 // Returns (residual, delta): the last layer's MLP output is left for the final norm to add.
-std::vector<at::Tensor> decode_layers(at::Tensor residual, const c10::optional<at::Tensor>& delta,
-                                      const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& kv_caches,
+std::vector<at::Tensor> decode_layers(at::Tensor residual, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& kv_caches,
                                       const at::Tensor& positions, const at::Tensor& cos_table,
                                       const at::Tensor& sin_table, const at::Tensor& slot_mapping,
                                       const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
@@ -26,7 +25,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor residual, const c10::optional<a
   TORCH_CHECK(residual.dim() == 2 && residual.size(0) == block_tables.size(0),
               "decode_layers: one residual row per decode sequence");
   const int64_t n = residual.size(0);
-  c10::optional<at::Tensor> carry = delta;
+  c10::optional<at::Tensor> carry;  // the previous layer's MLP output, added by the next norm
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + kPerLayer * i;
     const c10::optional<at::Tensor> qkv_bias = w[2].numel() > 0 ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
@@ -37,6 +36,6 @@ std::vector<at::Tensor> decode_layers(at::Tensor residual, const c10::optional<a
     const at::Tensor hidden = add_rms_norm(residual, packed_linear(attn.view({n, -1}), w[3], c10::nullopt), w[4], eps);
     carry = packed_linear(packed_swiglu(hidden, w[5]), w[6], c10::nullopt);
   }
-  TORCH_CHECK(carry.has_value(), "decode_layers needs at least one layer or a delta");
+  TORCH_CHECK(carry.has_value(), "decode_layers needs at least one layer");
   return {residual, *carry};
 }

@@ -89,8 +89,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 bool packed_swiglu_supports(at::ScalarType dtype, int64_t intermediate, int64_t in_features);
 at::Tensor pack_swiglu_weight(const at::Tensor& gate_up);
 at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed);
-std::vector<at::Tensor> decode_layers(at::Tensor residual, const c10::optional<at::Tensor>& delta,
-                                      const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& kv_caches,
+std::vector<at::Tensor> decode_layers(at::Tensor residual, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& kv_caches,
                                       const at::Tensor& positions, const at::Tensor& cos_table,
                                       const at::Tensor& sin_table, const at::Tensor& slot_mapping,
                                       const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
