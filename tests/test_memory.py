@@ -1,6 +1,12 @@
-"""Huge-page-backed allocations (kvmosaic.ops.memory): same values and shapes as plain tensors."""
+"""Huge-page-backed allocations (kvmosaic.ops.memory): same values and shapes as plain tensors;
+the lazy pool becomes resident only where it is written."""
 
 from __future__ import annotations
+
+import gc
+import mmap
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +39,72 @@ def test_without_transparent_huge_pages_it_is_plain_torch(monkeypatch):
     monkeypatch.setattr(memory, "_madvise", lambda: None)
     t = memory.zeros_huge((1 << 20, 4), torch.float32)
     assert t.shape == (1 << 20, 4) and not t.any()
+
+
+# lazy_zeros_huge: pages become resident as they are written, never at allocation.
+
+MiB = 1 << 20
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _is_mapped(address: int) -> bool:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
+@linux_only
+def test_lazy_pool_costs_rss_only_for_the_blocks_written():
+    before = _rss_bytes()
+    pool = memory.lazy_zeros_huge((256, 2 * MiB), torch.uint8)  # 512 MiB
+    assert _rss_bytes() - before < 16 * MiB
+    assert pool.shape == (256, 2 * MiB) and pool.is_contiguous() and not pool[::17].any()
+    assert pool.data_ptr() % (memory.HUGE_PAGE if memory._madvise() else mmap.PAGESIZE) == 0
+    written = _rss_bytes()
+    pool[3, : 64 << 10] = 1  # one 64 KiB block: one 4 KiB run of pages, or one 2 MiB huge page
+    grown = _rss_bytes() - written
+    assert 64 << 10 <= grown <= memory.HUGE_PAGE + MiB
+    assert pool[3, 0] == 1 and pool[3, 64 << 10] == 0 and pool[-1, -1] == 0
+
+
+@linux_only
+def test_lazy_pool_mapping_lives_as_long_as_a_view_and_is_unmapped_after():
+    pool = memory.lazy_zeros_huge((8, 2 * MiB), torch.float32)
+    layer = pool[5]
+    address = layer.data_ptr()
+    del pool
+    gc.collect()  # the function's mmap object went out of scope long ago
+    assert _is_mapped(address)
+    layer.fill_(2.0)
+    assert layer.sum().item() == 2.0 * layer.numel()
+    del layer
+    gc.collect()
+    assert not _is_mapped(address)
+
+
+@linux_only
+def test_lazy_pool_without_transparent_huge_pages_is_page_aligned_and_lazy(monkeypatch):
+    monkeypatch.setattr(memory, "_madvise", lambda: None)
+    before = _rss_bytes()
+    pool = memory.lazy_zeros_huge((64, MiB), torch.bfloat16)  # 128 MiB
+    assert _rss_bytes() - before < 16 * MiB
+    assert pool.dtype == torch.bfloat16 and pool.data_ptr() % mmap.PAGESIZE == 0 and not pool[::7].any()
+
+
+def test_small_or_non_linux_lazy_zeros_are_plain_zeros(monkeypatch):
+    small = memory.lazy_zeros_huge((4, 5), torch.float32)
+    assert small.shape == (4, 5) and not small.any()
+    monkeypatch.setattr(memory.sys, "platform", "darwin")
+    big = memory.lazy_zeros_huge((2, MiB), torch.float32)
+    assert big.shape == (2, MiB) and big.dtype == torch.float32 and not big.any()
+    big[1, 7] = 3.0
+    assert big.sum().item() == 3.0

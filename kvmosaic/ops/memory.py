@@ -5,6 +5,10 @@ with 4 KiB pages each new page costs a TLB miss and a page walk. On Linux with t
 pages in ``madvise`` or ``always`` mode the allocation is aligned to 2 MiB and marked
 MADV_HUGEPAGE before its first touch, so the kernel backs it with 2 MiB pages. Elsewhere (or for
 small tensors) this is plain ``torch.empty``.
+
+``lazy_zeros_huge`` is for pools that fill over time (the KV cache): its memory is a private
+anonymous mapping, so the kernel supplies zero pages on first touch and the process's resident
+size grows only as blocks are written, not when the pool is created.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import mmap
 import sys
 from pathlib import Path
 
@@ -60,3 +65,19 @@ def to_huge(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.numel() * tensor.element_size() < HUGE_PAGE:
         return tensor.contiguous()
     return empty_huge(tuple(tensor.shape), tensor.dtype).copy_(tensor)
+
+
+def lazy_zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled contiguous tensor whose pages become resident only when first written (2 MiB
+    at a time under transparent huge pages). Plain ``torch.zeros`` for small tensors or off Linux."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    madvise = _madvise()
+    align = HUGE_PAGE if madvise is not None else mmap.PAGESIZE
+    region = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # slack is never touched
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # its deleter holds region: mapped while any view lives
+    offset = -raw.data_ptr() % align
+    if madvise is not None:
+        madvise(raw.data_ptr() + offset, nbytes, _MADV_HUGEPAGE)  # best effort, as in empty_huge
+    return raw[offset: offset + nbytes].view(dtype).view(shape)
