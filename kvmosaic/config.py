@@ -6,6 +6,7 @@ is created, not deep inside a forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -102,32 +103,51 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Paged KV cache: block size, device pool budget, host swap tier."""
 
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"
-    swap_space: int | str = "1GiB"
+    # "auto": profile the model's peak activation memory and take a share of the RAM still available
+    # (kvmosaic.worker.kv_sizing); or a fixed budget such as "1GiB".
+    kv_cache_memory: int | str = "auto"
+    memory_utilization: float = 0.5  # with "auto": the share of available RAM (after activations) for KV
+    swap_space: int | str = "1GiB"  # host tier, allocated only with preemption_mode="swap"
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides the memory budget when set (tests)
     num_host_blocks: int | None = None
     kv_cache_dtype: str = "auto"  # auto (compute dtype), int8, int4, oaken
     kv_thresholds: str | None = None  # Oaken calibration file; None: the one shipped for the default model
+    kv_group_size: int | None = None  # int8 / int4: one scale per this many values (default: per head vector)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
-        self.swap_space = parse_memory_size(self.swap_space) if self.swap_space else 0
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.kv_cache_memory != "auto":
+            object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
+        object.__setattr__(self, "swap_space", parse_memory_size(self.swap_space) if self.swap_space else 0)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        if self.num_host_blocks is not None and self.num_host_blocks < 0:
+            raise ValueError("num_host_blocks must be >= 0")
+
+    @property
+    def is_auto_sized(self) -> bool:
+        """Whether the device pool is sized by profiling (no block count and no fixed budget)."""
+        return self.num_blocks is None and self.kv_cache_memory == "auto"
 
     def resolve_num_blocks(self, bytes_per_block: int) -> tuple[int, int]:
-        """(device blocks, host blocks) for a given block footprint."""
-        device = self.num_blocks or self.kv_cache_memory // bytes_per_block
+        """(device blocks, host blocks) that a fixed budget buys for a given block footprint."""
+        if self.num_blocks is not None:
+            device = self.num_blocks
+        elif self.kv_cache_memory == "auto":
+            raise ValueError("kv_cache_memory='auto' is sized by the worker's profiling run")
+        else:
+            device = self.kv_cache_memory // bytes_per_block
         host = self.num_host_blocks if self.num_host_blocks is not None else self.swap_space // bytes_per_block
         if device < 1:
             raise ValueError(
@@ -139,7 +159,7 @@ class CacheConfig:
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
@@ -165,7 +185,7 @@ class SchedulerConfig:
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"
@@ -181,8 +201,20 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)
 
+    @property
+    def uses_host_tier(self) -> bool:
+        """Only swap preemption ever writes to the host tier."""
+        return self.scheduler.preemption_mode == "swap"
 
-@dataclass(slots=True)
+    def for_model(self, model: ModelConfig) -> EngineConfig:
+        """A new config with what depends on the model resolved (the context length it supports)."""
+        max_len = min(self.scheduler.max_model_len, model.max_position_embeddings)
+        if max_len == self.scheduler.max_model_len:
+            return self
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, max_model_len=max_len))
+
+
+@dataclass(frozen=True, slots=True)
 class DistributedConfig:
     """The distributed KV cache (``kvmosaic.distributed``): instances on Ray that lend each other blocks."""
 

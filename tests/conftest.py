@@ -44,9 +44,8 @@ def hf_gguf_model(default_model_path: str):
 
 @pytest.fixture(scope="session")
 def cached_loader(default_model: LoadedModel):
-    """Make every engine in the session reuse loaded weights instead of re-reading the GGUF."""
-    from kvmosaic.engine import engine as engine_module
-
+    """A model loader that reuses loaded weights instead of re-reading the GGUF: pass it to engines
+    as ``LLM(model_loader=...)`` / ``LocalExecutor(config, loader)``."""
     cache: dict[tuple, LoadedModel] = {(None, torch.float32): default_model}
 
     def load(path, dtype=torch.float32):
@@ -55,7 +54,4 @@ def cached_loader(default_model: LoadedModel):
             cache[key] = load_model(path, dtype)
         return cache[key]
 
-    patcher = pytest.MonkeyPatch()
-    patcher.setattr(engine_module, "load_model", load)
-    yield load
-    patcher.undo()
+    return load

@@ -6,13 +6,14 @@ import pytest
 import torch
 from batches import mixed_batch_metadata
 
-from kvmosaic.model.layers import attention
 from kvmosaic.model.layers.attention import (
     AttentionMetadata,
     PrefillSpan,
     build_causal_mask,
-    paged_attention,
-    rotate_and_cache,
+    paged_attention_kernel,
+    paged_attention_reference,
+    rotate_and_cache_kernel,
+    rotate_and_cache_reference,
     write_kv,
 )
 from kvmosaic.model.layers.rotary import RotaryEmbedding
@@ -23,10 +24,12 @@ PATHS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
 
 
 @pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
+def paged_attention(request):
+    """paged_attention(q, k_cache, v_cache, meta, scale) on the reference or on the kernels."""
     if request.param == "reference":
-        monkeypatch.setattr(attention, "get_ops", lambda: None)
-    return request.param
+        return paged_attention_reference
+    ops = get_ops()
+    return lambda *args: paged_attention_kernel(ops, *args)
 
 HQ, HK, D, BS = 9, 3, 16, 4
 
@@ -44,7 +47,7 @@ def _naive(q, k, v, start):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_naive(path, dtype):
+def test_mixed_batch_matches_naive(paged_attention, dtype):
     gen = torch.Generator().manual_seed(0)
     num_blocks = 64
     k_cache = torch.zeros(num_blocks, BS, HK, D)
@@ -84,7 +87,7 @@ def test_mixed_batch_matches_naive(path, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [D, 64, 48])  # scalar loop, 16-lane loop, 16 lanes + scalar tail
-def test_rotate_and_cache_kernel_matches_reference(dtype, dim, monkeypatch):
+def test_rotate_and_cache_kernel_matches_reference(dtype, dim):
     if get_ops() is None:
         pytest.skip("C++ kernels not built")
     gen = torch.Generator().manual_seed(1)
@@ -94,11 +97,10 @@ def test_rotate_and_cache_kernel_matches_reference(dtype, dim, monkeypatch):
     positions = torch.tensor([0, 5, 6, 7, 30, 31, 63])
     meta = AttentionMetadata(torch.tensor([3, 9, 10, 11, 17, 40, 2]), 0, None, None, positions=positions)
     results = []
-    for use_kernel in (True, False):
-        if not use_kernel:
-            monkeypatch.setattr(attention, "get_ops", lambda: None)
+    ops = get_ops()
+    for rotate in (lambda *args: rotate_and_cache_kernel(ops, *args), rotate_and_cache_reference):
         caches = torch.zeros(2, 16, BS, HK, dim, dtype=dtype)
-        q = rotate_and_cache(qkv, rotary, caches[0], caches[1], meta, HQ, HK)
+        q = rotate(qkv, rotary, caches[0], caches[1], meta.positions, meta.slot_mapping, HQ, HK)
         results.append((q.float(), caches.float()))
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(results[0][0], results[1][0], atol=tol, rtol=tol)
@@ -120,7 +122,7 @@ def test_long_prefill_chunked_queries_match_naive(cached, new):
     q = torch.randn(new, HQ, D, generator=gen)
     span = PrefillSpan(0, new, total, table, build_causal_mask(cached, new, HQ // HK))
     meta = AttentionMetadata(slots[cached:], 0, None, None, [span])
-    out = paged_attention(q, k_cache, v_cache, meta, D**-0.5)
+    out = paged_attention_reference(q, k_cache, v_cache, meta, D**-0.5)
     torch.testing.assert_close(out, _naive(q, k_all, v_all, cached), atol=1e-5, rtol=1e-5)
 
 

@@ -21,7 +21,7 @@ def test_generate_streams_the_greedy_completion(cached_loader):
     prompt = "The capital of France is"
     proc = _run(["generate", prompt, "--max-tokens", "16", "--temperature", "0", "--dtype", "float32"])
     assert proc.returncode == 0, proc.stderr
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB")
+    llm = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB")
     expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
     assert proc.stdout == prompt + expected[0].outputs[0].text + "\n"
 
@@ -31,7 +31,7 @@ def test_chat_answers_and_exits(cached_loader):
     proc = _run(["chat", "--max-tokens", "24", "--temperature", "0", "--dtype", "float32"],
                 stdin="Name three colors.\n/exit\n")
     assert proc.returncode == 0, proc.stderr
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB")
+    llm = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB")
     expected = llm.chat([{"role": "user", "content": "Name three colors."}],
                         SamplingParams(temperature=0.0, max_tokens=24))
     assert expected[0].outputs[0].text.strip() in proc.stdout

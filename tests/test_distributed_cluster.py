@@ -13,6 +13,7 @@ import torch
 
 from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
 from kvmosaic.engine.engine import Engine
+from kvmosaic.executor.local import LocalExecutor
 from kvmosaic.metrics import ServerMetrics
 from kvmosaic.sampling_params import SamplingParams
 
@@ -60,9 +61,15 @@ def cluster(ray_runtime):
 
 
 @pytest.fixture(scope="module")
-def reference(cached_loader):
+def local_engine(cached_loader):
+    """An in-process engine of the instances' configuration with a pool of ``num_blocks``."""
+    return lambda num_blocks: Engine(engine_config(num_blocks), LocalExecutor(engine_config(num_blocks), cached_loader))
+
+
+@pytest.fixture(scope="module")
+def reference(local_engine):
     """Greedy token ids from one in-process engine with a large pool, one prompt at a time."""
-    engine = Engine(engine_config(256))
+    engine = local_engine(256)
     memo: dict[tuple, list[int]] = {}
 
     def run(tokens: list[int], max_tokens: int) -> list[int]:
@@ -90,10 +97,10 @@ def drive(cluster: Cluster, finished: dict, only: set[int] | None = None, until=
     raise AssertionError(f"the cluster did not get there: {cluster.ledger()} {cluster.instance_stats()}")
 
 
-def test_long_prompt_borrows_and_matches_one_large_instance(cluster: Cluster, reference) -> None:
+def test_long_prompt_borrows_and_matches_one_large_instance(cluster: Cluster, reference, local_engine) -> None:
     tokens = prompt(1, 300)  # 300 + 20 tokens = 20 blocks > 16 per instance
     with pytest.raises(ValueError):
-        Engine(engine_config(BLOCKS)).add_request(None, tokens, params(20))  # alone, it can never fit
+        local_engine(BLOCKS).add_request(None, tokens, params(20))  # alone, it can never fit
     rid = cluster.add_request(None, tokens, params(20))
     finished: dict = {}
     seen_loans: list[dict] = []

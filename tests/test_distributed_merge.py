@@ -124,9 +124,10 @@ def test_ledger_cycles_and_swaps() -> None:
 
 # --------------------------------------------------------------- the KV manager hook
 class FakeBorrower:
-    """Lends from an imaginary creditor: rBlock ids from 100 up; records what comes back."""
+    """An rManager that lends from an imaginary creditor: rBlock ids from 100 up; records what comes back."""
 
-    def __init__(self, lendable: int) -> None:
+    def __init__(self, lendable: int, num_local_blocks: int) -> None:
+        self.num_local_blocks = num_local_blocks
         self.lendable = lendable
         self.next_id = 100
         self.released: list[int] = []
@@ -155,12 +156,14 @@ def _request(rid: str, n: int) -> Request:
 
 
 def test_kv_manager_borrows_when_local_pool_is_full() -> None:
-    manager = KVCacheManager(num_blocks=4, block_size=4)
+    from kvmosaic.distributed.rmanager import BorrowingAllocator
+
+    local_only = KVCacheManager(num_blocks=4, block_size=4)
     request = _request("a", 20)
-    assert manager.allocate_slots(request, 20) is None  # no borrower: all or nothing
-    assert manager.num_free_blocks == 4
-    borrower = FakeBorrower(lendable=3)
-    manager.borrower = borrower
+    assert local_only.allocate_slots(request, 20) is None  # no borrower: all or nothing
+    assert local_only.num_free_blocks == 4
+    borrower = FakeBorrower(lendable=3, num_local_blocks=4)
+    manager = KVCacheManager(num_blocks=4, block_size=4, allocator=BorrowingAllocator(borrower))
     assert manager.num_reachable_blocks == 7
     table = manager.allocate_slots(request, 20)
     assert table == [0, 1, 2, 3, 100]

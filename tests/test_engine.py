@@ -32,7 +32,7 @@ def _tokens(outs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(cached_loader) -> LLM:
-    return LLM(dtype="float32", kv_cache_memory="64MiB")
+    return LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_one_by_one_equals_batched(llm, reference):
     dict(max_num_seqs=3),
 ], ids=["recompute", "swap", "swap-fallback", "chunked", "no-prefix-cache", "max-seqs"])
 def test_batching_does_not_change_greedy_output(cached_loader, reference, kwargs):
-    small = LLM(dtype="float32", **kwargs)
+    small = LLM(model_loader=cached_loader, dtype="float32", **kwargs)
     outs = small.generate(PROMPTS, _greedy())
     assert _tokens(outs) == reference
     stats = small.engine.stats()
@@ -74,11 +74,12 @@ def test_batching_does_not_change_greedy_output(cached_loader, reference, kwargs
     assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0
 
 
-def test_lone_chunked_prefill_samples_nothing_until_its_last_chunk(llm):
+def test_lone_chunked_prefill_samples_nothing_until_its_last_chunk(cached_loader, llm):
     """One request prefilled in 64-token chunks: the first steps hold only a non-final chunk, so the
     LM head sees zero rows (the decode-size GEMV path must not be taken), then it decodes as usual."""
     prompt = "The quick brown fox jumps over the lazy dog. " * 20
-    lone = LLM(dtype="float32", kv_cache_memory="64MiB", max_num_seqs=1, max_num_batched_tokens=64)
+    lone = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=1,
+               max_num_batched_tokens=64)
     assert _tokens(lone.generate(prompt, _greedy(8))) == _tokens(llm.generate(prompt, _greedy(8)))
 
 
@@ -219,9 +220,10 @@ def test_exported_hf_dir_and_bfloat16(cached_loader, default_model, reference, t
     from kvmosaic.model.loader import export_hf
 
     export_hf(default_model, tmp_path / "smollm2")
-    hf_dir = LLM(model=str(tmp_path / "smollm2"), dtype="float32", kv_cache_memory="64MiB", block_size=8)
+    hf_dir = LLM(model=str(tmp_path / "smollm2"), model_loader=cached_loader, dtype="float32",
+                 kv_cache_memory="64MiB", block_size=8)
     assert _tokens(hf_dir.generate(PROMPTS, _greedy())) == reference
-    bf16 = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
+    bf16 = LLM(model_loader=cached_loader, dtype="bfloat16", kv_cache_memory="64MiB")
     assert bf16.engine.kv_cache.device_pool.dtype == torch.bfloat16
     # bfloat16 rounding may flip a late greedy choice, but the start of the answer is the same
     first = [t[:3] for t in _tokens(bf16.generate(PROMPTS, _greedy()))]

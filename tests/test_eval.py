@@ -13,7 +13,6 @@ import torch
 from kvmosaic.eval.corpus import calibration_text, eval_text
 from kvmosaic.eval.harness import EvalModel
 from kvmosaic.eval.ppl import perplexity, tokenize_windows
-from kvmosaic.model.llama import LlamaForCausalLM
 from kvmosaic.quant.format import KVFormat
 
 
@@ -28,8 +27,7 @@ def test_corpora_are_prose_and_disjoint():
 
 @pytest.fixture(scope="module")
 def em(default_model) -> EvalModel:
-    model = LlamaForCausalLM(default_model.config, default_model.weights, max_positions=1024)
-    return EvalModel(default_model, model.eval(), torch.float32, True)
+    return EvalModel(default_model, torch.float32, None, max_len=1024)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from kvmosaic.config import CacheConfig
-from kvmosaic.model.llama import LlamaForCausalLM
+from kvmosaic.config import CacheConfig, EngineConfig
+from kvmosaic.model.layers.attention import KernelAttention
 from kvmosaic.model.loader import load_model
 from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.worker.kv_cache import KVCache
 from kvmosaic.worker.model_runner import ModelRunner
+from kvmosaic.worker.worker import Worker
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,11 +45,21 @@ def _write_random_checkpoint(out_dir, arch: str, tokenizer_json: str, **override
     return model
 
 
+def _worker(loaded, block_size: int = 4, num_blocks: int = 64) -> Worker:
+    """The engine's own assembly (kernels as built, backend chosen by the worker) over ``loaded``."""
+    config = EngineConfig(dtype="float32", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
+    return Worker(config, loader=lambda path, dtype: loaded)
+
+
 def _runner(loaded, block_size: int = 4, num_blocks: int = 64) -> ModelRunner:
-    model = LlamaForCausalLM(loaded.config, loaded.weights)
-    cache = KVCache(loaded.config, CacheConfig(block_size=block_size, num_blocks=num_blocks, swap_space=0),
-                    torch.float32)
-    return ModelRunner(model, cache, loaded.config.eos_token_ids)
+    return _worker(loaded, block_size, num_blocks).runner
+
+
+class LayerByLayer(KernelAttention):
+    """The kernel backend without the all-layers decode call: every step runs the layer loop."""
+
+    def decode_stack(self):
+        return None
 
 
 def _step(runner: ModelRunner, token_ids: list[int], start: int, table: list[int]) -> torch.Tensor:
@@ -113,10 +123,9 @@ def test_last_layer_skips_rows_without_logits(tmp_path, smollm_tokenizer_json):
     reqs = [ScheduledRequest(name, ids, 0, table, GREEDY, sample_ids=[name], sample_seeds=[None])
             for name, ids, table in (("a", first, [0, 1, 2]), ("b", second, [3, 4]))]
     input_ids, positions, meta, last_rows = runner._prepare(reqs)
-    caches = runner.kv_cache.layers
-    every_row = runner.model(input_ids, positions, caches, meta)
+    every_row = runner.model(input_ids, positions, runner.attention, meta)
     _, _, meta, _ = runner._prepare(reqs)
-    picked = runner.model(input_ids, positions, caches, meta, torch.tensor(last_rows))
+    picked = runner.model(input_ids, positions, runner.attention, meta, torch.tensor(last_rows))
     assert last_rows == [len(first) - 1, len(first) + len(second) - 1]
     torch.testing.assert_close(picked, every_row[last_rows], atol=1e-5, rtol=1e-5)
 
@@ -128,13 +137,19 @@ def test_decode_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch):
     different context lengths (and q/k/v biases for qwen2)."""
     _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json)
     loaded = load_model(str(tmp_path), torch.float32)
-    stacked, looped = _runner(loaded), _runner(loaded)
-    if stacked.model._decode_stack is None:
+    worker = _worker(loaded)
+    if worker.model._packed_weights is None or worker.attention.decode_stack() is None:
         pytest.skip("decode stack needs the C++ kernels with packed weights")
-    looped.model._decode_stack = None
-    decode_layers, weights = stacked.model._decode_stack
     calls = []
-    stacked.model._decode_stack = (lambda *args: calls.append(1) or decode_layers(*args), weights)
+
+    class Counted(KernelAttention):
+        def decode_stack(self):
+            stack = super().decode_stack()
+            return lambda *args: calls.append(1) or stack(*args)
+
+    stacked = ModelRunner(worker.model, Counted(loaded.config, worker.kv_cache, worker.kernels.ops), ())
+    other = _worker(loaded)
+    looped = ModelRunner(other.model, LayerByLayer(loaded.config, other.kv_cache, other.kernels.ops), ())
     gen = torch.Generator().manual_seed(3)
     seqs = {name: [int(t) for t in torch.randint(3, 49152, (n,), generator=gen)]
             for name, n in (("a", 3), ("b", 17), ("c", 9))}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvmosaic.model.layers import norm
-from kvmosaic.ops import get_ops
+from kvmosaic.ops import Kernels, get_ops
 
 pytestmark = pytest.mark.skipif(get_ops() is None, reason="C++ kernels not built (python -m kvmosaic.ops.build)")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -15,16 +15,15 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm_matches_reference(dtype, with_delta, monkeypatch):
+def test_add_rms_norm_matches_reference(dtype, with_delta):
     gen = torch.Generator().manual_seed(0)
     residual = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
     delta = torch.randn(37, 576, generator=gen).to(dtype) if with_delta else None
     weight = torch.rand(576, generator=gen).to(dtype)
     kernel_residual = residual.clone()
-    out = norm.add_rms_norm(kernel_residual, delta, weight, 1e-5)
-    monkeypatch.setattr(norm, "get_ops", lambda: None)
+    out = norm.add_rms_norm(kernel_residual, delta, weight, 1e-5, get_ops())
     ref_residual = residual.clone()
-    ref = norm.add_rms_norm(ref_residual, delta, weight, 1e-5)
+    ref = norm.add_rms_norm(ref_residual, delta, weight, 1e-5, None)
     torch.testing.assert_close(kernel_residual, ref_residual, atol=0, rtol=0)  # the add rounds identically
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -94,7 +93,7 @@ def test_linear_packs_supported_weights_and_falls_back_otherwise(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for out_features, packed in ((64, True), (40, False)):  # 40: not a multiple of 16 -> dense path
         w = torch.randn(out_features, 96).to(dtype)
-        layer = Linear(w, torch.randn(out_features).to(dtype))
+        layer = Linear(w, torch.randn(out_features).to(dtype), Kernels.load())
         assert (layer.packed is not None) == packed and (layer.weight is None) == packed
         for shape in ((0, 96), (1, 96), (5, 96), (3, 7, 96)):  # 0 rows: a step that samples nothing
             x = torch.randn(*shape).to(dtype)
@@ -162,7 +161,7 @@ def test_gated_projection_fuses_supported_widths_and_falls_back_otherwise(dtype)
     _packing_ops(dtype)
     for width, fused in ((64, True), (48, False)):  # 48: not a multiple of 32 -> projection, then SwiGLU
         gate, up = torch.randn(width, 96).to(dtype), torch.randn(width, 96).to(dtype)
-        layer = GatedProjection(gate, up)
+        layer = GatedProjection(gate, up, Kernels.load())
         assert (layer.kernel is not None) == fused and (layer.proj is None) == fused
         for shape in ((0, 96), (1, 96), (7, 96), (2, 3, 96)):
             x = torch.randn(*shape).to(dtype)

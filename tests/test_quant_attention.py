@@ -7,7 +7,6 @@ import pytest
 import torch
 from batches import mixed_batch_metadata
 
-from kvmosaic.model.layers import quant_attention
 from kvmosaic.model.layers.attention import AttentionMetadata
 from kvmosaic.model.layers.quant_attention import (
     MODE_IDS,
@@ -18,7 +17,7 @@ from kvmosaic.model.layers.quant_attention import (
     write_quantized,
 )
 from kvmosaic.model.layers.rotary import RotaryEmbedding
-from kvmosaic.ops import get_quant_ops
+from kvmosaic.ops import Kernels, get_quant_ops
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat
 
@@ -47,11 +46,8 @@ def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(params=["reference", pytest.param("kernels", marks=needs_kernels)])
-def path(request, monkeypatch):
-    if request.param == "reference":
-        monkeypatch.setattr(quant_attention, "get_quant_ops", lambda: None)
-        monkeypatch.setattr(quant_attention, "get_ops", lambda: None)
-    return request.param
+def kernels(request) -> Kernels:
+    return Kernels.reference() if request.param == "reference" else Kernels.load()
 
 
 @needs_kernels
@@ -86,7 +82,7 @@ def _dense(q, k, v, start):
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_dense_attention_over_dequantized_kv(path, mode, dtype):
+def test_mixed_batch_matches_dense_attention_over_dequantized_kv(kernels, mode, dtype):
     """Two decodes (contexts crossing the 16-key tiles) and two prefill chunks, shuffled blocks."""
     layer = _layer(mode)
     seqs = [(37, 1), (2, 1), (0, 7), (9, 6)]  # (cached, new)
@@ -96,18 +92,19 @@ def test_mixed_batch_matches_dense_attention_over_dequantized_kv(path, mode, dty
     for (cached, _), table in zip(seqs, tables):
         k, v = _rows(cached, 10 + cached)
         write_quantized(layer, k.to(dtype), v.to(dtype),
-                        torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)], dtype=torch.long))
+                        torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)], dtype=torch.long),
+                        kernels.quant)
         history.append((k, v))
     total = sum(n for _, n in seqs)
     q = torch.randn(total, HQ, D, generator=torch.Generator().manual_seed(3)).to(dtype)
     k_new, v_new = _rows(total, 4)
     meta = mixed_batch_metadata(seqs, tables, BS, HQ // HK)
-    write_quantized(layer, k_new.to(dtype), v_new.to(dtype), meta.slot_mapping)
-    out = paged_attention_quantized(q, layer, meta, D**-0.5).double()
+    write_quantized(layer, k_new.to(dtype), v_new.to(dtype), meta.slot_mapping, kernels.quant)
+    out = paged_attention_quantized(q, layer, meta, D**-0.5, kernels).double()
     k_all = dequantize_blocks(layer.k_pool, torch.arange(layer.k_pool.shape[0]), layer, layer.k_thresholds,
-                              torch.float32).view(-1, HK, D)
+                              torch.float32, None).view(-1, HK, D)
     v_all = dequantize_blocks(layer.v_pool, torch.arange(layer.v_pool.shape[0]), layer, layer.v_thresholds,
-                              torch.float32).view(-1, HK, D)
+                              torch.float32, None).view(-1, HK, D)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     offset = 0
     for (cached, new), table in zip(seqs, tables):
@@ -123,29 +120,28 @@ def test_mixed_batch_matches_dense_attention_over_dequantized_kv(path, mode, dty
 
 @needs_kernels
 @pytest.mark.parametrize("mode", ["int8", "oaken"])
-def test_long_decode_kernel_matches_reference(mode, monkeypatch):
+def test_long_decode_kernel_matches_reference(mode):
     layer = _layer(mode, num_blocks=200)
     lens = [1, 16, 17, 300, 511]
     tables = torch.randint(0, 200, (5, 128), generator=torch.Generator().manual_seed(5))
     k, v = _rows(200 * BS, 6)
-    write_quantized(layer, k, v, torch.arange(200 * BS))
+    write_quantized(layer, k, v, torch.arange(200 * BS), get_quant_ops())
     q = torch.randn(5, HQ, D, generator=torch.Generator().manual_seed(7))
     mask = (torch.arange(128 * BS)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 5, tables, mask, decode_context_lens=torch.tensor(lens))
-    fast = paged_attention_quantized(q, layer, meta, D**-0.5)
-    monkeypatch.setattr(quant_attention, "get_quant_ops", lambda: None)
-    slow = paged_attention_quantized(q, layer, meta, D**-0.5)
+    fast = paged_attention_quantized(q, layer, meta, D**-0.5, Kernels.load())
+    slow = paged_attention_quantized(q, layer, meta, D**-0.5, Kernels.reference())
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
-def test_rotate_and_cache_quantized_writes_the_rotated_keys(path):
+def test_rotate_and_cache_quantized_writes_the_rotated_keys(kernels):
     layer = _layer("int8", num_blocks=8)
     rotary = RotaryEmbedding(D, 64, 10000.0, None)
     qkv = torch.randn(5, (HQ + 2 * HK) * D, generator=torch.Generator().manual_seed(8))
     positions = torch.tensor([0, 1, 2, 30, 31])
     slots = torch.tensor([3, 9, 10, 20, 31])
     meta = AttentionMetadata(slots, 0, None, None, positions=positions)
-    q = rotate_and_cache_quantized(qkv, rotary, layer, meta, HQ, HK)
+    q = rotate_and_cache_quantized(qkv, rotary, layer, meta, HQ, HK, kernels)
     q_ref, k_ref = rotary.apply(rotary.tables(positions), qkv[:, : HQ * D].reshape(5, HQ, D),
                                 qkv[:, HQ * D: (HQ + HK) * D].reshape(5, HK, D))
     torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
@@ -173,19 +169,19 @@ def test_int4_groups_quantize_sub_vectors_and_attend_like_whole_heads():
     positions = torch.arange(ctx)
     qkv = torch.cat([torch.randn(ctx, HQ * D), k.flatten(1), v.flatten(1)], dim=1)
     rotate_and_cache_quantized(qkv, rotary, layer, AttentionMetadata(positions, 0, None, None, positions=positions),
-                               HQ, HK)
+                               HQ, HK, Kernels.reference())
     _, k = rotary.apply(rotary.tables(positions), qkv[:, : HQ * D].reshape(ctx, HQ, D), k)  # the rotated keys
     codes, lo, scale = int_quant.quantize(k.view(ctx, HK * 4, 16), 4)
     expected_k = int_quant.dequantize(codes, lo, scale).view(ctx, HK, D)
-    got_k = dequantize_blocks(layer.k_pool, torch.arange(8), layer, layer.k_thresholds, torch.float32)
+    got_k = dequantize_blocks(layer.k_pool, torch.arange(8), layer, layer.k_thresholds, torch.float32, None)
     assert torch.equal(got_k.view(-1, HK, D)[:ctx], expected_k)
     per_head = int_quant.dequantize(*int_quant.quantize(k, 4))
     assert (expected_k - k).abs().mean() < (per_head - k).abs().mean()  # finer groups, smaller error
-    v_all = dequantize_blocks(layer.v_pool, torch.arange(8), layer, layer.v_thresholds, torch.float32)
+    v_all = dequantize_blocks(layer.v_pool, torch.arange(8), layer, layer.v_thresholds, torch.float32, None)
     q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(12))
     table = torch.arange(4)[None]
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 1, table,
                              (torch.arange(4 * BS) < ctx)[None, None, None, :], decode_context_lens=torch.tensor([ctx]))
-    out = paged_attention_quantized(q, layer, meta, D**-0.5).double()
+    out = paged_attention_quantized(q, layer, meta, D**-0.5, Kernels.reference()).double()
     ref = _dense(q, expected_k, v_all.view(-1, HK, D)[:ctx], ctx - 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -56,19 +56,19 @@ def test_swap_and_copy_move_whole_records():
 
 @pytest.fixture(scope="module")
 def auto_llm(cached_loader) -> LLM:
-    return LLM(dtype="float32", kv_cache_memory="64MiB")
+    return LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB")
 
 
 @pytest.mark.slow
 def test_int8_greedy_equals_auto_for_16_tokens(cached_loader, auto_llm):
-    int8 = LLM(dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype="int8")
+    int8 = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype="int8")
     prompt = "The capital of France is"
     assert _tokens(int8.generate(prompt, _greedy(16))) == _tokens(auto_llm.generate(prompt, _greedy(16)))
 
 
 @pytest.fixture(scope="module", params=["int8", "oaken"])
 def quant_reference(request, cached_loader):
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype=request.param)
+    llm = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype=request.param)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2))
     return request.param, llm, _tokens(outs), [o.outputs[0].logprobs for o in outs]
 
@@ -97,9 +97,9 @@ def _assert_greedy_matches(mode: str, tokens: list[list[int]], reference: list[l
     dict(num_blocks=10, block_size=4),
     dict(num_blocks=10, block_size=4, preemption_mode="swap", num_host_blocks=64),
 ], ids=["recompute", "swap"])
-def test_preemption_keeps_quantized_greedy_output(quant_reference, kwargs):
+def test_preemption_keeps_quantized_greedy_output(cached_loader, quant_reference, kwargs):
     mode, _, reference, top2 = quant_reference
-    small = LLM(dtype="float32", kv_cache_dtype=mode, **kwargs)
+    small = LLM(model_loader=cached_loader, dtype="float32", kv_cache_dtype=mode, **kwargs)
     _assert_greedy_matches(mode, _tokens(small.generate(PROMPTS, _greedy())), reference, top2)
     stats = small.engine.stats()
     if "num_blocks" in kwargs:

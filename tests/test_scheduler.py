@@ -1,16 +1,14 @@
 """Scheduler tests against a fake model runner whose arithmetic can be done by hand.
 
-The fake runner keeps a paged KV cache of token ids: it applies the step's swaps
-and copies, writes each scheduled token into the slot its block table names, then
-reads every sampled sequence's whole context back through its block table. A
-wrong table, a missed copy-on-write or a bad swap shows up as a wrong context.
-The next token is ``(sum(context) + seed) % 100``, so outputs do not depend on
-how the work was scheduled.
+The runner is ``kvmosaic.executor.mock.MockExecutor``: it keeps a paged KV cache of
+token ids, applies the step's swaps and copies, writes each scheduled token into the
+slot its block table names, then reads every sampled sequence's whole context back
+through its block table. A wrong table, a missed copy-on-write or a bad swap shows up
+as a wrong context. The next token is ``(sum(context) + seed) % 100``, so outputs do
+not depend on how the work was scheduled.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,45 +18,21 @@ from kvmosaic.config import SchedulerConfig
 from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.core.scheduler import Scheduler
 from kvmosaic.core.sequence_rules import fork_seed
+from kvmosaic.executor.mock import MockExecutor
+from kvmosaic.executor.mock import next_token as mock_next_token
 from kvmosaic.outputs import ModelOutput, SampledToken, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
 
+VOCAB = 100
+
 
 def next_token(context: list[int], seed: int | None) -> int:
-    return (sum(context) + (seed or 0)) % 100
+    return mock_next_token(context, seed, VOCAB)
 
 
-class PagedFakeRunner:
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.device: dict[int, list[int | None]] = defaultdict(lambda: [None] * block_size)
-        self.host: dict[int, list[int | None]] = {}
-
-    def execute(self, step: SchedulerOutput) -> ModelOutput:
-        for device_block, host_block in step.blocks_to_swap_out:
-            self.host[host_block] = list(self.device[device_block])
-        for host_block, device_block in step.blocks_to_swap_in:
-            self.device[device_block] = list(self.host.pop(host_block))
-        for src, dst in step.blocks_to_copy:
-            self.device[dst] = list(self.device[src])
-        # Every write of the step lands before any read, as a layer writes its KV before attending.
-        for seq in step.scheduled:
-            assert seq.token_ids, "a step must run at least one token to produce logits"
-            for offset, token in enumerate(seq.token_ids):
-                position = seq.start_pos + offset
-                self.device[seq.block_table[position // self.block_size]][position % self.block_size] = token
-        sampled = {}
-        for seq in step.scheduled:
-            if not seq.sample_ids:
-                continue
-            num_context = seq.start_pos + seq.num_tokens
-            context = [self.device[seq.block_table[p // self.block_size]][p % self.block_size]
-                       for p in range(num_context)]
-            assert context == (seq.prompt_token_ids + seq.output_token_ids)[:num_context], seq.request_id
-            for sample_id, seed in zip(seq.sample_ids, seq.sample_seeds):
-                sampled[sample_id] = SampledToken(next_token(context, seed), 0.0)
-        return ModelOutput(sampled)
+def mock_runner(kv: KVCacheManager) -> MockExecutor:
+    return MockExecutor(kv.num_blocks, kv.block_size, kv.num_host_blocks, vocab_size=VOCAB)
 
 
 class ScriptedRunner:
@@ -93,7 +67,7 @@ class Harness:
     def __init__(self, runner=None, **scheduler_kwargs) -> None:
         self.scheduler = make_scheduler(**scheduler_kwargs)
         self.kv = self.scheduler.kv_manager
-        self.runner = runner or PagedFakeRunner(self.kv.block_size)
+        self.runner = runner or mock_runner(self.kv)
         self.sequences: dict[str, Request] = {}
 
     def add(self, request_id: str, prompt: list[int], **params) -> Request:
@@ -304,7 +278,7 @@ def test_abort_between_schedule_and_update_is_ignored():
     scheduler.add_request(make_request("a", [1, 2]))
     output = scheduler.schedule()
     scheduler.finish_requests("a", RequestStatus.FINISHED_STOPPED)
-    assert scheduler.update_from_output(output, PagedFakeRunner(4).execute(output)) == []
+    assert scheduler.update_from_output(output, mock_runner(scheduler.kv_manager).execute(output)) == []
     assert scheduler.kv_manager.num_used_blocks == 0
 
 

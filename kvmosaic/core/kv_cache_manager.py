@@ -8,8 +8,9 @@ moves (copy-on-write copies, swaps) the model runner must apply.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from kvmosaic.core.block_allocator import BlockAllocator
 from kvmosaic.core.block_hash import hash_request_blocks
 from kvmosaic.core.block_pool import BlockPool
 
@@ -21,25 +22,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockBorrower(Protocol):
-    """Where blocks come from when the local pool runs out (``kvmosaic.distributed``'s rManager).
-
-    Borrowed blocks appear in block tables as ids >= ``num_blocks`` (rBlock ids); the borrower maps
-    them to (owner instance, physical block). They are never prefix-cached, shared or swapped.
-    """
-
-    @property
-    def num_lendable_blocks(self) -> int: ...
-
-    def borrow(self, request: Request, num_blocks: int) -> list[int] | None: ...
-
-    def release(self, block_ids: list[int]) -> None: ...
-
-
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, num_host_blocks: int = 0, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, num_host_blocks: int = 0, enable_prefix_caching: bool = True,
+        allocator: BlockAllocator | None = None,
     ) -> None:
+        """``allocator``: where blocks beyond the local pool come from (default: nowhere)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_host_blocks < 0:
@@ -57,7 +45,9 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
-        self.borrower: BlockBorrower | None = None  # set by kvmosaic.distributed; None = local pool only
+        self._allocator = allocator if allocator is not None else BlockAllocator(num_blocks)
+        if self._allocator.num_local_blocks != num_blocks:
+            raise ValueError(f"the allocator expects {self._allocator.num_local_blocks} local blocks, not {num_blocks}")
 
     # ----------------------------------------------------------------- capacity
     @property
@@ -74,11 +64,12 @@ class KVCacheManager:
 
     @property
     def num_reachable_blocks(self) -> int:
-        """Blocks one request could ever hold: the local pool plus what other instances could lend."""
-        return self.num_blocks + (self.borrower.num_lendable_blocks if self.borrower is not None else 0)
+        """Blocks one request could ever hold: the local pool plus what the allocator could add."""
+        return self.num_blocks + self._allocator.num_extra_blocks
 
-    def is_remote(self, block_id: int) -> bool:
-        return block_id >= self._pool.num_blocks
+    def is_local(self, block_id: int) -> bool:
+        """Local blocks can be prefix-cached, shared, copied on write and swapped; others cannot."""
+        return self._allocator.is_local(block_id)
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -151,14 +142,13 @@ class KVCacheManager:
         num_fresh = max(0, _cdiv(num_total, self.block_size) - len(table) - len(hits))
         copy_indices = self._shared_blocks_to_write(table, num_computed, num_total)
         num_revived = sum(1 for block_id in hits if self._pool.ref_count(block_id) == 0)
-        shortfall = num_fresh + len(copy_indices) + num_revived - self._pool.num_free_blocks
-        borrowed: list[int] = []
-        if shortfall > 0:
-            if self.borrower is None or shortfall > num_fresh:
-                return None
-            borrowed = self.borrower.borrow(request, shortfall) or []
-            if not borrowed:
-                return None
+        # copies and revived hits must be local; fresh blocks the local pool lacks come from the allocator
+        free_for_fresh = self._pool.num_free_blocks - len(copy_indices) - num_revived
+        if free_for_fresh < 0:
+            return None
+        borrowed = self._allocator.reserve(request, num_fresh, free_for_fresh)
+        if borrowed is None:
+            return None
 
         if hits:
             # Touch before allocating so the hits are not handed out as fresh blocks.
@@ -178,7 +168,7 @@ class KVCacheManager:
         first = num_computed // self.block_size
         last = min(len(table), _cdiv(num_total, self.block_size))
         return [index for index in range(first, last)
-                if not self.is_remote(table[index]) and self._pool.ref_count(table[index]) > 1]
+                if self.is_local(table[index]) and self._pool.ref_count(table[index]) > 1]
 
     def _copy_on_write(self, table: list[int], index: int) -> None:
         src = table[index]
@@ -200,8 +190,8 @@ class KVCacheManager:
             hashes = hash_request_blocks(tokens, self.block_size, hashes)
             self._block_hashes[request_id] = hashes
         for index in range(self._num_registered.get(request_id, 0), num_full):
-            if self.is_remote(table[index]):
-                continue  # borrowed blocks live on another instance: never prefix-cached
+            if not self.is_local(table[index]):
+                continue
             start = index * self.block_size
             self._pool.cache_full_block(table[index], hashes[index], tuple(tokens[start:start + self.block_size]))
         self._num_registered[request_id] = max(num_full, self._num_registered.get(request_id, 0))
@@ -216,11 +206,9 @@ class KVCacheManager:
         """Release everything the request holds on both tiers."""
         request_id = request.request_id
         table = self._block_tables.pop(request_id, None)
-        if table and self.borrower is not None:
-            remote = [block_id for block_id in table if self.is_remote(block_id)]
-            if remote:
-                self.borrower.release(remote)
-                table = [block_id for block_id in table if not self.is_remote(block_id)]
+        if table:
+            self._allocator.release([block_id for block_id in table if not self.is_local(block_id)])
+            table = [block_id for block_id in table if self.is_local(block_id)]
         if table:
             # Reverse order: the request's tail blocks are evicted before its shared-prefix head.
             self._pool.free(reversed(table))
@@ -231,8 +219,8 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; writes into shared blocks copy first."""
         table = self._block_tables.get(parent.request_id, [])
-        if any(self.is_remote(block_id) for block_id in table):
-            raise ValueError(f"request {parent.request_id} holds borrowed blocks and cannot be forked")
+        if not all(self.is_local(block_id) for block_id in table):
+            raise ValueError(f"request {parent.request_id} holds blocks of another pool and cannot be forked")
         self._pool.touch(table)
         self._block_tables[child.request_id] = list(table)
         num_registered = self._num_registered.get(parent.request_id, 0)
@@ -245,8 +233,8 @@ class KVCacheManager:
         """Move the request's blocks to the host tier: (device, host) pairs, or None if the host is full."""
         request_id = request.request_id
         table = self._block_tables.get(request_id, [])
-        if len(table) > len(self._free_host_blocks) or any(self.is_remote(block_id) for block_id in table):
-            return None  # borrowed blocks are not swapped: the caller recomputes instead
+        if len(table) > len(self._free_host_blocks) or not all(self.is_local(block_id) for block_id in table):
+            return None  # blocks of another pool are not swapped: the caller recomputes instead
         host_blocks = [self._free_host_blocks.popleft() for _ in table]
         self._host_tables[request_id] = host_blocks
         self._block_tables.pop(request_id, None)
@@ -273,7 +261,7 @@ class KVCacheManager:
         self._block_tables[request_id] = device_blocks
         return list(zip(host_blocks, device_blocks))
 
-    # ------------------------------------------------------- lending (creditor side)
+    # ----------------------------------------------- lending (blocks for another pool's requests)
     def lend_blocks(self, num_blocks: int) -> list[int] | None:
         """Reserve free local blocks for another instance's request; None if there are not enough."""
         if num_blocks > self._pool.num_free_blocks:
@@ -284,10 +272,16 @@ class KVCacheManager:
         """Lent blocks come back to the local pool."""
         self._pool.free(block_ids)
 
-    def replace_blocks(self, request_id: str, mapping: dict[int, int]) -> None:
-        """Rewrite table entries (a borrowed block brought home by a DGFM swap becomes a local one)."""
-        table = self._block_tables[request_id]
-        self._block_tables[request_id] = [mapping.get(block_id, block_id) for block_id in table]
+    def replace_blocks(self, mapping: dict[int, int]) -> None:
+        """Rewrite block-table entries everywhere (a borrowed block brought home becomes a local one)."""
+        for request_id, table in self._block_tables.items():
+            if mapping.keys() & set(table):
+                self._block_tables[request_id] = [mapping.get(block_id, block_id) for block_id in table]
 
-    def request_ids(self) -> list[str]:
-        return list(self._block_tables)
+    def requests_holding(self, block_ids: set[int]) -> set[str]:
+        """Requests whose tables hold any of these blocks."""
+        return {r for r, table in self._block_tables.items() if block_ids.intersection(table)}
+
+    def num_table_blocks(self) -> int:
+        """Blocks in all block tables (shared ones counted per table)."""
+        return sum(len(table) for table in self._block_tables.values())

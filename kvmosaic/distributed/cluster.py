@@ -1,7 +1,7 @@
 """The cluster front end: N engine instances as Ray actors plus one gManager, behind the engine surface.
 
-``Cluster`` offers what ``LLM`` and the server's ``AsyncEngine`` call on an ``Engine`` (add_request,
-abort, step, has_unfinished, stats, tokenizer, ...). Requests go to the least-loaded live instance.
+``Cluster`` implements ``EngineClient`` (kvmosaic.engine.protocol), what ``LLM`` and the server's
+``AsyncEngine`` call on an ``Engine``. Requests go to the least-loaded live instance.
 ``step()`` runs one step on every instance with work, in parallel, and every ``dgfm_interval``
 steps resolves debt cycles by block swaps. An instance that dies fails its own requests with a clear
 error; the gManager writes off its debts and the others recompute what they had stored there.
@@ -45,7 +45,6 @@ class Cluster:
         if engine_config.cache.kv_cache_dtype != "auto":
             raise ValueError("the distributed KV cache supports kv_cache_dtype='auto' only")
         self._owns_ray = ensure_ray(config.ray_address)
-        self.config = dataclasses.replace(engine_config)
         self.dist_config = config
         self.gmanager = ray.remote(GManager).options(num_cpus=0).remote(config)
         actor = ray.remote(Instance).options(num_cpus=0, max_concurrency=config.instance_concurrency)
@@ -56,7 +55,7 @@ class Cluster:
         first = infos[0]
         self.tokenizer = first["tokenizer"]
         self.model_config = first["model_config"]
-        self.max_model_len = first["max_model_len"]
+        self.config: EngineConfig = first["config"]  # resolved for the model by the instance's worker
         self.dead: set[int] = set()
         self.route: dict[str, int] = {}  # live request id -> instance
         self.last_output: dict[str, RequestOutput] = {}
@@ -68,6 +67,10 @@ class Cluster:
         self._stats_cache: tuple[float, dict] | None = None
 
     # ------------------------------------------------------------ engine surface
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
     def next_request_id(self) -> str:
         return f"c{next(self._ids)}"
 

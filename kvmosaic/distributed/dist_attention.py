@@ -1,7 +1,8 @@
 """DistAttention: attention for sequences whose KV blocks live on several instances.
 
-The model runner asks which scheduled sequences hold borrowed blocks (``spanning``) and, for a step
-with any, binds a ``DistAttentionStep`` to the attention metadata. Per layer the step
+``RemoteKVAttention`` wraps an instance's float attention backend. The model runner asks it which
+scheduled sequences hold borrowed blocks (``spanning``) and, for a step with any, it binds a
+``DistAttentionStep``: the backend the model calls for that step. Per layer the step
 - rotates q/k and writes K/V of tokens in local blocks with the usual kernel, and keeps the rotated
   K/V of tokens whose slots are on a creditor;
 - sends each creditor, in one call, the queries of its debtor's sequences plus those new K/V rows;
@@ -20,7 +21,8 @@ from typing import Protocol
 import torch
 
 from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention
-from kvmosaic.model.layers.attention import AttentionMetadata, rotate_and_cache
+from kvmosaic.model.layers.attention import AttentionMetadata, ReferenceAttention
+from kvmosaic.model.layers.backend import AttentionBackend, DecodeStack
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.outputs import ScheduledRequest
 
@@ -87,7 +89,8 @@ class DistAttention:
     def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:
         return frozenset(s.request_id for s in batch if self._has_remote(s))
 
-    def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata) -> DistAttentionStep:
+    def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata,
+             local: ReferenceAttention) -> DistAttentionStep:
         self.stats.steps += 1
         plans: list[_SeqPlan] = []
         remote_rows: list[int] = []
@@ -96,7 +99,7 @@ class DistAttention:
             if self._has_remote(s):
                 plans.append(self._plan(s, row, remote_rows))
             row += s.num_tokens
-        return DistAttentionStep(self, plans, row, remote_rows, meta.slot_mapping)
+        return DistAttentionStep(self, local, plans, row, remote_rows, meta.slot_mapping)
 
     def _plan(self, s: ScheduledRequest, row0: int, remote_rows: list[int]) -> _SeqPlan:
         bs = self.block_size
@@ -127,14 +130,46 @@ class DistAttention:
         )
 
 
-class DistAttentionStep:
-    """Bound to one step's metadata; called once per layer by the attention hook points."""
+class RemoteKVAttention(AttentionBackend):
+    """An instance's attention backend: its local float backend, plus DistAttention for the steps in
+    which some sequence holds borrowed blocks; also answers other instances' micro-attention calls."""
 
-    def __init__(self, owner: DistAttention, plans: list[_SeqPlan], num_rows: int, remote_rows: list[int],
-                 slot_mapping: torch.Tensor) -> None:
+    def __init__(self, local: ReferenceAttention, dist: DistAttention) -> None:
+        super().__init__(local.model, local.kv_cache)
+        self.local = local
+        self.dist = dist
+
+    def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        return self.local.write(layer, qkv, rotary, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.local.attend(layer, q, meta)
+
+    def decode_stack(self) -> DecodeStack | None:
+        return self.local.decode_stack()
+
+    def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:
+        return self.dist.spanning(batch)
+
+    def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata) -> AttentionBackend:
+        if not self.dist.spanning(batch):
+            return self.local
+        return self.dist.bind(batch, meta, self.local)
+
+    def serve_micro_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
+        """Creditor side: a debtor's queries over the blocks it borrowed from us, for one layer."""
+        return creditor_micro_attention(self.local.layers[layer], items, scale)
+
+
+class DistAttentionStep(AttentionBackend):
+    """The attention backend of one step with spanning sequences; every call names its layer."""
+
+    def __init__(self, owner: DistAttention, local: ReferenceAttention, plans: list[_SeqPlan], num_rows: int,
+                 remote_rows: list[int], slot_mapping: torch.Tensor) -> None:
+        super().__init__(local.model, local.kv_cache)
         self.owner = owner
+        self.local = local
         self.plans = plans
-        self.layer = 0
         remote = torch.zeros(num_rows, dtype=torch.bool)
         remote[remote_rows] = True
         self.remote_rows = remote.nonzero().flatten()
@@ -145,39 +180,37 @@ class DistAttentionStep:
         self.k_new: torch.Tensor | None = None
         self.v_new: torch.Tensor | None = None
 
-    def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-                         num_kv_heads: int) -> torch.Tensor:
-        head_dim = k_cache.shape[-1]
-        q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
+    def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.local.layers[layer]
+        q = torch.empty(qkv.shape[0], self.num_heads, self.head_dim, dtype=qkv.dtype)
         if len(self.local_rows):
-            sub = AttentionMetadata(self.local_slots, 0, None, None, positions=meta.positions[self.local_rows])
-            q.index_copy_(0, self.local_rows, rotate_and_cache(qkv[self.local_rows], rotary, k_cache, v_cache, sub,
-                                                               num_heads, num_kv_heads))
+            rows = self.local_rows
+            q.index_copy_(0, rows, self.local.rotate_and_cache(qkv[rows], rotary, k_cache, v_cache,
+                                                               meta.positions[rows], self.local_slots))
         r = len(self.remote_rows)
         if r:
             # The same kernel writes into a scratch "cache" of one-token blocks; the rows go to the creditors.
-            k_tmp = torch.empty(r, 1, num_kv_heads, head_dim, dtype=k_cache.dtype)
+            k_tmp = torch.empty(r, 1, self.num_kv_heads, self.head_dim, dtype=k_cache.dtype)
             v_tmp = torch.empty_like(k_tmp)
-            sub = AttentionMetadata(torch.arange(r), 0, None, None, positions=meta.positions[self.remote_rows])
-            q.index_copy_(0, self.remote_rows, rotate_and_cache(qkv[self.remote_rows], rotary, k_tmp, v_tmp, sub,
-                                                                num_heads, num_kv_heads))
+            rows = self.remote_rows
+            q.index_copy_(0, rows, self.local.rotate_and_cache(qkv[rows], rotary, k_tmp, v_tmp,
+                                                               meta.positions[rows], torch.arange(r)))
             self.k_new, self.v_new = k_tmp[:, 0], v_tmp[:, 0]
         return q
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-               scale: float) -> None:
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = self.local.attend(layer, q, meta)  # local sequences' rows; the spanning ones are filled below
         started = time.perf_counter()
-        owner, layer = self.owner, self.layer
-        self.layer += 1
-        futures = {creditor: owner.directory.remote_attention(creditor, layer, items, scale)
+        owner = self.owner
+        k_cache, v_cache = self.local.layers[layer]
+        futures = {creditor: owner.directory.remote_attention(creditor, layer, items, self.scale)
                    for creditor, items in self._remote_items(q).items()}
         owner.stats.layer_calls += len(futures)
         partials: list[list[PartialAttention]] = []
         for plan in self.plans:
             k = gather_blocks(k_cache, plan.local_blocks)
             v = gather_blocks(v_cache, plan.local_blocks)
-            partials.append([partial_attention(q[plan.rows], k, v, plan.q_pos, plan.local_k_pos, scale)])
+            partials.append([partial_attention(q[plan.rows], k, v, plan.q_pos, plan.local_k_pos, self.scale)])
         waited = time.perf_counter()
         results = owner.directory.wait(futures)
         owner.stats.wait_seconds += time.perf_counter() - waited
@@ -187,6 +220,7 @@ class DistAttentionStep:
         for plan, parts in zip(self.plans, partials, strict=True):
             out.index_copy_(0, plan.rows, merge_partials(parts).to(out.dtype))
         owner.stats.seconds += time.perf_counter() - started
+        return out
 
     def _plans_on(self, creditor: int) -> list[int]:
         return [i for i, plan in enumerate(self.plans) if creditor in plan.remote or creditor in plan.writes]

@@ -2,7 +2,9 @@
 
 The actor is threaded: ``step()`` runs the engine while other threads serve creditor calls from
 other instances (lend, repay, remote micro-attention) and a daemon thread sends heartbeats. The
-engine's scheduling and bookkeeping run under ``self.lock``; lent blocks are out of the local free
+engine is built with this instance's lock (held around its scheduling and bookkeeping), a
+``BorrowingAllocator`` and a worker whose attention backend is wrapped in ``RemoteKVAttention``;
+everything else goes through the engine's public KV verbs. Lent blocks are out of the local free
 pool, so remote attention writing into them never races with the local forward pass.
 """
 
@@ -16,8 +18,10 @@ import ray
 import torch
 
 from kvmosaic.config import DistributedConfig, EngineConfig
-from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, creditor_micro_attention
-from kvmosaic.distributed.rmanager import RManager
+from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, RemoteKVAttention
+from kvmosaic.distributed.rmanager import BorrowingAllocator, RManager
+from kvmosaic.model.layers.attention import ReferenceAttention
+from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
 
@@ -29,26 +33,34 @@ class Instance:
                  gmanager) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from kvmosaic.engine.engine import Engine  # the model loads in the actor process
+        from kvmosaic.executor.local import LocalExecutor
 
         if engine_config.cache.kv_cache_dtype != "auto":
             raise ValueError("the distributed KV cache supports kv_cache_dtype='auto' only")
         self.instance_id = instance_id
         self.config = config
-        self.engine = Engine(engine_config)
+        self.gmanager = gmanager
         self.lock = threading.RLock()
-        self.engine.kv_lock = self.lock
-        manager = self.engine.kv_manager
-        self.rmanager = RManager(instance_id, manager, config, gmanager)
-        manager.borrower = self.rmanager
-        self.dist = DistAttention(self.rmanager, manager.block_size, manager.num_blocks)
-        self.engine.runner.remote_attention = self.dist
+        executor = LocalExecutor(engine_config, attention_wrapper=self._remote_kv)
+        self.engine = Engine(engine_config, executor, allocator=BorrowingAllocator(self.rmanager), kv_lock=self.lock)
         self.errors: dict[str, str] = {}  # request id -> why it failed, reported with the next step
         self._stop = threading.Event()
         self.fenced = threading.Event()  # the gManager declared us dead: our loans are gone, stop serving
         node = ray.get_runtime_context().get_node_id()
-        ray.get(gmanager.register.remote(instance_id, manager.num_blocks, node))
+        ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _remote_kv(self, local: AttentionBackend) -> AttentionBackend:
+        """The worker's attention wrapper: built once its KV pool exists, with the rManager that
+        keeps this instance's books over that pool."""
+        if not isinstance(local, ReferenceAttention):
+            raise ValueError(f"the distributed KV cache needs a float KV cache, not {type(local).__name__}")
+        cache = local.kv_cache
+        self.rmanager = RManager(self.instance_id, cache.num_blocks, cache.block_size, self.config, self.gmanager)
+        self.kv_cache = cache
+        self.attention = RemoteKVAttention(local, DistAttention(self.rmanager, cache.block_size, cache.num_blocks))
+        return self.attention
 
     # ------------------------------------------------------------------ wiring
     def connect(self, peers: dict[int, object], capacities: dict[int, int]) -> None:
@@ -57,8 +69,8 @@ class Instance:
 
     def info(self) -> dict:
         engine = self.engine
-        return {"tokenizer": engine.tokenizer, "model_config": engine.model_config,
-                "max_model_len": engine.max_model_len, "num_blocks": engine.kv_manager.num_blocks}
+        return {"tokenizer": engine.tokenizer, "model_config": engine.model_config, "config": engine.config,
+                "num_blocks": self.rmanager.num_local_blocks}
 
     def ping(self) -> int:
         return self.instance_id
@@ -81,10 +93,9 @@ class Instance:
             outputs = self.engine.step()
         except CreditorLost as exc:
             logger.warning("instance %d: %s", self.instance_id, exc)
-            with self.lock:
-                self.rmanager.mark_dead(exc.instance_ids)
-                # Blocks allocated for the failed step are already indexed by hash but hold no K/V yet.
-                self.engine.kv_manager.reset_prefix_cache()
+            self._mark_dead(exc.instance_ids)
+            # Blocks allocated for the failed step are already indexed by hash but hold no K/V yet.
+            self.engine.reset_prefix_cache()
             self._report_dead(exc.instance_ids)
             outputs = []
         errors, self.errors = self.errors, {}
@@ -97,19 +108,13 @@ class Instance:
     def _recompute_lost(self) -> None:
         """Requests whose borrowed blocks died with their creditor run again from the start, or fail."""
         with self.lock:
-            lost = self.rmanager.requests_with_lost_blocks()
-            if not lost:
-                return
-            scheduler = self.engine.scheduler
-            scheduler.recompute(lost)
-            reachable = self.engine.kv_manager.num_reachable_blocks * self.engine.kv_manager.block_size
-            for request_id in lost:
-                request = scheduler.get_request(request_id)
-                if request is not None and request.num_tokens > reachable:
-                    self.errors[request.group_id] = (
-                        f"the KV blocks of request {request.group_id} were lost with a failed instance and it "
-                        f"no longer fits the {reachable} KV slots still reachable")
-                    self.engine.abort(request.group_id, emit_output=True)
+            lost = self.engine.requests_holding(self.rmanager.lost) if self.rmanager.lost else set()
+            if lost:
+                self.errors.update(self.engine.recompute_lost(lost))
+
+    def _mark_dead(self, instance_ids: set[int]) -> None:
+        with self.lock:
+            self.engine.reclaim_blocks(self.rmanager.mark_dead(set(instance_ids)))
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
@@ -118,10 +123,10 @@ class Instance:
         with self.lock:
             stats = self.engine.stats()
             stats.update(self.rmanager.stats())
-        d = self.dist.stats
+            stats["dist_table_blocks"] = stats.pop("kv_table_blocks")
+        d = self.attention.dist.stats
         stats.update({"dist_remote_steps": d.steps, "dist_remote_calls": d.layer_calls,
-                      "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds,
-                      "kv_blocks_free": self.engine.kv_manager.num_free_blocks})
+                      "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds})
         return stats
 
     # ------------------------------------------------------------- creditor side
@@ -132,18 +137,23 @@ class Instance:
         if not self.lock.acquire(timeout=self.config.lend_lock_timeout):
             return None
         try:
-            return self.rmanager.lend(debtor, num_blocks)
+            if debtor in self.rmanager.dead:
+                return None
+            physical = self.engine.lend_blocks(num_blocks)
+            if physical:
+                self.rmanager.record_lent(debtor, physical)
+            return physical
         finally:
             self.lock.release()
 
     def repay(self, debtor: int, physical: list[int]) -> None:
         with self.lock:
-            self.rmanager.repay(debtor, physical)
+            self.engine.reclaim_blocks(self.rmanager.repay(debtor, physical))
 
     @torch.inference_mode()
     def remote_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
         self._check_fence()
-        return creditor_micro_attention(self.engine.kv_cache.layers[layer], items, scale)
+        return self.attention.serve_micro_attention(layer, items, scale)
 
     # ---------------------------------------------------------------------- DGFM
     def pick_borrowed(self, creditor: int, num_blocks: int) -> list[tuple[int, int]]:
@@ -151,19 +161,19 @@ class Instance:
             return self.rmanager.pick_borrowed(creditor, num_blocks)
 
     def read_blocks(self, physical: list[int]) -> torch.Tensor:
-        return self.engine.kv_cache.device_pool[:, :, torch.tensor(physical, dtype=torch.long)].clone()
+        return self.kv_cache.read_blocks(physical)
 
     def bring_home(self, rblock_ids: list[int], lender_to: int, local_blocks: list[int], data: torch.Tensor) -> None:
         with self.lock:
-            self.engine.kv_cache.device_pool[:, :, torch.tensor(local_blocks, dtype=torch.long)] = data
-            self.rmanager.bring_home(rblock_ids, lender_to, local_blocks)
+            self.kv_cache.write_blocks(local_blocks, data)
+            self.engine.replace_blocks(self.rmanager.bring_home(rblock_ids, lender_to, local_blocks))
 
     # -------------------------------------------------------------------- faults
     def _heartbeat_loop(self) -> None:
         gmanager = self.rmanager.gmanager
         while not self._stop.wait(self.config.heartbeat_interval):
             try:
-                dead = ray.get(gmanager.heartbeat.remote(self.instance_id, self.engine.kv_manager.num_free_blocks),
+                dead = ray.get(gmanager.heartbeat.remote(self.instance_id, self.engine.stats()["kv_blocks_free"]),
                                timeout=self.config.rpc_timeout)
             except Exception:  # noqa: BLE001  (keep beating; the gManager may come back)
                 logger.exception("instance %d: heartbeat failed", self.instance_id)
@@ -172,8 +182,7 @@ class Instance:
                 logger.error("instance %d was declared dead by the gManager; fencing itself", self.instance_id)
                 self.fenced.set()
             if set(dead) - self.rmanager.dead:
-                with self.lock:
-                    self.rmanager.mark_dead(set(dead))
+                self._mark_dead(set(dead))
 
     def _check_fence(self) -> None:
         if self.fenced.is_set():

@@ -1,12 +1,14 @@
 """rManager: one per instance. Borrows blocks for its requests, lends its own, and knows where every rBlock lives.
 
-Debtor side: when the local pool cannot grow a request, the KV manager calls ``borrow``; the rManager
-asks the gManager for candidate creditors (cheapest link, then most free) and tries them in order
-until one reserves the blocks. Borrowed blocks get rBlock ids >= the local pool size, recorded as
-(rBlock id, owner instance, tier, physical id). Freed borrowed blocks are repaid to their owner.
+Debtor side: when the local pool cannot grow a request, the KV manager's allocator
+(``BorrowingAllocator``) calls ``borrow``; the rManager asks the gManager for candidate creditors
+(cheapest link, then most free) and tries them in order until one reserves the blocks. Borrowed
+blocks get rBlock ids >= the local pool size, recorded as (rBlock id, owner instance, tier,
+physical id). Freed borrowed blocks are repaid to their owner.
 
-Creditor side: ``lend`` reserves local blocks for a debtor (they leave the free pool, so the local
-scheduler never touches them) and ``repay`` takes them back. The owning instance runs the lock.
+Creditor side: the instance takes blocks from its engine (``Engine.lend_blocks``) and records them
+here with ``record_lent``; ``repay`` says which to give back. The rManager never touches the engine:
+it keeps the books, its instance applies them through the engine's public verbs.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from kvmosaic.config import DistributedConfig
+from kvmosaic.core.block_allocator import BlockAllocator
 from kvmosaic.distributed.dist_attention import CreditorLost
 from kvmosaic.request import RequestStatus
 
 if TYPE_CHECKING:
-    from kvmosaic.core.kv_cache_manager import KVCacheManager
     from kvmosaic.request import Request
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,8 @@ class RManagerCounters:
 @dataclass
 class RManager:
     instance_id: int
-    kv_manager: KVCacheManager
+    num_local_blocks: int
+    block_size: int
     config: DistributedConfig
     gmanager: object  # ray actor handle of the GManager
     peers: dict[int, object] = field(default_factory=dict)  # instance id -> actor handle
@@ -66,7 +69,7 @@ class RManager:
     counters: RManagerCounters = field(default_factory=RManagerCounters)
 
     def __post_init__(self) -> None:
-        self._next_rblock = self.kv_manager.num_blocks
+        self._next_rblock = self.num_local_blocks
 
     # --------------------------------------------------------------- borrowing
     @property
@@ -77,7 +80,7 @@ class RManager:
 
     def borrow(self, request: Request, num_blocks: int) -> list[int] | None:
         """rBlock ids of ``num_blocks`` blocks lent by one creditor, or None (the caller preempts)."""
-        local_slots = self.kv_manager.num_blocks * self.kv_manager.block_size
+        local_slots = self.num_local_blocks * self.block_size
         running = request.status == RequestStatus.RUNNING
         if not self.config.enable_borrowing or request.num_forks or not (running or request.num_tokens > local_slots):
             return None
@@ -147,46 +150,34 @@ class RManager:
         return results
 
     # ------------------------------------------------------------ creditor side
-    def lend(self, debtor: int, num_blocks: int) -> list[int] | None:
-        if debtor in self.dead:
-            return None
-        physical = self.kv_manager.lend_blocks(num_blocks)
-        if physical:
-            self.lent[debtor].update(physical)
-            self.counters.blocks_lent += len(physical)
-        return physical
+    def record_lent(self, debtor: int, physical: list[int]) -> None:
+        self.lent[debtor].update(physical)
+        self.counters.blocks_lent += len(physical)
 
-    def repay(self, debtor: int, physical: list[int]) -> None:
+    def repay(self, debtor: int, physical: list[int]) -> list[int]:
+        """The blocks of ``physical`` that were lent to ``debtor``: the caller reclaims them."""
         held = self.lent.get(debtor, set())
         returned = [p for p in physical if p in held]
         held.difference_update(returned)
-        self.kv_manager.reclaim_blocks(returned)
         self.counters.blocks_reclaimed += len(returned)
+        return returned
 
     # ------------------------------------------------------------------- faults
-    def mark_dead(self, instance_ids: set[int]) -> set[str]:
-        """Forget dead instances: reclaim what they borrowed, mark what they lent us as lost.
-
-        Returns the ids of local requests whose KV is now (partly) gone.
-        """
+    def mark_dead(self, instance_ids: set[int]) -> list[int]:
+        """Forget dead instances: what they borrowed comes back (returned, for the caller to reclaim),
+        what they lent us is marked lost (``lost``: the caller recomputes the requests holding it)."""
         new = set(instance_ids) - self.dead - {self.instance_id}
         if not new:
-            return set()
+            return []
         self.dead |= new
+        reclaimed: list[int] = []
         for debtor in new:
-            blocks = sorted(self.lent.pop(debtor, set()))
-            self.kv_manager.reclaim_blocks(blocks)
-            self.counters.blocks_reclaimed += len(blocks)
+            reclaimed += sorted(self.lent.pop(debtor, set()))
+        self.counters.blocks_reclaimed += len(reclaimed)
         gone = {r for r, record in self.rblocks.items() if record.owner in new}
         self.lost |= gone
         self.counters.blocks_lost += len(gone)
-        return self.requests_with_lost_blocks()
-
-    def requests_with_lost_blocks(self) -> set[str]:
-        if not self.lost:
-            return set()
-        manager = self.kv_manager
-        return {r for r in manager.request_ids() if self.lost.intersection(manager.get_block_table(r))}
+        return reclaimed
 
     # --------------------------------------------------------------------- DGFM
     def pick_borrowed(self, creditor: int, num_blocks: int) -> list[tuple[int, int]]:
@@ -195,30 +186,45 @@ class RManager:
                  if rec.owner == creditor and r not in self.lost]
         return found[:num_blocks] if len(found) >= num_blocks else []
 
-    def bring_home(self, rblock_ids: list[int], lender_to: int, local_blocks: list[int]) -> None:
-        """DGFM: the blocks we lent ``lender_to`` now hold our own data: they replace our rBlocks."""
+    def bring_home(self, rblock_ids: list[int], lender_to: int, local_blocks: list[int]) -> dict[int, int]:
+        """DGFM: the blocks we lent ``lender_to`` now hold our own data: they replace our rBlocks.
+        Returns the block-table rewrite {rBlock id: local block} for the caller to apply."""
         held = self.lent.get(lender_to, set())
         if not set(local_blocks) <= held:
             raise ValueError(f"blocks {local_blocks} are not lent to instance {lender_to}")
         held.difference_update(local_blocks)
-        mapping = dict(zip(rblock_ids, local_blocks, strict=True))
-        manager = self.kv_manager
-        for request_id in manager.request_ids():
-            if mapping.keys() & set(manager.get_block_table(request_id)):
-                manager.replace_blocks(request_id, mapping)
         for rblock_id in rblock_ids:
             del self.rblocks[rblock_id]
+        return dict(zip(rblock_ids, local_blocks, strict=True))
 
     def stats(self) -> dict:
-        manager = self.kv_manager
-        table_blocks = sum(len(manager.get_block_table(r)) for r in manager.request_ids())
         return {
             "dist_borrowed_blocks": len(self.rblocks),
             "dist_lent_blocks": sum(len(v) for v in self.lent.values()),
-            "dist_table_blocks": table_blocks,
             "dist_loans_taken": self.counters.loans_taken,
             "dist_loans_refused": self.counters.loans_refused,
             "dist_borrow_failures": self.counters.borrow_failures,
             "dist_repayments": self.counters.repayments,
             "dist_blocks_lost": self.counters.blocks_lost,
         }
+
+
+class BorrowingAllocator(BlockAllocator):
+    """The KV manager's allocator on an instance: what the local pool lacks is borrowed."""
+
+    def __init__(self, rmanager: RManager) -> None:
+        super().__init__(rmanager.num_local_blocks)
+        self.rmanager = rmanager
+
+    @property
+    def num_extra_blocks(self) -> int:
+        return self.rmanager.num_lendable_blocks
+
+    def reserve(self, request: Request, num_blocks: int, num_free: int) -> list[int] | None:
+        if num_blocks <= num_free:
+            return []
+        return self.rmanager.borrow(request, num_blocks - num_free) or None
+
+    def release(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self.rmanager.release(block_ids)

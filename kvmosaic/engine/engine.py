@@ -1,5 +1,5 @@
-"""The engine core: add_request / abort / step. It owns the scheduler, the KV
-manager and the model runner, and holds no tensors itself."""
+"""The engine core: add_request / abort / step. It owns the scheduler, the KV manager and the
+output processor, and runs each step on an executor; it holds no tensors itself."""
 
 from __future__ import annotations
 
@@ -10,58 +10,44 @@ import itertools
 import logging
 import time
 
-import torch
-
 from kvmosaic.config import EngineConfig
+from kvmosaic.core.block_allocator import BlockAllocator
 from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.core.scheduler import Scheduler
+from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.engine.output_processor import OutputProcessor
-from kvmosaic.model.llama import LlamaForCausalLM
-from kvmosaic.model.loader import load_model
-from kvmosaic.outputs import RequestOutput
-from kvmosaic.quant import thresholds as kv_thresholds
+from kvmosaic.executor.base import Executor
+from kvmosaic.outputs import RequestOutput, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.worker.kv_cache import KVCache
-from kvmosaic.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.torch_dtype)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        sched_cfg = config.scheduler
-        sched_cfg.max_model_len = min(sched_cfg.max_model_len, self.model_config.max_position_embeddings)
-        model = LlamaForCausalLM(loaded.config, loaded.weights, max_positions=sched_cfg.max_model_len)
-        model.eval()
-        thresholds = None
-        if config.cache.kv_cache_dtype == "oaken":
-            identity = kv_thresholds.ModelIdentity.of(loaded.config, loaded.weights)
-            thresholds = kv_thresholds.for_model(config.cache.kv_thresholds, identity, config.model is None)
-        self.kv_cache = KVCache(loaded.config, config.cache, config.torch_dtype, thresholds)
-        self.kv_manager = KVCacheManager(
-            self.kv_cache.num_blocks, config.cache.block_size, self.kv_cache.num_host_blocks,
-            config.cache.enable_prefix_caching,
-        )
-        eos = self.tokenizer.eos_token_ids or loaded.config.eos_token_ids
-        self.scheduler = Scheduler(sched_cfg, self.kv_manager, tuple(eos))
-        self.runner = ModelRunner(model, self.kv_cache, tuple(eos))
+    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None, *,
+                 allocator: BlockAllocator | None = None,
+                 kv_lock: contextlib.AbstractContextManager | None = None) -> None:
+        """``executor``: where steps run (default: a local worker built from ``config``);
+        ``allocator``: blocks beyond the local pool; ``kv_lock``: held around scheduling and
+        bookkeeping, not the forward pass (other threads may then lend this pool's blocks)."""
+        if executor is None:
+            from kvmosaic.executor.local import LocalExecutor  # the model stack loads only when needed
+
+            executor = LocalExecutor(config if config is not None else EngineConfig())
+        self.executor = executor
+        self.config = executor.config
+        self.model_config = executor.model_config
+        self.tokenizer = executor.tokenizer
+        cache = self.config.cache
+        self.kv_manager = KVCacheManager(executor.num_blocks, cache.block_size, executor.num_host_blocks,
+                                         cache.enable_prefix_caching, allocator)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, executor.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
-        # Held around scheduling and bookkeeping, not the forward pass: kvmosaic.distributed sets a real
-        # lock so other instances can borrow this pool's blocks while the model runs.
-        self.kv_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
-        logger.info("kvmosaic engine: %s, %d KV blocks of %d tokens (%d host blocks), KV cache %s (%.2f bits/value)",
-                    loaded.config.name or loaded.config.architecture, self.kv_cache.num_blocks,
-                    config.cache.block_size, self.kv_cache.num_host_blocks, config.cache.kv_cache_dtype,
-                    self.kv_cache.bits_per_value)
+        self.kv_lock = kv_lock if kv_lock is not None else contextlib.nullcontext()
+        logger.info("kvmosaic engine: %s", executor.describe())
         # Everything built so far (weights, tokenizer tables, modules) lives as long as the engine:
         # keep it out of the cyclic collector's full passes, which otherwise stall random steps.
         gc.collect()
@@ -92,7 +78,11 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            try:
+                prompt.encode("utf-8")
+                return prompt, self.tokenizer.encode(prompt)
+            except Exception as exc:  # noqa: BLE001  (a lone surrogate, or anything the tokenizer rejects)
+                raise ValueError(f"prompt is not valid text: {exc}") from exc
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")
@@ -137,17 +127,74 @@ class Engine:
         with self.kv_lock:
             sched_out = self.scheduler.schedule()
         try:
-            model_out = self.runner.execute(sched_out)
-        except BaseException:
-            # Nothing advanced: a caller that recovers (a lost KV holder) just steps again.
+            model_out = self.executor.execute(sched_out)
+        except RetryableStepError:
+            # Nothing advanced: the requests run again in the next step.
             self._pending_outputs = outputs + self._pending_outputs
             raise
+        except Exception as exc:  # noqa: BLE001  (one bad step fails its requests, not the engine)
+            logger.exception("a step failed; its requests end with an error")
+            with self.kv_lock:
+                return outputs + self._fail_step(sched_out, exc)
         with self.kv_lock:
             updated = self.scheduler.update_from_output(sched_out, model_out)
-            step_outputs, stopped = self.processor.process(updated, model_out)
+            step_outputs, stopped, failed = self.processor.process(updated, model_out)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            step_outputs += [self._fail_group(group_id, message) for group_id, message in failed.items()]
         return outputs + step_outputs
+
+    def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """End every request the failed step touched (its blocks may hold half-written K/V)."""
+        # Blocks of this step are indexed by hash already but hold no trustworthy K/V.
+        self.kv_manager.reset_prefix_cache()
+        seq_ids = [s.request_id for s in sched_out.scheduled] + list(sched_out.preempted_request_ids)
+        groups = dict.fromkeys(g for seq in seq_ids if (g := self.processor.group_of(seq)) is not None)
+        message = f"the engine failed while running the request: {type(exc).__name__}: {exc}"
+        return [self._fail_group(group_id, message) for group_id in groups]
+
+    def _fail_group(self, group_id: str, message: str) -> RequestOutput:
+        self.scheduler.finish_requests(self.processor.sequence_ids(group_id), RequestStatus.FINISHED_ABORTED)
+        return self.processor.finish_failed(group_id, message)
+
+    # ------------------------------------------------ KV verbs for kvmosaic.distributed
+    def lend_blocks(self, num_blocks: int) -> list[int] | None:
+        """Free local blocks reserved for another instance, or None when there are not enough."""
+        with self.kv_lock:
+            return self.kv_manager.lend_blocks(num_blocks)
+
+    def reclaim_blocks(self, block_ids: list[int]) -> None:
+        with self.kv_lock:
+            self.kv_manager.reclaim_blocks(block_ids)
+
+    def replace_blocks(self, mapping: dict[int, int]) -> None:
+        """Block-table entries ``old -> new`` everywhere (blocks brought home from another instance)."""
+        with self.kv_lock:
+            self.kv_manager.replace_blocks(mapping)
+
+    def requests_holding(self, block_ids: set[int]) -> set[str]:
+        with self.kv_lock:
+            return self.kv_manager.requests_holding(block_ids)
+
+    def reset_prefix_cache(self) -> None:
+        with self.kv_lock:
+            self.kv_manager.reset_prefix_cache()
+
+    def recompute_lost(self, request_ids: set[str]) -> dict[str, str]:
+        """Sequences whose KV was lost run again from their first token; a request that no longer
+        fits the reachable pool is aborted. Returns {request id: why} for those."""
+        errors: dict[str, str] = {}
+        with self.kv_lock:
+            self.scheduler.recompute(request_ids)
+            reachable = self.kv_manager.num_reachable_blocks * self.kv_manager.block_size
+            for request_id in request_ids:
+                request = self.scheduler.get_request(request_id)
+                if request is not None and request.num_tokens > reachable:
+                    errors[request.group_id] = (
+                        f"the KV blocks of request {request.group_id} were lost with a failed instance and it "
+                        f"no longer fits the {reachable} KV slots still reachable")
+                    self.abort(request.group_id, emit_output=True)
+        return errors
 
     def stats(self) -> dict:
         cache = self.kv_manager.prefix_cache_stats()
@@ -158,7 +205,12 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": self.kv_manager.num_blocks,
             "kv_blocks_used": self.kv_manager.num_used_blocks,
+            "kv_blocks_free": self.kv_manager.num_free_blocks,
+            "kv_table_blocks": self.kv_manager.num_table_blocks(),
             "prefix_cache_queries": cache["queries"],
             "prefix_cache_hits": cache["hits"],
             "prefix_cache_hit_rate": cache["hit_rate"],
         }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

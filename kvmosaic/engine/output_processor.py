@@ -3,6 +3,7 @@ log-probabilities, best_of selection and per-request timing."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from kvmosaic.request import Request
 from kvmosaic.sample.stop import find_stop, trim_for_streaming
 from kvmosaic.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class SequenceState:
@@ -65,21 +67,36 @@ class OutputProcessor:
         group = self.groups.get(request_id)
         return list(group.sequences) if group else []
 
-    def process(self, updated: list[Request], model_output: ModelOutput) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs of touched groups and the sequence ids a stop string finished."""
+    def group_of(self, seq_id: str) -> str | None:
+        return self.seq_to_group.get(seq_id)
+
+    def process(self, updated: list[Request], model_output: ModelOutput
+                ) -> tuple[list[RequestOutput], list[str], dict[str, str]]:
+        """Returns the outputs of touched groups, the sequence ids a stop string finished, and
+        {request id: error} for groups whose output could not be made (they are left out)."""
         now = time.monotonic()
         touched: dict[str, GroupState] = {}
         stopped: list[str] = []
+        failed: dict[str, str] = {}
         for req in updated:
+            if req.group_id in failed:
+                continue
             group = self.groups[req.group_id]
-            seq = group.sequences.get(req.request_id) or self._add_sequence(group, req.request_id, req.sample_index)
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-                group.metrics.num_cached_tokens = req.num_cached_tokens
-            if self._append(seq, req, model_output, group.params):
-                stopped.append(req.request_id)
+            try:
+                seq = group.sequences.get(req.request_id) or self._add_sequence(group, req.request_id,
+                                                                                req.sample_index)
+                if group.metrics.first_token_time is None:
+                    group.metrics.first_token_time = now
+                    group.metrics.num_cached_tokens = req.num_cached_tokens
+                if self._append(seq, req, model_output, group.params):
+                    stopped.append(req.request_id)
+            except Exception as exc:  # noqa: BLE001  (detokenizing one request must not stop the others)
+                logger.exception("request %s: output processing failed", req.group_id)
+                failed[req.group_id] = f"the output of request {req.group_id} could not be processed: {exc!r}"
+                touched.pop(req.group_id, None)
+                continue
             touched[group.request_id] = group
-        return [self._make_output(g, now) for g in touched.values()], stopped
+        return [self._make_output(g, now) for g in touched.values()], stopped, failed
 
     def _append(self, seq: SequenceState, req: Request, model_output: ModelOutput, params: SamplingParams) -> bool:
         if not req.output_token_ids:  # finished by the scheduler before its first token
@@ -108,14 +125,22 @@ class OutputProcessor:
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
-    def finish_aborted(self, request_id: str) -> RequestOutput | None:
+    def finish_aborted(self, request_id: str, message: str | None = None) -> RequestOutput | None:
+        """End a group with finish reason "abort" (``message``, when given, as the stop reason)."""
         group = self.groups.get(request_id)
         if group is None:
             return None
         for seq in group.sequences.values():
             if seq.finish_reason is None:
-                seq.finish_reason = "abort"
+                seq.finish_reason, seq.stop_reason = "abort", message
         return self._make_output(group, time.monotonic())
+
+    def finish_failed(self, request_id: str, message: str) -> RequestOutput:
+        """The final output of a group that failed (finish reason "abort", the error as stop reason)."""
+        out = self.finish_aborted(request_id, message)
+        if out is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return out
 
     def _make_output(self, group: GroupState, now: float) -> RequestOutput:
         finished = group.finished

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
-from kvmosaic.engine.engine import Engine
+from kvmosaic.engine.factory import build_engine
+from kvmosaic.engine.protocol import EngineClient
+from kvmosaic.model.loader import load_model
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
 
@@ -21,7 +23,8 @@ class LLM:
         self,
         model: str | None = None,
         dtype: str = "auto",
-        kv_cache_memory: int | str = "1GiB",
+        kv_cache_memory: int | str = "auto",
+        memory_utilization: float = 0.5,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 2048,
@@ -39,16 +42,23 @@ class LLM:
         instances: int = 1,
         ray_address: str | None = None,
         enable_borrowing: bool = True,
+        model_loader=load_model,
     ) -> None:
         """``instances > 1`` (or a ``ray_address``) runs that many engine instances as Ray actors that
-        lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``."""
+        lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``.
+        ``kv_cache_memory="auto"`` sizes the pool from a profiling run (``memory_utilization`` of the
+        RAM still available). ``model_loader(path, dtype)`` reads the weights of an in-process engine."""
+        distributed = instances > 1 or bool(ray_address)
+        if distributed and num_threads is None:  # the instances share the cores
+            num_threads = max(1, (os.cpu_count() or 1) // instances)
         config = EngineConfig(
             model=model,
             dtype=dtype,
             seed=seed,
             num_threads=num_threads,
             cache=CacheConfig(
-                block_size=block_size, kv_cache_memory=kv_cache_memory, swap_space=swap_space,
+                block_size=block_size, kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
+                swap_space=swap_space,
                 enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                 kv_cache_dtype=kv_cache_dtype, kv_thresholds=kv_thresholds,
             ),
@@ -58,21 +68,13 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
         )
-        if instances > 1 or ray_address:
-            from kvmosaic.distributed.cluster import Cluster  # ray is imported only for a cluster
-
-            if num_threads is None:  # the instances share the cores
-                config.num_threads = max(1, (os.cpu_count() or 1) // instances)
-            dist = DistributedConfig(num_instances=instances, ray_address=ray_address,
-                                     enable_borrowing=enable_borrowing)
-            self.engine = Cluster(config, dist)
-        else:
-            self.engine = Engine(config)
+        dist = DistributedConfig(num_instances=instances, ray_address=ray_address,
+                                 enable_borrowing=enable_borrowing) if distributed else None
+        self.engine: EngineClient = build_engine(config, dist, model_loader)
 
     def shutdown(self) -> None:
         """Stop the instance actors of a cluster (a no-op for one in-process engine)."""
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from kvmosaic.eval.harness import EvalModel, make_cache, run_sequence
+from kvmosaic.eval.harness import EvalModel, eval_worker, run_sequence
 from kvmosaic.quant.calibration import choose_capacity, outliers_per_vector, overflow_rate, run_thresholds
 from kvmosaic.quant.thresholds import KVThresholds
+from kvmosaic.worker.worker import Worker
 
 
 def calibration_prompts(em: EvalModel, text: str, num_prompts: int, prompt_len: int) -> list[list[int]]:
@@ -26,13 +27,12 @@ def calibration_prompts(em: EvalModel, text: str, num_prompts: int, prompt_len: 
 
 
 @torch.inference_mode()
-def collect_kv(em: EvalModel, prompt: list[int]) -> list[torch.Tensor]:
-    """Per layer the prompt's cached K and V rows, [2, n, Hk, D] float32."""
-    cache = make_cache(em, "auto", len(prompt))
-    run_sequence(em, cache, prompt, chunk=len(prompt))
-    cfg = em.loaded.config
+def collect_kv(worker: Worker, prompt: list[int]) -> list[torch.Tensor]:
+    """Per layer the prompt's cached K and V rows, [2, n, Hk, D] float32 (an unquantized worker)."""
+    run_sequence(worker, prompt, chunk=len(prompt))
+    cfg = worker.model_config
     return [layer.reshape(2, -1, cfg.num_key_value_heads, cfg.head_dim)[:, : len(prompt)].float()
-            for layer in cache.layers]
+            for layer in worker.kv_cache.layer_pools()]
 
 
 def calibrate(em: EvalModel, text: str, num_prompts: int = 100, prompt_len: int = 128, outer_ratio: float = 0.04,
@@ -40,7 +40,8 @@ def calibrate(em: EvalModel, text: str, num_prompts: int = 100, prompt_len: int 
               source: str = "") -> KVThresholds:
     prompts = calibration_prompts(em, text, num_prompts, prompt_len)
     num_layers = em.loaded.config.num_hidden_layers
-    kept = [collect_kv(em, prompt) for prompt in prompts]
+    worker = eval_worker(em, "auto", max(len(p) for p in prompts))
+    kept = [collect_kv(worker, prompt) for prompt in prompts]
     k_center = torch.stack([torch.cat([kv[layer][0] for kv in kept]).mean(0) for layer in range(num_layers)])
     kept = [[torch.stack((rows[0] - k_center[layer], rows[1])) for layer, rows in enumerate(kv)] for kv in kept]
     sums = torch.zeros(num_layers, 2, 4)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmosaic.eval.harness import EvalModel, forward_chunk, make_cache
+from kvmosaic.eval.harness import EvalModel, eval_worker, forward_chunk
 from kvmosaic.quant.thresholds import KVThresholds
 
 
@@ -50,14 +50,15 @@ def perplexity(em: EvalModel, windows: list[list[int]], kv_cache_dtype: str, chu
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
     started = time.perf_counter()
-    cache = make_cache(em, kv_cache_dtype, max(len(w) for w in windows), thresholds=thresholds, group_size=group_size)
+    worker = eval_worker(em, kv_cache_dtype, max(len(w) for w in windows), thresholds=thresholds,
+                         group_size=group_size)
     total, count = 0.0, 0
     for ids in windows:
         for start in range(0, len(ids), chunk):
             part = ids[start: start + chunk]
             targets = ids[start + 1: start + 1 + len(part)]
             if targets:
-                total += chunk_nll(forward_chunk(em, cache, part, start), targets)
+                total += chunk_nll(forward_chunk(worker, part, start), targets)
                 count += len(targets)
-    return PerplexityResult(kv_cache_dtype, count, total / count, cache.bits_per_value, cache.folded_outliers,
-                            time.perf_counter() - started)
+    return PerplexityResult(kv_cache_dtype, count, total / count, worker.kv_cache.bits_per_value,
+                            worker.attention.folded_outliers, time.perf_counter() - started)

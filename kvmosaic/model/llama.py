@@ -10,38 +10,33 @@ import torch
 from torch import nn
 
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.attention import AttentionMetadata, paged_attention, rotate_and_cache
+from kvmosaic.model.layers.attention import AttentionMetadata
+from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.model.layers.linear import GatedProjection, Linear
 from kvmosaic.model.layers.norm import RMSNorm
-from kvmosaic.model.layers.quant_attention import (
-    QuantizedKVLayer,
-    paged_attention_quantized,
-    rotate_and_cache_quantized,
-)
 from kvmosaic.model.layers.rotary import RotaryEmbedding
-from kvmosaic.ops import get_ops
+from kvmosaic.ops import Kernels
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], index: int, kernels: Kernels) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}."
         att = prefix + "self_attn."
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.index = index
         qkv_weight = torch.cat([w[att + f"{p}_proj.weight"] for p in "qkv"])
         qkv_bias = None
         if att + "q_proj.bias" in w:
             qkv_bias = torch.cat([w[att + f"{p}_proj.bias"] for p in "qkv"])
-        self.qkv_proj = Linear(qkv_weight, qkv_bias)
-        self.o_proj = Linear(w[att + "o_proj.weight"])
+        self.qkv_proj = Linear(qkv_weight, qkv_bias, kernels)
+        self.o_proj = Linear(w[att + "o_proj.weight"], kernels=kernels)
         mlp = prefix + "mlp."
-        self.gate_up_proj = GatedProjection(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"])
-        self.down_proj = Linear(w[mlp + "down_proj.weight"])
-        self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        self.q_size = self.num_heads * self.head_dim
+        self.gate_up_proj = GatedProjection(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"], kernels)
+        self.down_proj = Linear(w[mlp + "down_proj.weight"], kernels=kernels)
+        self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps,
+                                                kernels)
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
         # bound forwards in the instance dict: reading a submodule goes through nn.Module.__getattr__,
         # eight times per layer and token, a visible share of single-stream decode
         self._steps = (self.input_layernorm.forward, self.qkv_proj.forward, self.o_proj.forward,
@@ -59,7 +54,7 @@ class DecoderLayer(nn.Module):
                 self.post_attention_layernorm.weight.data, self.gate_up_proj.packed, self.down_proj.packed]
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor | QuantizedKVLayer, meta: AttentionMetadata,
+                attention: AttentionBackend, meta: AttentionMetadata,
                 keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual`` is the running hidden state (updated in place with ``delta``, the previous
         layer's output); returns (residual, this layer's MLP output, to be added by the next norm).
@@ -71,13 +66,7 @@ class DecoderLayer(nn.Module):
         input_norm, qkv_proj, o_proj, post_norm, gate_up_proj, down_proj = self._steps
         n = residual.shape[0]
         qkv = qkv_proj(input_norm(residual, delta))
-        if isinstance(kv_cache, QuantizedKVLayer):
-            q = rotate_and_cache_quantized(qkv, rotary, kv_cache, meta, self.num_heads, self.num_kv_heads)
-            attn = paged_attention_quantized(q, kv_cache, meta, self.scale)
-        else:
-            q = rotate_and_cache(qkv, rotary, kv_cache[0], kv_cache[1], meta, self.num_heads, self.num_kv_heads)
-            attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        attn = attn.view(n, self.q_size)
+        attn = attention.forward(self.index, qkv, rotary, meta).view(n, self.q_size)
         if keep_rows is not None:
             attn, residual = attn[keep_rows], residual[keep_rows]
         hidden = post_norm(residual, o_proj(attn))
@@ -85,59 +74,51 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: Kernels,
+                 max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding.from_pretrained(weights["model.embed_tokens.weight"], freeze=True)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, kernels) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, kernels)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = Linear(head)
+        self.lm_head = Linear(head, kernels=kernels)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        # Pure-decode steps run all layers in one kernel call when every product is packed.
-        ops = get_ops()
+        # Pure-decode steps can run all layers in one kernel call when every product is packed.
         per_layer = [layer.packed_weights() for layer in self.layers]
-        self._decode_stack = None
-        if ops is not None and hasattr(ops, "decode_layers") and all(w is not None for w in per_layer):
-            self._decode_stack = (ops.decode_layers, [t for w in per_layer for t in w])
+        self._packed_weights = None
+        if all(w is not None for w in per_layer):
+            self._packed_weights = [t for w in per_layer for t in w]
 
-    def _run_decode_stack(self, residual: torch.Tensor, kv_caches: list,
+    def _run_decode_stack(self, residual: torch.Tensor, attention: AttentionBackend,
                           meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All layers of a pure-decode step on a plain KV cache in one call (bit-identical to the
-        layer loop), or None when this step needs the per-layer path."""
-        if (self._decode_stack is None or meta.remote is not None or meta.prefills
-                or meta.num_decode_tokens != residual.shape[0] or residual.shape[0] == 0
-                or not isinstance(kv_caches[0], torch.Tensor)):
+        """All layers of a pure-decode step in one call (bit-identical to the layer loop), or None
+        when the weights or this step's attention need the per-layer path."""
+        if self._packed_weights is None or not meta.is_pure_decode:
             return None
-        decode_layers, weights = self._decode_stack
-        cfg = self.config
-        residual, delta = decode_layers(residual, weights, kv_caches, meta.positions, self.rotary.cos,
-                                        self.rotary.sin, meta.slot_mapping, meta.decode_block_tables,
-                                        meta.decode_context_lens, cfg.num_attention_heads,
-                                        cfg.num_key_value_heads, cfg.rms_norm_eps, self.layers[0].scale)
-        return residual, delta
+        stack = attention.decode_stack()
+        if stack is None:
+            return None
+        return stack(residual, self._packed_weights, self.rotary, meta, self.config.rms_norm_eps)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Packed tokens in, logits out for ``logits_indices`` rows (all rows when None).
 
-        ``kv_caches[i]`` is layer i's cache, shaped [2, num_blocks, block_size, Hk, D], or a
-        ``QuantizedKVLayer`` of byte records when the KV cache is quantized.
+        ``attention`` is the step's attention backend: it owns the KV cache every layer writes and reads.
         """
         residual = self.embed_tokens(input_ids)
         meta.positions = positions
-        stacked = self._run_decode_stack(residual, kv_caches, meta)
+        stacked = self._run_decode_stack(residual, attention, meta)
         if stacked is not None:
             hidden = self.norm(*stacked)
             return self.lm_head(hidden if logits_indices is None else hidden[logits_indices]).float()
         delta = None
         last = len(self.layers) - 1
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for i, layer in enumerate(self.layers):
             keep = logits_indices if i == last else None
-            residual, delta = layer.forward(residual, delta, self.rotary, cache, meta, keep)
+            residual, delta = layer.forward(residual, delta, self.rotary, attention, meta, keep)
         return self.lm_head(self.norm(residual, delta)).float()

@@ -5,6 +5,10 @@ They are compiled once at install (`python -m kvmosaic.ops.build`, run by the
 Makefile) into ``kvmosaic/ops/_build``. When they are missing, or when
 ``KVMOSAIC_DISABLE_OPS=1``, the pure-PyTorch reference path runs instead; the
 tests check the two against each other.
+
+Code that runs kernels never looks them up itself: it is handed a ``Kernels`` object when it is
+built (``Kernels.load()`` for what this machine has, ``Kernels.reference()`` for the PyTorch path),
+so the choice is made once, by whoever assembles the worker, and a test can pick either.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -42,6 +47,31 @@ def _built_library(name: str, sources: tuple[Path, ...]) -> Path | None:
         logger.warning("kvmosaic C++ ops are older than their source; rebuild with `python -m kvmosaic.ops.build`")
         return None
     return library
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The compiled kernel modules a model is built with; None in a field selects the PyTorch path."""
+
+    ops: ModuleType | None = None  # float kernels: linears, norms, rotary + cache write, attention
+    quant: ModuleType | None = None  # quantized-KV kernels
+
+    @classmethod
+    def load(cls) -> Kernels:
+        """The kernels built for this machine (either may be missing)."""
+        return cls(get_ops(), get_quant_ops())
+
+    @classmethod
+    def reference(cls) -> Kernels:
+        """No kernels: every layer runs its PyTorch reference."""
+        return cls()
+
+    def has(self, name: str) -> bool:
+        """Whether the float kernels export ``name`` (an extension built from older sources may not)."""
+        return self.ops is not None and hasattr(self.ops, name)
+
+
+NO_KERNELS = Kernels()
 
 
 @functools.cache

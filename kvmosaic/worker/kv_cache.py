@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvmosaic.config import CacheConfig, ModelConfig
-from kvmosaic.model.layers.quant_attention import QuantizedKVLayer
-from kvmosaic.ops.memory import zeros_huge
+from kvmosaic.ops.memory import lazy_zeros_huge
 from kvmosaic.quant.format import KVFormat
 from kvmosaic.quant.thresholds import KVThresholds
 
@@ -44,36 +43,37 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, fmt
 
 class KVCache:
     """Per layer one tensor [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], or for a
-    quantized cache [2, num_blocks, block_size, record_bytes] uint8 wrapped in a ``QuantizedKVLayer``."""
+    quantized cache [2, num_blocks, block_size, record_bytes] uint8 (the attention backend wraps
+    each layer's pools in the view its kernels read)."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                 thresholds: KVThresholds | None = None, group_size: int | None = None) -> None:
+                 thresholds: KVThresholds | None = None, group_size: int | None = None,
+                 num_blocks: int | None = None, num_host_blocks: int | None = None) -> None:
+        """``num_blocks`` / ``num_host_blocks``: the pool sizes decided by the worker (default: what
+        the cache config's fixed budget buys)."""
         self.block_size = cache.block_size
         self.dtype = dtype
         self.kv_cache_dtype = cache.kv_cache_dtype
         self.format = kv_format(model, cache.kv_cache_dtype, thresholds, group_size)
         self.bytes_per_block = bytes_per_block(model, cache.block_size, dtype, self.format)
-        self.num_blocks, self.num_host_blocks = cache.resolve_num_blocks(self.bytes_per_block)
+        if num_blocks is None or num_host_blocks is None:
+            fixed_device, fixed_host = cache.resolve_num_blocks(self.bytes_per_block)
+            num_blocks = fixed_device if num_blocks is None else num_blocks
+            num_host_blocks = fixed_host if num_host_blocks is None else num_host_blocks
+        self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         if self.format is None:
             per_slot, pool_dtype = (model.num_key_value_heads, model.head_dim), dtype
         else:
             per_slot, pool_dtype = (self.format.record_bytes,), torch.uint8
         shape = (model.num_hidden_layers, 2, self.num_blocks, cache.block_size) + per_slot
-        self.device_pool = zeros_huge(shape, pool_dtype)  # read in scattered blocks every step
+        # read in scattered blocks every step; pages are touched as blocks are first written
+        self.device_pool = lazy_zeros_huge(shape, pool_dtype)
         host_shape = (model.num_hidden_layers, 2, self.num_host_blocks) + shape[3:]
-        self.host_pool = torch.zeros(host_shape, dtype=pool_dtype)
-        self.layers = list(self.device_pool.unbind(0))
-        if self.format is not None:
-            self.layers = [self._quantized_layer(i, pools, thresholds) for i, pools in enumerate(self.layers)]
+        self.host_pool = lazy_zeros_huge(host_shape, pool_dtype)
 
-    def _quantized_layer(self, index: int, pools: torch.Tensor, thresholds: KVThresholds | None) -> QuantizedKVLayer:
-        layer = QuantizedKVLayer(pools[0], pools[1], self.format)
-        if self.format.mode == "oaken":
-            layer.k_thresholds = thresholds.layers[index, 0].clone()
-            layer.v_thresholds = thresholds.layers[index, 1].clone()
-            if thresholds.k_center[index].any():
-                layer.k_center = thresholds.k_center[index].clone()
-        return layer
+    def layer_pools(self) -> list[torch.Tensor]:
+        """Layer i's [2, num_blocks, block_size, ...] view of the device pool."""
+        return list(self.device_pool.unbind(0))
 
     @property
     def bits_per_value(self) -> float:
@@ -82,10 +82,13 @@ class KVCache:
             return 8.0 * self.dtype.itemsize
         return self.format.bits_per_value
 
-    @property
-    def folded_outliers(self) -> int:
-        """Oaken outliers folded into the middle group because a sparse list was full."""
-        return sum(layer.folded_outliers for layer in self.layers) if self.format is not None else 0
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of every layer's K and V of these device blocks (moving blocks between instances)."""
+        return self.device_pool[:, :, torch.tensor(block_ids, dtype=torch.long)].clone()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Store what ``read_blocks`` returned into these device blocks."""
+        self.device_pool[:, :, torch.tensor(block_ids, dtype=torch.long)] = data
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, host block) pairs: copy device -> host."""

@@ -5,20 +5,19 @@ from __future__ import annotations
 import torch
 
 from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
+from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.sample.sampler import SamplingRow, sample
-from kvmosaic.worker.kv_cache import KVCache
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model: torch.nn.Module, attention: AttentionBackend, eos_token_ids: tuple[int, ...]) -> None:
         self.model = model
-        self.kv_cache = kv_cache
-        self.block_size = kv_cache.block_size
+        self.attention = attention
+        self.kv_cache = attention.kv_cache
+        self.block_size = self.kv_cache.block_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.generators: dict[str, torch.Generator | None] = {}
-        # kvmosaic.distributed's DistAttention planner; None: every block is local (no extra work).
-        self.remote_attention = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -35,20 +34,31 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """Run one forward; logits rows follow the returned requests (those with sample ids)."""
-        # Decodes first so they form one batched block; prefills follow in order.
-        batch = sorted(scheduled, key=lambda s: s.num_tokens > 1)
-        spanning: frozenset[str] = frozenset()
-        if self.remote_attention is not None:
-            # Sequences with borrowed blocks go last; the local kernels never see their rows.
-            spanning = self.remote_attention.spanning(batch)
-            batch = sorted(batch, key=lambda s: s.request_id in spanning)
+        # Decodes first so they form one batched block; prefills follow in order. Sequences whose KV
+        # the backend reaches elsewhere go last: the local tables never see their rows.
+        spanning = self.attention.spanning(scheduled)
+        batch = sorted(scheduled, key=lambda s: (s.request_id in spanning, s.num_tokens > 1))
         input_ids, positions, meta, last_rows = self._prepare(batch, spanning)
-        if spanning:
-            meta.remote = self.remote_attention.bind(batch, meta)
         sampled = [(i, s) for i, s in enumerate(batch) if s.sample_ids]
         logits_indices = torch.tensor([last_rows[i] for i, _ in sampled], dtype=torch.long)
-        logits = self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
+        attention = self.attention.bind(batch, meta)
+        logits = self.model(input_ids, positions, attention, meta, logits_indices)
         return [s for _, s in sampled], logits
+
+    @torch.inference_mode()
+    def chunk_logits(self, token_ids: list[int], start: int, block_table: list[int]) -> torch.Tensor:
+        """Logits [n, vocab] of every position of one sequence's chunk at positions [start, start + n),
+        its earlier tokens already cached (evaluation needs all rows, sampling only the last)."""
+        bs = self.block_size
+        context = start + len(token_ids)
+        positions = range(start, context)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([block_table[p // bs] * bs + p % bs for p in positions], dtype=torch.long),
+            num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
+            prefills=[PrefillSpan(0, len(token_ids), context,
+                                  torch.tensor(block_table[: -(-context // bs)], dtype=torch.long))])
+        return self.model(torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                          self.attention, meta)
 
     def _prepare(self, batch: list[ScheduledRequest], spanning: frozenset[str] = frozenset()):
         ids: list[int] = []

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
-
-from kvmosaic.ops import get_ops
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -13,9 +13,8 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[N, 2F] laid out as (gate | up) -> silu(gate) * up, [N, F]. One fused pass with the C++ kernels."""
-    ops = get_ops()
+def silu_and_mul(gate_up: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
+    """[N, 2F] laid out as (gate | up) -> silu(gate) * up, [N, F]. One fused pass with the float kernels ``ops``."""
     if ops is not None and gate_up.dim() == 2 and gate_up.dtype in (torch.float32, torch.bfloat16):
         return ops.silu_and_mul(gate_up)
     return silu_and_mul_reference(gate_up)

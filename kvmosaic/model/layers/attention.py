@@ -9,21 +9,26 @@ GQA is handled by grouping: the ``g = Hq / Hkv`` query heads that share a KV
 head are laid out as extra query rows of that KV head, so K/V are never
 repeated per query head.
 
-Two implementations: the compiled kernels of ``kvmosaic.ops`` (rotary + cache
-write in one pass; decode and prefill attention reading blocks in place, with an
-online softmax), and the pure PyTorch reference they are tested against.
+Two backends: ``KernelAttention`` runs the compiled kernels of ``kvmosaic.ops`` (rotary + cache
+write in one pass; decode and prefill attention reading blocks in place, with an online softmax),
+``ReferenceAttention`` the pure PyTorch path they are tested against.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from kvmosaic.config import ModelConfig
+from kvmosaic.model.layers.backend import AttentionBackend, DecodeStack
 from kvmosaic.model.layers.rotary import RotaryEmbedding
-from kvmosaic.ops import get_ops
+
+if TYPE_CHECKING:
+    from kvmosaic.worker.kv_cache import KVCache
 
 QUERY_CHUNK = 64  # prefill queries per SDPA call when a chunk is long
 
@@ -37,21 +42,6 @@ class PrefillSpan:
     mask: torch.Tensor | None = None  # [num_tokens * g, context_len] bool, True = may attend; built when needed
 
 
-class RemoteKV(Protocol):
-    """Hook for sequences whose KV blocks partly live on other instances (``kvmosaic.distributed``).
-
-    Their rows are left out of the decode tables and prefill spans; the hook writes their K/V where
-    their blocks live and fills their attention output rows. None (the default) costs nothing.
-    """
-
-    def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-                         num_kv_heads: int) -> torch.Tensor: ...
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-               scale: float) -> None: ...
-
-
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset)
@@ -61,7 +51,10 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_context_lens: torch.Tensor | None = None  # [D] long
     positions: torch.Tensor | None = None  # [num_tokens] long
-    remote: RemoteKV | None = None  # set only in steps where some sequence has borrowed blocks
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return not self.prefills and self.num_decode_tokens == len(self.slot_mapping) > 0
 
 
 def build_causal_mask(start_pos: int, num_tokens: int, group: int) -> torch.Tensor:
@@ -123,47 +116,106 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out.view(hk, n, g, dim).transpose(0, 1).reshape(n, hq, dim)
 
 
-def rotate_and_cache(qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+def rotate_and_cache_reference(qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                               num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Split a fused qkv projection [N, (Hq + 2 Hk) * D], rotate q and k, write k and v into their
     cache slots. Returns the rotated q as [N, Hq, D]."""
-    if meta.remote is not None:
-        return meta.remote.rotate_and_cache(qkv, rotary, k_cache, v_cache, meta, num_heads, num_kv_heads)
-    ops = get_ops()
-    if ops is not None:
-        return ops.rope_and_cache(qkv, meta.positions, rotary.cos, rotary.sin, k_cache, v_cache,
-                                  meta.slot_mapping, num_heads, num_kv_heads)
     n, head_dim = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k = rotary.apply(rotary.tables(meta.positions), q.reshape(n, num_heads, head_dim),
+    q, k = rotary.apply(rotary.tables(positions), q.reshape(n, num_heads, head_dim),
                         k.reshape(n, num_kv_heads, head_dim))
-    write_kv(k_cache, v_cache, k, v.reshape(n, num_kv_heads, head_dim), meta.slot_mapping)
+    write_kv(k_cache, v_cache, k, v.reshape(n, num_kv_heads, head_dim), slot_mapping)
     return q
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+def rotate_and_cache_kernel(ops: ModuleType, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                            num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """``rotate_and_cache_reference`` in one kernel pass."""
+    return ops.rope_and_cache(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping,
+                              num_heads, num_kv_heads)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [N, Hq, D] (this step's K/V already in the cache); caches: [num_blocks, block_size, Hk, D].
     Returns [N, Hq, D]."""
     nd = meta.num_decode_tokens
-    ops = get_ops()
-    if nd == q.shape[0] and ops is not None:  # pure decode batch: no output stitching needed
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    for span in meta.prefills:
+        sl = slice(span.token_start, span.token_start + span.num_tokens)
+        out[sl] = _prefill_attention(q[sl], k_cache, v_cache, span, scale)
+    return out
+
+
+def paged_attention_kernel(ops: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``paged_attention_reference`` on the kernels (prefill chunks of head sizes the prefill kernel
+    does not cover run the reference)."""
+    nd = meta.num_decode_tokens
+    if nd == q.shape[0]:  # pure decode batch: no output stitching needed
         return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                           meta.decode_context_lens, scale)
     out = torch.empty_like(q)
     if nd:
-        if ops is not None:
-            out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, scale)
-        else:
-            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
-    prefill_kernel = ops is not None and ops.prefill_attention_supports(q.shape[-1])
+        out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, scale)
+    prefill_kernel = ops.prefill_attention_supports(q.shape[-1])
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
         if prefill_kernel:  # writes the chunk's rows of out in place
             ops.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_table, span.context_len, scale, out[sl])
         else:
             out[sl] = _prefill_attention(q[sl], k_cache, v_cache, span, scale)
-    if meta.remote is not None:
-        meta.remote.attend(q, k_cache, v_cache, out, scale)
     return out
+
+
+class ReferenceAttention(AttentionBackend):
+    """A compute-dtype cache (``kv_cache_dtype="auto"``) on the PyTorch reference path."""
+
+    def __init__(self, model: ModelConfig, kv_cache: KVCache) -> None:
+        super().__init__(model, kv_cache)
+        self.layers = kv_cache.layer_pools()  # per layer [2, num_blocks, block_size, Hk, D]
+
+    def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotate and write into any cache-shaped target (the layer's, or a scratch one)."""
+        return rotate_and_cache_reference(qkv, rotary, k_cache, v_cache, positions, slot_mapping,
+                                          self.num_heads, self.num_kv_heads)
+
+    def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        cache = self.layers[layer]
+        return self.rotate_and_cache(qkv, rotary, cache[0], cache[1], meta.positions, meta.slot_mapping)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cache = self.layers[layer]
+        return paged_attention_reference(q, cache[0], cache[1], meta, self.scale)
+
+
+class KernelAttention(ReferenceAttention):
+    """A compute-dtype cache on the C++ kernels; pure-decode steps can run all layers in one call."""
+
+    def __init__(self, model: ModelConfig, kv_cache: KVCache, ops: ModuleType) -> None:
+        super().__init__(model, kv_cache)
+        self.ops = ops
+
+    def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        return rotate_and_cache_kernel(self.ops, qkv, rotary, k_cache, v_cache, positions, slot_mapping,
+                                       self.num_heads, self.num_kv_heads)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cache = self.layers[layer]
+        return paged_attention_kernel(self.ops, q, cache[0], cache[1], meta, self.scale)
+
+    def decode_stack(self) -> DecodeStack | None:
+        return self._decode_layers if hasattr(self.ops, "decode_layers") else None
+
+    def _decode_layers(self, residual: torch.Tensor, weights: list[torch.Tensor], rotary: RotaryEmbedding,
+                       meta: AttentionMetadata, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.decode_layers(residual, weights, self.layers, meta.positions, rotary.cos, rotary.sin,
+                                      meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                      self.num_heads, self.num_kv_heads, eps, self.scale)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmosaic.model.layers.activation import silu_and_mul
-from kvmosaic.ops import get_ops
+from kvmosaic.ops import NO_KERNELS, Kernels
 from kvmosaic.ops.memory import to_huge
 
 
@@ -30,9 +30,9 @@ def _has_onednn_linear() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _packing_ops(weight: torch.Tensor):
-    ops = get_ops()
-    if ops is None or weight.device.type != "cpu" or not hasattr(ops, "packed_linear"):
+def _packing_ops(weight: torch.Tensor, kernels: Kernels):
+    ops = kernels.ops
+    if weight.device.type != "cpu" or not kernels.has("packed_linear"):
         return None
     return ops if ops.packed_linear_supports(weight.dtype, weight.shape[0], weight.shape[1]) else None
 
@@ -40,12 +40,13 @@ def _packing_ops(weight: torch.Tensor):
 class Linear(nn.Module):
     """y = x W^T + b with W given as [out_features, in_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernels: Kernels = NO_KERNELS) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.bias = bias
-        ops = _packing_ops(weight)
+        ops = _packing_ops(weight, kernels)
         if ops is not None:
             self.packed = to_huge(ops.pack_linear_weight(weight))  # streamed whole every decode step
             self.packed_bias = None if bias is None else bias.float().contiguous()
@@ -77,29 +78,30 @@ class Linear(nn.Module):
 class GatedProjection(nn.Module):
     """silu(x G^T) * (x U^T): the gate and up projections of a gated MLP and their SwiGLU."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, kernels: Kernels = NO_KERNELS) -> None:
         super().__init__()
         if gate.shape != up.shape:
             raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} projections differ in shape")
         self.in_features = gate.shape[1]
         self.out_features = gate.shape[0]
         fused = torch.cat([gate, up])
-        ops = _packing_ops(fused)
-        if ops is not None and hasattr(ops, "packed_swiglu") and ops.packed_swiglu_supports(
+        ops = _packing_ops(fused, kernels)
+        if ops is not None and kernels.has("packed_swiglu") and ops.packed_swiglu_supports(
                 fused.dtype, self.out_features, self.in_features):
             self.packed = to_huge(ops.pack_swiglu_weight(fused))
             self.kernel = ops.packed_swiglu
             self.proj = None
         else:  # the fused projection, then the activation as its own pass
             self.packed = self.kernel = None
-            self.proj = Linear(fused)
+            self.proj = Linear(fused, kernels=kernels)
+        self._ops = kernels.ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dim() == 2:
             return self.kernel(x, self.packed)
         if self.kernel is not None:
             return self.kernel(x.reshape(-1, self.in_features), self.packed).view(*x.shape[:-1], self.out_features)
-        return silu_and_mul(self.proj.forward(x))
+        return silu_and_mul(self.proj.forward(x), self._ops)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fused={self.kernel is not None}"

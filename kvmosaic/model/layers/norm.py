@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmosaic.ops import get_ops
+from kvmosaic.ops import Kernels
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """``residual += delta`` (in place, when given), then RMSNorm(residual) * weight, in HF's rounding order."""
-    ops = get_ops()
+                 eps: float, ops: ModuleType | None = None) -> torch.Tensor:
+    """``residual += delta`` (in place, when given), then RMSNorm(residual) * weight, in HF's rounding order.
+    ``ops``: the float kernels, or None for the PyTorch reference."""
     if ops is not None:
         return ops.add_rms_norm(residual, delta, weight, eps)
     if delta is not None:
@@ -22,11 +24,12 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, kernels: Kernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.eps = eps
         self._weight = self.weight.data  # a plain attribute: no nn.Module.__getattr__ per call
+        self._ops = kernels.ops
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        return add_rms_norm(residual, delta, self._weight, self.eps)
+        return add_rms_norm(residual, delta, self._weight, self.eps, self._ops)

@@ -2,10 +2,11 @@
 
 Same packed batch and metadata as ``attention.py``. New K/V rows are rotated, quantized into
 byte records and written through ``slot_mapping``; attention then reads the records back:
-decodes with the fused kernel of ``kvmosaic.ops.get_quant_ops()`` (dequantization inside the
-online-softmax loop), prefill chunks by dequantizing their context's blocks and running the float
-attention. Every token, including those of the current chunk, is attended to in its quantized form.
-The pure PyTorch path (``kvmosaic.quant.codec``) is the reference the kernels are tested against.
+decodes with the fused quantized-KV kernel (dequantization inside the online-softmax loop),
+prefill chunks by dequantizing their context's blocks and running the float attention. Every token,
+including those of the current chunk, is attended to in its quantized form. The functions take the
+kernel modules as arguments (None: the pure PyTorch path of ``kvmosaic.quant.codec``, the reference
+the kernels are tested against); ``QuantizedAttention`` is the backend that fixes them once.
 """
 
 from __future__ import annotations
@@ -13,15 +14,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
+from kvmosaic.config import ModelConfig
 from kvmosaic.model.layers import attention
 from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.model.layers.rotary import RotaryEmbedding
-from kvmosaic.ops import get_ops, get_quant_ops
+from kvmosaic.ops import Kernels
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat
+from kvmosaic.quant.thresholds import KVThresholds
+from kvmosaic.worker.kv_cache import KVCache
 
 MODE_IDS = {"int8": 0, "int4": 1, "oaken": 2}
 _NO_THRESHOLDS = torch.zeros(0)
@@ -48,14 +54,14 @@ def _thresholds(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.numel() else None
 
 
-def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                    qops: ModuleType | None) -> None:
     """Quantize rows [N, Hk, D] and scatter their records into the pools."""
     if k.shape[0] == 0:
         return
     if k.shape[1] != layer.fmt.num_kv_heads:  # int groups: sub-vectors as heads
         rows_shape = (k.shape[0], layer.fmt.num_kv_heads, layer.fmt.head_dim)
         k, v = k.reshape(rows_shape), v.reshape(rows_shape)
-    qops = get_quant_ops()
     if qops is not None:
         layer.folded_outliers += qops.quant_write(k, v, layer.k_pool, layer.v_pool, slot_mapping, *layer.args(),
                                                   layer.k_thresholds, layer.v_thresholds, layer.k_center)
@@ -70,9 +76,8 @@ def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, s
 
 
 def dequantize_blocks(pool: torch.Tensor, block_ids: torch.Tensor, layer: QuantizedKVLayer,
-                      thresholds: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                      thresholds: torch.Tensor, dtype: torch.dtype, qops: ModuleType | None) -> torch.Tensor:
     """Blocks of one pool as float rows [len(block_ids), block_size, Hk, D]."""
-    qops = get_quant_ops()
     if qops is not None:
         return qops.dequantize_blocks(pool, block_ids, *layer.args(), thresholds, dtype)
     records = pool.index_select(0, block_ids)
@@ -86,10 +91,11 @@ def _scratch_slots(n: int) -> torch.Tensor:
 
 
 def rotate_and_cache_quantized(qkv: torch.Tensor, rotary: RotaryEmbedding, layer: QuantizedKVLayer,
-                               meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """Like ``attention.rotate_and_cache``, writing quantized records. Returns q [N, Hq, D]."""
+                               meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
+                               kernels: Kernels) -> torch.Tensor:
+    """Like ``attention.rotate_and_cache_reference``, writing quantized records. Returns q [N, Hq, D]."""
     n, head_dim = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
-    ops = get_ops()
+    ops = kernels.ops
     if ops is not None:  # the float kernel rotates into a scratch "cache" of one slot per token
         scratch = qkv.new_empty(2, n, 1, num_kv_heads, head_dim)
         q = ops.rope_and_cache(qkv, meta.positions, rotary.cos, rotary.sin, scratch[0], scratch[1],
@@ -100,27 +106,28 @@ def rotate_and_cache_quantized(qkv: torch.Tensor, rotary: RotaryEmbedding, layer
         q, k = rotary.apply(rotary.tables(meta.positions), q.reshape(n, num_heads, head_dim),
                             k.reshape(n, num_kv_heads, head_dim))
         v = v.reshape(n, num_kv_heads, head_dim)
-    write_quantized(layer, k, v, meta.slot_mapping)
+    write_quantized(layer, k, v, meta.slot_mapping, kernels.quant)
     return q
 
 
 def _decode_reference(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, qops: ModuleType | None) -> torch.Tensor:
     tables = meta.decode_block_tables
     ids = tables.flatten()
     shape = (len(ids), layer.k_pool.shape[1], -1, q.shape[-1])
-    k = dequantize_blocks(layer.k_pool, ids, layer, layer.k_thresholds, q.dtype).view(shape)
-    v = dequantize_blocks(layer.v_pool, ids, layer, layer.v_thresholds, q.dtype).view(shape)
+    k = dequantize_blocks(layer.k_pool, ids, layer, layer.k_thresholds, q.dtype, qops).view(shape)
+    v = dequantize_blocks(layer.v_pool, ids, layer, layer.v_thresholds, q.dtype, qops).view(shape)
     local = dataclasses.replace(meta, decode_block_tables=torch.arange(len(ids)).view(tables.shape))
     return attention._decode_attention(q, k, v, local, scale)
 
 
-def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale: float) -> torch.Tensor:
+def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale: float,
+             kernels: Kernels) -> torch.Tensor:
     shape = (len(span.block_table), layer.k_pool.shape[1], -1, q.shape[-1])
-    k = dequantize_blocks(layer.k_pool, span.block_table, layer, layer.k_thresholds, q.dtype).view(shape)
-    v = dequantize_blocks(layer.v_pool, span.block_table, layer, layer.v_thresholds, q.dtype).view(shape)
+    k = dequantize_blocks(layer.k_pool, span.block_table, layer, layer.k_thresholds, q.dtype, kernels.quant).view(shape)
+    v = dequantize_blocks(layer.v_pool, span.block_table, layer, layer.v_thresholds, q.dtype, kernels.quant).view(shape)
     local_table = torch.arange(len(span.block_table))
-    ops = get_ops()
+    ops = kernels.ops
     if ops is not None and ops.prefill_attention_supports(q.shape[-1]):
         return ops.paged_prefill_attention(q, k, v, local_table, span.context_len, scale)
     if span.mask is None:  # built once, then reused by every layer
@@ -131,10 +138,10 @@ def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale:
 
 
 def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionMetadata,
-                              scale: float) -> torch.Tensor:
+                              scale: float, kernels: Kernels) -> torch.Tensor:
     """q: [N, Hq, D] (this step's K/V already written). Returns [N, Hq, D]."""
     nd = meta.num_decode_tokens
-    qops = get_quant_ops()
+    qops = kernels.quant
     if layer.fmt.head_dim != q.shape[-1]:  # int groups smaller than a head: the reference decode path
         qops = None
     decode_args = (MODE_IDS[layer.fmt.mode], layer.fmt.num_kv_heads, layer.fmt.sparse_capacity,
@@ -148,8 +155,42 @@ def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: At
             out[:nd] = qops.quant_decode_attention(q[:nd].contiguous(), layer.k_pool, layer.v_pool,
                                                    meta.decode_block_tables, meta.decode_context_lens, *decode_args)
         else:
-            out[:nd] = _decode_reference(q[:nd], layer, meta, scale)
+            out[:nd] = _decode_reference(q[:nd], layer, meta, scale, kernels.quant)
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
-        out[sl] = _prefill(q[sl], layer, span, scale)
+        out[sl] = _prefill(q[sl], layer, span, scale, kernels)
     return out
+
+
+class QuantizedAttention(AttentionBackend):
+    """A cache of quantized byte records (int8, int4, Oaken), on the kernels ``kernels`` holds."""
+
+    def __init__(self, model: ModelConfig, kv_cache: KVCache, kernels: Kernels,
+                 thresholds: KVThresholds | None = None) -> None:
+        super().__init__(model, kv_cache)
+        self.kernels = kernels
+        self.layers = [_quantized_layer(kv_cache.format, i, pools, thresholds)
+                       for i, pools in enumerate(kv_cache.layer_pools())]
+
+    @property
+    def folded_outliers(self) -> int:
+        """Oaken outliers folded into the middle group because a sparse list was full."""
+        return sum(layer.folded_outliers for layer in self.layers)
+
+    def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        return rotate_and_cache_quantized(qkv, rotary, self.layers[layer], meta, self.num_heads, self.num_kv_heads,
+                                          self.kernels)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_attention_quantized(q, self.layers[layer], meta, self.scale, self.kernels)
+
+
+def _quantized_layer(fmt: KVFormat, index: int, pools: torch.Tensor,
+                     thresholds: KVThresholds | None) -> QuantizedKVLayer:
+    layer = QuantizedKVLayer(pools[0], pools[1], fmt)
+    if fmt.mode == "oaken":
+        layer.k_thresholds = thresholds.layers[index, 0].clone()
+        layer.v_thresholds = thresholds.layers[index, 1].clone()
+        if thresholds.k_center[index].any():
+            layer.k_center = thresholds.k_center[index].clone()
+    return layer

@@ -1,0 +1,22 @@
+"""Builds the EngineClient a configuration asks for: one in-process Engine, or a Cluster of engine
+instances on Ray (kvmosaic.distributed) when a DistributedConfig is given."""
+
+from __future__ import annotations
+
+from kvmosaic.config import DistributedConfig, EngineConfig
+from kvmosaic.engine.protocol import EngineClient
+from kvmosaic.model.loader import load_model
+from kvmosaic.worker.worker import ModelLoader
+
+
+def build_engine(config: EngineConfig, distributed: DistributedConfig | None = None,
+                 loader: ModelLoader = load_model) -> EngineClient:
+    """``loader`` reads the weights for an in-process engine (instances on Ray load their own)."""
+    if distributed is not None:
+        from kvmosaic.distributed.cluster import Cluster  # ray is imported only for a cluster
+
+        return Cluster(config, distributed)
+    from kvmosaic.engine.engine import Engine
+    from kvmosaic.executor.local import LocalExecutor
+
+    return Engine(config, LocalExecutor(config, loader))

@@ -1,0 +1,1 @@
+"""Executors: what the engine hands each scheduled step to (a local worker, a mock, later several workers)."""

@@ -1,0 +1,38 @@
+"""One worker in this process."""
+
+from __future__ import annotations
+
+from kvmosaic.config import EngineConfig
+from kvmosaic.executor.base import Executor
+from kvmosaic.model.loader import load_model
+from kvmosaic.ops import Kernels
+from kvmosaic.outputs import ModelOutput, SchedulerOutput
+from kvmosaic.worker.worker import AttentionWrapper, ModelLoader, Worker
+
+
+class LocalExecutor(Executor):
+    def __init__(self, config: EngineConfig, loader: ModelLoader = load_model, kernels: Kernels | None = None,
+                 attention_wrapper: AttentionWrapper | None = None) -> None:
+        self.worker = Worker(config, loader, kernels, attention_wrapper)
+        self.config = self.worker.config
+        self.model_config = self.worker.model_config
+        self.tokenizer = self.worker.tokenizer
+        self.eos_token_ids = self.worker.eos_token_ids
+
+    @property
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.worker.num_host_blocks
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        return self.worker.execute(sched)
+
+    def describe(self) -> str:
+        cache, cfg = self.worker.kv_cache, self.config
+        return (f"{self.model_config.name or self.model_config.architecture}: {cache.num_blocks} KV blocks of "
+                f"{cfg.cache.block_size} tokens ({cache.num_host_blocks} host blocks), KV cache "
+                f"{cfg.cache.kv_cache_dtype} ({cache.bits_per_value:.2f} bits/value), "
+                f"attention {type(self.worker.attention).__name__}")

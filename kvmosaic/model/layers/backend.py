@@ -1,0 +1,64 @@
+"""The attention backend: how a worker's model writes each layer's K/V into the paged cache and
+attends over a packed batch. One object per worker, chosen once when the worker is built (PyTorch
+reference, C++ kernels, a quantized cache format, or a wrapper that reaches KV held elsewhere);
+the model only ever calls ``forward(layer, ...)`` on what it is handed for the step."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvmosaic.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvmosaic.model.layers.attention import AttentionMetadata
+    from kvmosaic.model.layers.rotary import RotaryEmbedding
+    from kvmosaic.outputs import ScheduledRequest
+    from kvmosaic.worker.kv_cache import KVCache
+
+# ops.decode_layers bound to this backend's caches: (residual, weights, meta, rotary) -> (residual, delta)
+DecodeStack = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class AttentionBackend(ABC):
+    def __init__(self, model: ModelConfig, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.num_heads = model.num_attention_heads
+        self.num_kv_heads = model.num_key_value_heads
+        self.head_dim = model.head_dim
+        self.scale = model.head_dim**-0.5
+
+    @abstractmethod
+    def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        """Split a fused qkv projection [N, (Hq + 2 Hk) D], rotate q and k, write k and v into the
+        layer's cache slots; returns the rotated q [N, Hq, D]."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [N, Hq, D] over each row's context (this step's K/V already written)."""
+
+    def forward(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.attend(layer, self.write(layer, qkv, rotary, meta), meta)
+
+    @property
+    def folded_outliers(self) -> int:
+        """Oaken outliers folded into the middle group because a sparse list was full (0 elsewhere)."""
+        return 0
+
+    def decode_stack(self) -> DecodeStack | None:
+        """A call that runs every decoder layer of a pure-decode step at once, or None."""
+        return None
+
+    def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:
+        """Requests of the batch whose KV this backend reaches outside the local block tables (their
+        rows are left out of the decode tables and prefill spans the runner builds)."""
+        return frozenset()
+
+    def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata) -> AttentionBackend:
+        """The backend the model uses for this step (a wrapper binds its per-step plan here)."""
+        return self

@@ -1,0 +1,131 @@
+"""The worker: everything that runs the model on this process. It loads the weights, sizes and
+allocates the KV cache, picks the attention backend once, and owns the model runner. Executors hold
+workers; the engine never sees a tensor."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+
+from kvmosaic.config import EngineConfig, ModelConfig
+from kvmosaic.model.layers.attention import KernelAttention, ReferenceAttention
+from kvmosaic.model.layers.backend import AttentionBackend
+from kvmosaic.model.layers.quant_attention import QuantizedAttention
+from kvmosaic.model.llama import LlamaForCausalLM
+from kvmosaic.model.loader import LoadedModel, load_model
+from kvmosaic.ops import Kernels
+from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvmosaic.quant import thresholds as kv_thresholds
+from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.worker import kv_sizing
+from kvmosaic.worker.kv_cache import KVCache, bytes_per_block, kv_format
+from kvmosaic.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+ModelLoader = Callable[[str | None, torch.dtype], LoadedModel]
+# Wraps the backend the worker picked (kvmosaic.distributed reaches KV held by other instances).
+AttentionWrapper = Callable[[AttentionBackend], AttentionBackend]
+
+
+def make_attention_backend(model: ModelConfig, kv_cache: KVCache, kernels: Kernels,
+                           thresholds: kv_thresholds.KVThresholds | None = None) -> AttentionBackend:
+    """The backend for a cache's format and the kernels at hand: chosen once, per worker."""
+    if kv_cache.format is not None:
+        return QuantizedAttention(model, kv_cache, kernels, thresholds)
+    if kernels.ops is not None:
+        return KernelAttention(model, kv_cache, kernels.ops)
+    return ReferenceAttention(model, kv_cache)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, loader: ModelLoader = load_model, kernels: Kernels | None = None,
+                 attention_wrapper: AttentionWrapper | None = None,
+                 thresholds: kv_thresholds.KVThresholds | None = None) -> None:
+        """``thresholds``: Oaken thresholds already in memory (a fresh calibration), instead of the
+        file the cache config names."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.kernels = kernels if kernels is not None else Kernels.load()
+        loaded = loader(config.model, config.torch_dtype)
+        self.config = config.for_model(loaded.config)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.is_default_model = config.model is None
+        self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids or loaded.config.eos_token_ids)
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.kernels,
+                                      max_positions=self.config.scheduler.max_model_len).eval()
+        self.thresholds = thresholds
+        if config.cache.kv_cache_dtype == "oaken" and self.thresholds is None:
+            identity = kv_thresholds.ModelIdentity.of(loaded.config, loaded.weights)
+            self.thresholds = kv_thresholds.for_model(config.cache.kv_thresholds, identity, self.is_default_model)
+        self.sizing: kv_sizing.KVSizing | None = None
+        self.kv_cache = self._allocate_cache()
+        backend = make_attention_backend(loaded.config, self.kv_cache, self.kernels, self.thresholds)
+        self.attention = attention_wrapper(backend) if attention_wrapper is not None else backend
+        self.runner = ModelRunner(self.model, self.attention, self.eos_token_ids)
+
+    # ------------------------------------------------------------------ KV pool
+    def _allocate_cache(self) -> KVCache:
+        cfg = self.config
+        host = None if cfg.uses_host_tier else 0  # recompute preemption never writes a host tier
+        if not cfg.cache.is_auto_sized:
+            return KVCache(self.model_config, cfg.cache, cfg.torch_dtype, self.thresholds, cfg.cache.kv_group_size,
+                           num_host_blocks=host)
+        fmt = kv_format(self.model_config, cfg.cache.kv_cache_dtype, self.thresholds, cfg.cache.kv_group_size)
+        block_bytes = bytes_per_block(self.model_config, cfg.cache.block_size, cfg.torch_dtype, fmt)
+        peak = kv_sizing.measure_peak_bytes(self._profile_run)
+        sched = cfg.scheduler
+        self.sizing = kv_sizing.size_kv_pool(
+            block_bytes, kv_sizing.available_memory_bytes(), peak,
+            max_useful_blocks=sched.max_num_seqs * math.ceil(sched.max_model_len / cfg.cache.block_size),
+            memory_utilization=cfg.cache.memory_utilization)
+        logger.info("%s", self.sizing.describe())
+        if host is None:
+            host = cfg.cache.num_host_blocks
+            host = cfg.cache.swap_space // block_bytes if host is None else host
+        return KVCache(self.model_config, cfg.cache, cfg.torch_dtype, self.thresholds, cfg.cache.kv_group_size,
+                       num_blocks=self.sizing.num_blocks, num_host_blocks=host)
+
+    def _profile_run(self) -> None:
+        """One forward over the largest batch the scheduler can form, on a throw-away cache just big
+        enough for it: its peak is the activation memory the KV pool must leave room for."""
+        batch = profile_batch(self.config)
+        num_blocks = sum(len(s.block_table) for s in batch)
+        cache = KVCache(self.model_config, self.config.cache, self.config.torch_dtype, self.thresholds,
+                        self.config.cache.kv_group_size, num_blocks=num_blocks, num_host_blocks=0)
+        backend = make_attention_backend(self.model_config, cache, self.kernels, self.thresholds)
+        ModelRunner(self.model, backend, self.eos_token_ids).compute_logits(batch)
+
+    # ------------------------------------------------------------------ execution
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        return self.runner.execute(sched)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.kv_cache.num_host_blocks
+
+
+def profile_batch(config: EngineConfig) -> list[ScheduledRequest]:
+    """Prefill chunks filling the token budget (each at most a chunk long, at most max_num_seqs of
+    them), every one sampled, laid over consecutive blocks."""
+    sched, block_size = config.scheduler, config.cache.block_size
+    chunk = max(1, min(sched.prefill_chunk, sched.max_model_len - 1))
+    batch: list[ScheduledRequest] = []
+    remaining, next_block = sched.max_num_batched_tokens, 0
+    while remaining > 0 and len(batch) < sched.max_num_seqs:
+        n = min(chunk, remaining)
+        blocks = math.ceil(n / block_size)
+        table = list(range(next_block, next_block + blocks))
+        batch.append(ScheduledRequest(f"profile-{len(batch)}", [0] * n, 0, table, SamplingParams(),
+                                      sample_ids=[f"profile-{len(batch)}"], sample_seeds=[None]))
+        remaining -= n
+        next_block += blocks
+    return batch
