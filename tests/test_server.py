@@ -26,14 +26,14 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 def server(cached_loader):
-    engine = LLM(dtype="float32", kv_cache_memory="128MiB").engine
+    engine = LLM(dtype="float32", kv_cache_memory="128MiB", model_loader=cached_loader).engine
     with BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def offline(cached_loader) -> LLM:
-    return LLM(dtype="float32", kv_cache_memory="128MiB")
+    return LLM(dtype="float32", kv_cache_memory="128MiB", model_loader=cached_loader)
 
 
 @pytest.fixture(scope="module")

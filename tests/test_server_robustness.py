@@ -27,7 +27,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def server(cached_loader):
-    engine = LLM(dtype="float32", kv_cache_memory="128MiB", max_num_seqs=1).engine
+    engine = LLM(dtype="float32", kv_cache_memory="128MiB", max_num_seqs=1, model_loader=cached_loader).engine
     with BackgroundServer(engine, ServerConfig(port=0, max_waiting=2, max_n=16, shutdown_grace=1.0)) as srv:
         yield srv
 
