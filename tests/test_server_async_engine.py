@@ -14,6 +14,7 @@ from kvmosaic.engine.async_engine import (
     OutputSink,
     QueueFullError,
     RequestAbortedError,
+    RequestFailedError,
     ServerDrainingError,
 )
 from kvmosaic.metrics import ServerMetrics
@@ -24,18 +25,21 @@ from kvmosaic.sampling_params import SamplingParams
 class FakeEngine:
     """Each step appends token id k (k = tokens so far) and one "t" of text to every live request."""
 
-    def __init__(self, fail_at_step: int | None = None) -> None:
+    def __init__(self, fail_at_step: int | None = None, fail_request: str | None = None) -> None:
         self.live: dict[str, list[int]] = {}
         self.max_tokens: dict[str, int] = {}
         self.log: list[tuple[str, ...]] = []  # ("add", id) / ("abort", id) / ("step", ids served...)
         self.gate = threading.Event()
         self.gate.set()
         self.fail_at_step = fail_at_step
+        self.fail_request = fail_request  # this request fails in its second step, as a forward-pass error would
         self.num_steps = 0
 
     def add_request(self, request_id, prompt, params=None, arrival_time=None):
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if prompt == "crash":
+            raise TypeError("the tokenizer choked")
         self.live[request_id] = []
         self.max_tokens[request_id] = params.max_tokens
         self.log.append(("add", request_id))
@@ -58,6 +62,11 @@ class FakeEngine:
         self.log.append(("step", *self.live))
         outputs = []
         for rid, tokens in list(self.live.items()):
+            if rid == self.fail_request and tokens:
+                failed = CompletionOutput(0, "t", list(tokens), 0.0, None, "abort", "the forward pass failed")
+                outputs.append(RequestOutput(rid, None, [7, 7], [failed], True, None))
+                del self.live[rid]
+                continue
             tokens.append(len(tokens))
             done = len(tokens) >= self.max_tokens[rid]
             completion = CompletionOutput(0, "t" * len(tokens), list(tokens), 0.0, None, "length" if done else None)
@@ -90,8 +99,9 @@ def _run(test) -> None:
     asyncio.run(asyncio.wait_for(test(), 30))
 
 
-def _started(fake: FakeEngine, max_waiting: int = 4, metrics: ServerMetrics | None = None) -> AsyncEngine:
-    engine = AsyncEngine(fake, max_waiting=max_waiting, metrics=metrics)
+def _started(fake: FakeEngine, max_waiting: int = 4, metrics: ServerMetrics | None = None,
+             on_fatal=None) -> AsyncEngine:
+    engine = AsyncEngine(fake, max_waiting=max_waiting, metrics=metrics, on_fatal=on_fatal)
     engine.start()  # inside the test's event loop
     return engine
 
@@ -187,13 +197,61 @@ def test_drain_refuses_new_requests_and_ends_late_ones_with_an_error():
 
 def test_engine_failure_fails_every_request_and_refuses_new_ones():
     async def test():
-        engine = _started(FakeEngine(fail_at_step=2))
-        sink = await _submit(engine, "a", 50)
-        seen = await _until_finished(sink, "a")
-        assert isinstance(seen[-1], EngineDeadError) and "kernel exploded" in str(seen[-1])
-        assert not engine.alive
-        with pytest.raises(EngineDeadError):
-            await engine.add_request("b", [1], _params(1), OutputSink())
+        fatal: list[tuple[BaseException, str]] = []
+        engine = _started(FakeEngine(fail_at_step=2),
+                          on_fatal=lambda exc: fatal.append((exc, threading.current_thread().name)))
+        sinks = [await _submit(engine, rid, 50) for rid in ("a", "b")]
+        for rid, sink in zip(("a", "b"), sinks):
+            seen = await _until_finished(sink, rid)
+            assert isinstance(seen[-1], EngineDeadError) and "RuntimeError: kernel exploded" in str(seen[-1])
+        assert not engine.alive and engine.failure == "RuntimeError: kernel exploded"
+        while not fatal:  # called right after the errors were handed to the event loop
+            await asyncio.sleep(0.01)
+        assert len(fatal) == 1 and str(fatal[0][0]) == "kernel exploded" and fatal[0][1] == "kvmosaic-engine"
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
+            await engine.add_request("c", [1], _params(1), OutputSink())
+
+    _run(test)
+
+
+def test_a_failing_on_fatal_callback_is_only_logged():
+    async def test():
+        def on_fatal(exc):
+            raise RuntimeError("callback bug")
+
+        engine = _started(FakeEngine(fail_at_step=1), on_fatal=on_fatal)
+        sink = await _submit(engine, "a", 5)
+        assert isinstance((await _until_finished(sink, "a"))[-1], EngineDeadError)
+        assert engine.failure == "RuntimeError: kernel exploded"
+
+    _run(test)
+
+
+def test_unexpected_add_error_refuses_only_that_request():
+    async def test():
+        fake = FakeEngine()
+        engine = _started(fake, max_waiting=1)
+        with pytest.raises(RequestFailedError, match="TypeError: the tokenizer choked"):
+            await engine.add_request("bad", "crash", _params(2), OutputSink())
+        assert ("abort", "bad") in fake.log  # withdrawn, in case the engine kept part of it
+        sink = await _submit(engine, "good", 2)  # the loop goes on and the queue slot was given back
+        assert (await _until_finished(sink, "good"))[-1].finished
+        assert engine.alive and engine.failure is None
+        engine.shutdown()
+
+    _run(test)
+
+
+def test_request_the_engine_fails_ends_with_its_error_and_the_rest_go_on():
+    async def test():
+        engine = _started(FakeEngine(fail_request="a"))
+        sink_a, sink_b = await _submit(engine, "a", 5), await _submit(engine, "b", 3)
+        seen = await _until_finished(sink_a, "a")
+        assert isinstance(seen[-1], RequestFailedError) and str(seen[-1]) == "the forward pass failed"
+        assert all(o.outputs[0].text == "t" for o in seen[:-1])  # what came before the failure (if not coalesced)
+        assert (await _until_finished(sink_b, "b"))[-1].outputs[0].text == "ttt"
+        assert engine.alive
+        engine.shutdown()
 
     _run(test)
 

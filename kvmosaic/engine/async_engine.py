@@ -5,6 +5,12 @@ thread-safe queue and receive outputs in an ``OutputSink`` on their event loop. 
 iteration applies pending commands, then runs one ``step()``, so an abort frees a request's
 KV blocks before the next step. Admission is bounded: beyond ``max_waiting`` requests that
 have not produced their first token, ``add_request`` raises ``QueueFullError``.
+
+Failures stay as small as they can: an exception while adding one request refuses only that
+request; an output the engine ends with finish reason "abort" (its error in ``stop_reason``)
+ends only that request, with a ``RequestFailedError``. An exception from ``step()`` leaves the
+engine in a state nobody can trust, so the loop stops: every live request gets an
+``EngineDeadError``, ``failure`` says why, and ``on_fatal`` (if given) is called with the error.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +61,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The engine dropped a request before it finished (shutdown deadline, engine failure)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not take or run one request; other requests go on."""
 
 
 SinkItem = RequestOutput | BaseException
@@ -118,11 +128,14 @@ _STOP = object()
 
 class AsyncEngine:
     def __init__(self, engine: EngineCore, max_waiting: int = 256, metrics: ServerMetrics | None = None,
-                 idle_poll_seconds: float = 0.5) -> None:
+                 idle_poll_seconds: float = 0.5, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """``on_fatal(error)`` is called on the loop thread once the engine has failed and every live
+        request has its error (``kvmosaic serve`` uses it to exit, so that a supervisor restarts it)."""
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.idle_poll_seconds = idle_poll_seconds
+        self.on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Tracked] = {}  # loop thread only
         self._num_queued = 0  # accepted requests without a first output; guarded by _lock
@@ -146,6 +159,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine loop died, or None while it has not failed."""
+        return None if self._error is None else _describe(self._error)
+
+    @property
     def draining(self) -> bool:
         return self._drain.requested
 
@@ -160,7 +178,7 @@ class AsyncEngine:
         if self._drain.requested:
             raise ServerDrainingError("the server is shutting down and accepts no new requests")
         if not self.alive:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(f"the engine failed: {self.failure}" if self._error else "the engine is not running")
         with self._lock:
             if self._num_queued >= self.max_waiting:
                 raise QueueFullError(f"too many requests are waiting ({self._num_queued}); retry later")
@@ -199,12 +217,21 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
                     self._publish_stats()
-        except BaseException as exc:  # die loudly: log, fail every caller, refuse new work
-            logger.exception("engine loop failed")
-            self._error = exc
-            self._fail_all(EngineDeadError(f"engine failure: {exc!r}"))
+        except BaseException as exc:  # die loudly: log, fail every caller, refuse new work, tell the owner
+            self._die(exc)
             return
         self._fail_all(EngineDeadError("the server shut down before the request finished"))
+
+    def _die(self, exc: BaseException) -> None:
+        logger.critical("the engine failed; every live request ends with an error", exc_info=exc)
+        self._error = exc
+        self._fail_all(EngineDeadError(f"the engine failed: {_describe(exc)}"))
+        if self.on_fatal is None:
+            return
+        try:
+            self.on_fatal(exc)
+        except Exception:  # noqa: BLE001 - the loop is already dead; the callback's failure is only logged
+            logger.exception("on_fatal failed")
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command; False once asked to stop."""
@@ -225,14 +252,27 @@ class AsyncEngine:
                 return True
 
     def _add(self, command: _Add) -> None:
+        """Hand one request to the engine; whatever add_request raises refuses only this request."""
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
             self._release_queued()
-            self._call(_resolve, command.accepted, exc)
+            self._call(_resolve, command.accepted, self._refusal(command.request_id, exc))
             return
         self._requests[command.request_id] = _Tracked(command.sink)
         self._call(_resolve, command.accepted, None)
+
+    def _refusal(self, request_id: str, exc: Exception) -> Exception:
+        """ValueError: the request is bad, as is. Anything else is a bug: logged, and the request withdrawn
+        in case the engine took part of it."""
+        if isinstance(exc, ValueError):
+            return exc
+        logger.error("the engine raised while adding request %s", request_id, exc_info=exc)
+        try:
+            self.engine.abort(request_id, emit_output=False)
+        except Exception:  # noqa: BLE001 - nothing of it was registered
+            logger.debug("nothing to withdraw for request %s", request_id, exc_info=True)
+        return RequestFailedError(f"the engine could not take the request: {_describe(exc)}")
 
     def _abort(self, command: _Abort) -> None:
         tracked = self._requests.pop(command.request_id, None)
@@ -266,7 +306,9 @@ class AsyncEngine:
                 del self._requests[output.request_id]
                 if self.metrics is not None:
                     self.metrics.observe_finished(output)
-            self._call(tracked.sink.push, output.request_id, output)
+            failure = failure_reason(output)
+            item = output if failure is None else RequestFailedError(failure)
+            self._call(tracked.sink.push, output.request_id, item)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, tracked in list(self._requests.items()):
@@ -304,6 +346,22 @@ class AsyncEngine:
         """Run fn(*args) on the caller's event loop."""
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
             self._loop.call_soon_threadsafe(fn, *args)
+
+
+def failure_reason(output: RequestOutput) -> str | None:
+    """The error of a request the engine failed: it ends it with finish reason "abort" and the error as
+    stop reason (the AsyncEngine's own aborts emit no output, so every "abort" seen here is a failure)."""
+    if not output.finished:
+        return None
+    for completion in output.outputs:
+        if completion.finish_reason == "abort":
+            reason = completion.stop_reason
+            return reason if isinstance(reason, str) and reason else "the engine aborted the request"
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

@@ -3,7 +3,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics.
 On SIGINT/SIGTERM the server stops accepting connections and new requests (503), lets
 in-flight requests finish for ``shutdown_grace`` seconds, then ends the rest with a clean
-error and exits.
+error and exits. Request bodies must be valid text (``request_text``). If the engine loop fails,
+/health answers 503 with the reason and ``run_server`` stops and returns exit status 1, so that a
+supervisor restarts the server instead of it answering 503 forever.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvmosaic.engine.async_engine import AsyncEngine
@@ -33,6 +35,7 @@ from kvmosaic.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from kvmosaic.entrypoints.openai.request_text import TextCheckedRoute
 from kvmosaic.entrypoints.openai.serving_chat import ChatServing
 from kvmosaic.entrypoints.openai.serving_common import ServingContext
 from kvmosaic.entrypoints.openai.serving_completions import CompletionServing
@@ -71,9 +74,11 @@ def model_names(engine: Engine, served_name: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+def build_app(engine: Engine, config: ServerConfig,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app; ``on_fatal(error)`` is called (on the engine thread) if the engine loop fails."""
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, config.max_waiting, metrics)
+    async_engine = AsyncEngine(engine, config.max_waiting, metrics, on_fatal=on_fatal)
     ctx = ServingContext(
         engine=async_engine, tokenizer=engine.tokenizer, chat_encoder=ChatPromptEncoder(engine.tokenizer),
         model_names=model_names(engine, config.served_model_name), max_model_len=engine.max_model_len,
@@ -91,34 +96,42 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.include_router(_routes(ctx, async_engine, metrics))
+    return app
+
+
+def _routes(ctx: ServingContext, async_engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
+    router = APIRouter(route_class=TextCheckedRoute)
     completions, chat = CompletionServing(ctx), ChatServing(ctx)
 
-    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    @router.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completions.create(body, raw)
 
-    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    @router.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)])
 
-    @app.get("/health")
+    @router.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> JSONResponse:
+        if async_engine.failure is not None:
+            return ApiError(503, f"the engine failed: {async_engine.failure}", code="engine_failed").response()
         if async_engine.draining:
             return ApiError(503, "the server is shutting down", code="unavailable").response()
         if not async_engine.alive:
             return ApiError(503, "the engine is not running", code="unavailable").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         content, content_type = metrics.render()
         return Response(content, media_type=content_type)
 
-    return app
+    return router
 
 
 class _Server(uvicorn.Server):
@@ -134,8 +147,9 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def make_server(engine: Engine, config: ServerConfig) -> _Server:
-    app = build_app(engine, config)
+def make_server(engine: Engine, config: ServerConfig,
+                on_fatal: Callable[[BaseException], None] | None = None) -> _Server:
+    app = build_app(engine, config, on_fatal)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
         timeout_graceful_shutdown=config.shutdown_grace + 5.0,  # backstop after the engine's own deadline
@@ -173,8 +187,15 @@ class BackgroundServer:
 
 
 def run_server(engine: Engine, config: ServerConfig) -> int:
-    """Serve until SIGINT/SIGTERM; returns the process exit code (0 after a graceful shutdown)."""
-    server = make_server(engine, config)
+    """Serve until SIGINT/SIGTERM or an engine failure; returns the process exit code: 0 after a
+    graceful shutdown, 1 if the server did not start or the engine failed."""
+    failures: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:  # on the engine thread, after every live request got its error
+        failures.append(exc)
+        server.should_exit = True  # uvicorn's main loop polls this flag
+
+    server = make_server(engine, config, on_fatal)
     # uvicorn re-raises the signal it caught once it has shut down; the drain already handled it.
     previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -182,6 +203,10 @@ def run_server(engine: Engine, config: ServerConfig) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if failures:
+        logger.critical("exiting with status 1 because the engine failed (%s: %s); restart the server",
+                        type(failures[0]).__name__, failures[0])
+        return 1
     return 0 if server.started else 1
 
 

@@ -1,8 +1,8 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
 
-Status codes: 400 bad values or malformed JSON, 404 unknown model or route, 422 a request that
-does not match the schema, 503 queue full / shutting down / engine down. A 500 means a bug and
-is logged with its traceback.
+Status codes: 400 bad values, text that is not valid Unicode, or malformed JSON; 404 unknown model
+or route; 422 a request that does not match the schema; 503 queue full / shutting down / engine
+down. A 500 means a bug or a failure inside the engine, and is logged with its traceback.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) | {"prompt", "mess
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        message = _encodable(message)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else _encodable(param)
         self.code = code
 
     def detail(self) -> ErrorDetail:
@@ -40,6 +41,11 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(ErrorResponse(error=self.detail()).model_dump(), status_code=self.status)
+
+
+def _encodable(text: str) -> str:
+    """A message may quote client input; a lone surrogate in it would make the error body unencodable."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

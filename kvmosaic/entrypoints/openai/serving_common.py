@@ -14,6 +14,7 @@ from kvmosaic.engine.async_engine import (
     OutputSink,
     QueueFullError,
     RequestAbortedError,
+    RequestFailedError,
     ServerDrainingError,
 )
 from kvmosaic.entrypoints.openai.chat_prompt import ChatPromptEncoder
@@ -163,6 +164,8 @@ def _api_error(exc: BaseException) -> BaseException:
         return ApiError(503, f"the server is overloaded: {exc}", code="queue_full")
     if isinstance(exc, ServerDrainingError | EngineDeadError):
         return ApiError(503, str(exc), code="unavailable")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), code="engine_error")
     return exc
 
 
@@ -170,5 +173,7 @@ def engine_error(exc: BaseException) -> ApiError:
     """The error a request gets when the engine drops it mid-way (shutdown deadline, engine failure)."""
     if isinstance(exc, RequestAbortedError | EngineDeadError):
         return ApiError(503, str(exc), code="aborted")
+    if isinstance(exc, RequestFailedError):  # the engine logged it; other requests go on
+        return ApiError(500, str(exc), code="engine_error")
     logger.error("request failed", exc_info=exc)
     return ApiError(500, f"internal server error: {type(exc).__name__}")
