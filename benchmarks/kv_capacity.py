@@ -89,7 +89,7 @@ def main() -> None:
     vocab = llms[args.modes[0]].engine.model_config.vocab_size
     rows = {}
     for mode, llm in llms.items():
-        cache = llm.engine.kv_cache
+        cache = llm.engine.executor.worker.kv_cache
         max_batch = cache.num_blocks // blocks_per_seq
         rows[mode] = {"mode": mode, "bits_per_value": cache.bits_per_value, "bytes_per_block": cache.bytes_per_block,
                       "num_blocks": cache.num_blocks, "max_batch": max_batch,

@@ -5,6 +5,10 @@ same dtype for both engines, measured side by side in one run. Prints a table
 and writes JSON.
 
     python benchmarks/throughput.py [--dtype float32] [--num-requests 64] [--json out.json]
+
+``--compare-tree DIR --rounds N`` instead times kvmosaic from this tree against the kvmosaic of
+another checkout (e.g. a worktree of the previous commit, its kernels built) in N interleaved
+rounds, each in its own process, the order alternating, and reports the per-round ratio.
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from kvmosaic import LLM, SamplingParams
+from kvmosaic.ops.cpu import isa_summary
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -33,7 +41,7 @@ def run_kvmosaic(prompts, output_len: int, dtype: str) -> dict:
     llm = LLM(dtype=dtype, kv_cache_memory="2GiB", max_num_seqs=len(prompts), max_num_batched_tokens=2048)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    llm.engine.kv_manager.reset_prefix_cache()
+    llm.engine.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -69,6 +77,43 @@ def run_hf(prompts, output_len: int, dtype: str, batch_size: int) -> dict:
             "first_tokens": first[:4]}
 
 
+def run_tree(tree: Path, dtype: str, num_requests: int) -> float:
+    """kvmosaic output tok/s from the checkout at ``tree``, in a fresh process (its own throughput.py)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        subprocess.run([sys.executable, str(tree / "benchmarks" / "throughput.py"), "--skip-hf", "--dtype", dtype,
+                        "--num-requests", str(num_requests), "--json", str(out)],
+                       check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rows = json.loads(out.read_text())["results"]
+    return rows[0]["output_tokens"] / rows[0]["seconds"]
+
+
+def compare_trees(other: Path, dtype: str, num_requests: int, rounds: int, json_path: str | None) -> None:
+    here = Path(__file__).resolve().parent.parent
+    trees = {"this tree": here, f"{other}": other.resolve()}
+    rates: dict[str, list[float]] = {name: [] for name in trees}
+    for r in range(rounds):
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+        for name in order:
+            rates[name].append(run_tree(trees[name], dtype, num_requests))
+    names = list(trees)
+    ratios = [a / b for a, b in zip(rates[names[0]], rates[names[1]])]
+    print(f"\nkvmosaic output tok/s, {num_requests} requests, {dtype}, {isa_summary()}, "
+          f"{rounds} interleaved rounds (one process each)")
+    print(f"{'round':>5} {names[0]:>12} {names[1][-30:]:>32} {'ratio':>7}")
+    for r in range(rounds):
+        print(f"{r:>5} {rates[names[0]][r]:12.1f} {rates[names[1]][r]:32.1f} {ratios[r]:7.3f}")
+    print(f"best: {max(rates[names[0]]):.1f} vs {max(rates[names[1]]):.1f} "
+          f"({max(rates[names[0]]) / max(rates[names[1]]):.3f}x)")
+    out = Path(json_path) if json_path else RESULTS / f"throughput_compare_{dtype}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"dtype": dtype, "isa": isa_summary(), "num_requests": num_requests,
+                               "trees": {n: str(t) for n, t in trees.items()}, "rates": rates,
+                               "ratios": ratios}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -78,7 +123,13 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    parser.add_argument("--compare-tree", type=Path, default=None,
+                        help="another checkout to time kvmosaic against, interleaved (no HF run)")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.compare_tree is not None:
+        compare_trees(args.compare_tree, args.dtype, args.num_requests, args.rounds, args.json)
+        return
     torch.set_num_threads(os.cpu_count() or 1)
 
     prompts = make_prompts(args.num_requests, args.prompt_len, 49152)
@@ -90,7 +141,7 @@ def main() -> None:
         row["output_tokens_per_s"] = row["output_tokens"] / row["seconds"]
     base = rows[0]["output_tokens_per_s"]
     print(f"\n{args.num_requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens, "
-          f"{args.dtype}, {torch.get_num_threads()} threads")
+          f"{args.dtype}, {torch.get_num_threads()} threads, {isa_summary()}")
     print(f"{'engine':32} {'seconds':>9} {'req/s':>8} {'out tok/s':>10} {'kvmosaic x':>11}")
     for row in rows:
         print(f"{row['engine']:32} {row['seconds']:9.2f} {row['requests_per_s']:8.3f} "
@@ -100,7 +151,8 @@ def main() -> None:
         print(f"first greedy tokens identical across engines: {same}")
     out = Path(args.json) if args.json else RESULTS / f"throughput_{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.machine(), "threads": torch.get_num_threads(), "dtype": args.dtype,
+    meta = {"machine": platform.machine(), "isa": isa_summary(), "threads": torch.get_num_threads(),
+            "dtype": args.dtype,
             "num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len}
     out.write_text(json.dumps({"config": meta, "results": rows}, indent=2))
     print(f"wrote {out}")

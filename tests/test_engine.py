@@ -224,7 +224,7 @@ def test_exported_hf_dir_and_bfloat16(cached_loader, default_model, reference, t
                  kv_cache_memory="64MiB", block_size=8)
     assert _tokens(hf_dir.generate(PROMPTS, _greedy())) == reference
     bf16 = LLM(model_loader=cached_loader, dtype="bfloat16", kv_cache_memory="64MiB")
-    assert bf16.engine.kv_cache.device_pool.dtype == torch.bfloat16
+    assert bf16.engine.executor.worker.kv_cache.device_pool.dtype == torch.bfloat16
     # bfloat16 rounding may flip a late greedy choice, but the start of the answer is the same
     first = [t[:3] for t in _tokens(bf16.generate(PROMPTS, _greedy()))]
     assert sum(a == b[:3] for a, b in zip(first, reference)) >= 6

@@ -18,7 +18,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype; auto = bfloat16 on CPUs with AVX512-BF16, else float32")
-    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--kv-cache-memory", default="auto",
+                   help="KV pool size such as 2GiB; auto: profile, then take a share of the RAM still available")
+    p.add_argument("--memory-utilization", type=float, default=0.5,
+                   help="with --kv-cache-memory auto: the share of available RAM the KV pool may take")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -49,7 +52,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def _make_llm(args: argparse.Namespace, **engine_kwargs) -> LLM:
     return LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-               block_size=args.block_size, max_model_len=args.max_model_len,
+               memory_utilization=args.memory_utilization, block_size=args.block_size, max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                kv_cache_dtype=args.kv_cache_dtype, kv_thresholds=args.kv_thresholds, **engine_kwargs)
 
