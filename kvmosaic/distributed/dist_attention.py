@@ -21,14 +21,16 @@ from typing import Protocol
 import torch
 
 from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention
+from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.model.layers.attention import AttentionMetadata, ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend, DecodeStack
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.outputs import ScheduledRequest
 
 
-class CreditorLost(RuntimeError):
-    """A creditor holding KV blocks of this step's sequences is unreachable."""
+class CreditorLost(RetryableStepError):
+    """A creditor holding KV blocks of this step's sequences is unreachable (the instance marks it
+    dead and recomputes what it held; the step itself runs again)."""
 
     def __init__(self, instance_ids: set[int], detail: str) -> None:
         super().__init__(f"KV blocks on instance(s) {sorted(instance_ids)} are lost: {detail}")

@@ -25,7 +25,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvmosaic.engine.async_engine import AsyncEngine
-from kvmosaic.engine.engine import Engine
+from kvmosaic.engine.protocol import EngineClient
 from kvmosaic.entrypoints.openai.chat_prompt import ChatPromptEncoder
 from kvmosaic.entrypoints.openai.errors import ApiError, install_error_handlers
 from kvmosaic.entrypoints.openai.protocol import (
@@ -66,7 +66,7 @@ class ServerConfig:
             raise ValueError("shutdown_grace must be >= 0")
 
 
-def model_names(engine: Engine, served_name: str | None) -> tuple[str, ...]:
+def model_names(engine: EngineClient, served_name: str | None) -> tuple[str, ...]:
     """The names clients may send as ``model``: the served name first, then the model path."""
     path = engine.config.model
     derived = DEFAULT_MODEL_NAME if path is None else Path(path).name.removesuffix(".gguf")
@@ -74,7 +74,7 @@ def model_names(engine: Engine, served_name: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def build_app(engine: Engine, config: ServerConfig,
+def build_app(engine: EngineClient, config: ServerConfig,
               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The app; ``on_fatal(error)`` is called (on the engine thread) if the engine loop fails."""
     metrics = ServerMetrics()
@@ -147,7 +147,7 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def make_server(engine: Engine, config: ServerConfig,
+def make_server(engine: EngineClient, config: ServerConfig,
                 on_fatal: Callable[[BaseException], None] | None = None) -> _Server:
     app = build_app(engine, config, on_fatal)
     uv_config = uvicorn.Config(
@@ -161,7 +161,7 @@ class BackgroundServer:
     """A server on ``config.host`` (port 0: a free one) in a background thread, as a context manager.
     For tests, notebooks and benchmarks that need a live endpoint inside one Python process."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self._socket = socket.create_server((config.host, config.port))
         host, port = self._socket.getsockname()[:2]
         self.url = f"http://{host}:{port}"
@@ -186,7 +186,7 @@ class BackgroundServer:
         self._socket.close()
 
 
-def run_server(engine: Engine, config: ServerConfig) -> int:
+def run_server(engine: EngineClient, config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM or an engine failure; returns the process exit code: 0 after a
     graceful shutdown, 1 if the server did not start or the engine failed."""
     failures: list[BaseException] = []
