@@ -81,3 +81,17 @@ def lazy_zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if madvise is not None:
         madvise(raw.data_ptr() + offset, nbytes, _MADV_HUGEPAGE)  # best effort, as in empty_huge
     return raw[offset: offset + nbytes].view(dtype).view(shape)
+
+
+def release_free_memory() -> None:
+    """Hand memory the C allocator holds but no longer uses back to the OS (glibc's malloc_trim).
+    Loading dequantizes whole tensors and the sizing run allocates a full batch of activations; their
+    freed pages otherwise stay in the process's heap and count as resident for good."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # not glibc
+        return
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)

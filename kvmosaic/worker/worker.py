@@ -17,6 +17,7 @@ from kvmosaic.model.layers.quant_attention import QuantizedAttention
 from kvmosaic.model.llama import LlamaForCausalLM
 from kvmosaic.model.loader import LoadedModel, load_model
 from kvmosaic.ops import Kernels
+from kvmosaic.ops.memory import release_free_memory
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.quant import thresholds as kv_thresholds
 from kvmosaic.sampling_params import SamplingParams
@@ -67,6 +68,8 @@ class Worker:
         backend = make_attention_backend(loaded.config, self.kv_cache, self.kernels, self.thresholds)
         self.attention = attention_wrapper(backend) if attention_wrapper is not None else backend
         self.runner = ModelRunner(self.model, self.attention, self.eos_token_ids)
+        del loaded, backend  # the loader's weights dict holds tensors the model copied (fused, packed)
+        release_free_memory()  # what loading and the sizing run freed
 
     # ------------------------------------------------------------------ KV pool
     def _allocate_cache(self) -> KVCache:
