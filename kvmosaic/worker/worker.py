@@ -73,25 +73,29 @@ class Worker:
 
     # ------------------------------------------------------------------ KV pool
     def _allocate_cache(self) -> KVCache:
-        cfg = self.config
-        host = None if cfg.uses_host_tier else 0  # recompute preemption never writes a host tier
-        if not cfg.cache.is_auto_sized:
-            return KVCache(self.model_config, cfg.cache, cfg.torch_dtype, self.thresholds, cfg.cache.kv_group_size,
-                           num_host_blocks=host)
-        fmt = kv_format(self.model_config, cfg.cache.kv_cache_dtype, self.thresholds, cfg.cache.kv_group_size)
-        block_bytes = bytes_per_block(self.model_config, cfg.cache.block_size, cfg.torch_dtype, fmt)
+        cfg, cache = self.config, self.config.cache
+        fmt = kv_format(self.model_config, cache.kv_cache_dtype, self.thresholds, cache.kv_group_size)
+        block_bytes = bytes_per_block(self.model_config, cache.block_size, cfg.torch_dtype, fmt)
+        if cache.is_auto_sized:
+            num_blocks = self._size_pool(block_bytes)
+        else:
+            num_blocks = cache.resolve_num_blocks(block_bytes)[0]
+        host = 0  # recompute preemption never writes a host tier
+        if cfg.uses_host_tier:
+            host = cache.num_host_blocks if cache.num_host_blocks is not None else cache.swap_space // block_bytes
+        return KVCache(self.model_config, cache, cfg.torch_dtype, self.thresholds, cache.kv_group_size,
+                       num_blocks=num_blocks, num_host_blocks=host)
+
+    def _size_pool(self, block_bytes: int) -> int:
+        """Blocks for kv_cache_memory="auto": a share of the RAM left after the activation peak."""
         peak = kv_sizing.measure_peak_bytes(self._profile_run)
-        sched = cfg.scheduler
+        sched = self.config.scheduler
         self.sizing = kv_sizing.size_kv_pool(
             block_bytes, kv_sizing.available_memory_bytes(), peak,
-            max_useful_blocks=sched.max_num_seqs * math.ceil(sched.max_model_len / cfg.cache.block_size),
-            memory_utilization=cfg.cache.memory_utilization)
+            max_useful_blocks=sched.max_num_seqs * math.ceil(sched.max_model_len / self.config.cache.block_size),
+            memory_utilization=self.config.cache.memory_utilization)
         logger.info("%s", self.sizing.describe())
-        if host is None:
-            host = cfg.cache.num_host_blocks
-            host = cfg.cache.swap_space // block_bytes if host is None else host
-        return KVCache(self.model_config, cfg.cache, cfg.torch_dtype, self.thresholds, cfg.cache.kv_group_size,
-                       num_blocks=self.sizing.num_blocks, num_host_blocks=host)
+        return self.sizing.num_blocks
 
     def _profile_run(self) -> None:
         """One forward over the largest batch the scheduler can form, on a throw-away cache just big
