@@ -76,22 +76,23 @@ class Worker:
         cfg, cache = self.config, self.config.cache
         fmt = kv_format(self.model_config, cache.kv_cache_dtype, self.thresholds, cache.kv_group_size)
         block_bytes = bytes_per_block(self.model_config, cache.block_size, cfg.torch_dtype, fmt)
-        if cache.is_auto_sized:
-            num_blocks = self._size_pool(block_bytes)
-        else:
-            num_blocks = cache.resolve_num_blocks(block_bytes)[0]
         host = 0  # recompute preemption never writes a host tier
         if cfg.uses_host_tier:
             host = cache.num_host_blocks if cache.num_host_blocks is not None else cache.swap_space // block_bytes
+        if cache.is_auto_sized:
+            num_blocks = self._size_pool(block_bytes, host * block_bytes)
+        else:
+            num_blocks = cache.resolve_num_blocks(block_bytes)[0]
         return KVCache(self.model_config, cache, cfg.torch_dtype, self.thresholds, cache.kv_group_size,
                        num_blocks=num_blocks, num_host_blocks=host)
 
-    def _size_pool(self, block_bytes: int) -> int:
-        """Blocks for kv_cache_memory="auto": a share of the RAM left after the activation peak."""
+    def _size_pool(self, block_bytes: int, host_tier_bytes: int) -> int:
+        """Blocks for kv_cache_memory="auto": a share of the RAM left after the activation peak and
+        the host swap tier (which fills as requests are swapped out)."""
         peak = kv_sizing.measure_peak_bytes(self._profile_run)
         sched = self.config.scheduler
         self.sizing = kv_sizing.size_kv_pool(
-            block_bytes, kv_sizing.available_memory_bytes(), peak,
+            block_bytes, kv_sizing.available_memory_bytes() - host_tier_bytes, peak,
             max_useful_blocks=sched.max_num_seqs * math.ceil(sched.max_model_len / self.config.cache.block_size),
             memory_utilization=self.config.cache.memory_utilization)
         logger.info("%s", self.sizing.describe())
