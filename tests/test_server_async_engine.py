@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from kvmosaic.engine.async_engine import (
-    AsyncEngine,
+from kvmosaic.engine.async_engine import AsyncEngine
+from kvmosaic.engine.output_sink import (
     EngineDeadError,
     OutputSink,
     QueueFullError,

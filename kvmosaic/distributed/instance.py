@@ -123,7 +123,7 @@ class Instance:
         with self.lock:
             stats = self.engine.stats()
             stats.update(self.rmanager.stats())
-            stats["dist_table_blocks"] = stats.pop("kv_table_blocks")
+            stats["dist_table_blocks"] = self.engine.num_table_blocks()
         d = self.attention.dist.stats
         stats.update({"dist_remote_steps": d.steps, "dist_remote_calls": d.layer_calls,
                       "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds})

@@ -176,6 +176,12 @@ class Engine:
         with self.kv_lock:
             return self.kv_manager.requests_holding(block_ids)
 
+    def num_table_blocks(self) -> int:
+        """Blocks in all block tables (the distributed stats' denominator; not part of stats(), which
+        the server reads every loop iteration)."""
+        with self.kv_lock:
+            return self.kv_manager.num_table_blocks()
+
     def reset_prefix_cache(self) -> None:
         with self.kv_lock:
             self.kv_manager.reset_prefix_cache()
@@ -206,7 +212,6 @@ class Engine:
             "kv_blocks_total": self.kv_manager.num_blocks,
             "kv_blocks_used": self.kv_manager.num_used_blocks,
             "kv_blocks_free": self.kv_manager.num_free_blocks,
-            "kv_table_blocks": self.kv_manager.num_table_blocks(),
             "prefix_cache_queries": cache["queries"],
             "prefix_cache_hits": cache["hits"],
             "prefix_cache_hit_rate": cache["hit_rate"],

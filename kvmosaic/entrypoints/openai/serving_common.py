@@ -8,8 +8,8 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvmosaic.engine.async_engine import (
-    AsyncEngine,
+from kvmosaic.engine.async_engine import AsyncEngine
+from kvmosaic.engine.output_sink import (
     EngineDeadError,
     OutputSink,
     QueueFullError,
