@@ -1,10 +1,12 @@
 """Optional C++ kernels (packed linears and gate/up SwiGLU, rotary + cache write, paged decode and
 prefill attention, the whole decode step; quantized KV cache).
 
-They are compiled once at install (`python -m kvmosaic.ops.build`, run by the
-Makefile) into ``kvmosaic/ops/_build``. When they are missing, or when
-``KVMOSAIC_DISABLE_OPS=1``, the pure-PyTorch reference path runs instead; the
-tests check the two against each other.
+Each source in ``csrc/`` is written once over the vector type of ``csrc/vec.h`` and compiled once
+per ISA level (``levels.py``: AVX-512, AVX2+FMA, portable) at install
+(`python -m kvmosaic.ops.build`, run by the Makefile) into ``kvmosaic/ops/_build/<level>``. The
+best level this CPU runs is loaded unless ``KVMOSAIC_ISA`` or ``Kernels.load(level=...)`` names
+another. When the kernels are missing, or when ``KVMOSAIC_DISABLE_OPS=1``, the pure-PyTorch
+reference path runs instead; the tests check every built level against it.
 
 Code that runs kernels never looks them up itself: it is handed a ``Kernels`` object when it is
 built (``Kernels.load()`` for what this machine has, ``Kernels.reference()`` for the PyTorch path),
@@ -22,29 +24,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from kvmosaic.ops.levels import Level, levels_to_build, resolve_level, runnable_levels
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-NAME = "kvmosaic_ops"
-SOURCES = tuple(CSRC / f"{part}.cpp"
-                for part in ("kvmosaic_ops", "layer_ops", "gemm", "decode_attention", "prefill_attention",
-                             "decoder_step"))
 BUILD_DIR = Path(__file__).parent / "_build"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-# The quantized-KV kernels (kvmosaic/quant formats): a second extension, built by the same step.
-QUANT_NAME = "kvmosaic_kvquant"
-QUANT_SOURCES = tuple(CSRC / f"kvquant_{part}.cpp" for part in ("ops", "encode", "decode", "decode_fast"))
-EXTENSIONS = ((NAME, SOURCES), (QUANT_NAME, QUANT_SOURCES))
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+NAME = "kvmosaic_ops"
+QUANT_NAME = "kvmosaic_kvquant"  # the quantized-KV kernels (kvmosaic/quant formats), built by the same step
 
 
-def _built_library(name: str, sources: tuple[Path, ...]) -> Path | None:
-    candidates = sorted(BUILD_DIR.glob(f"{name}*.so"))
+def extension_sources() -> dict[str, tuple[Path, ...]]:
+    """Extension name -> its sources: ``kvquant_*.cpp`` form the quantized-KV extension, every
+    other ``.cpp`` the float one (a new kernel file is picked up without editing a list)."""
+    sources = sorted(CSRC.glob("*.cpp"))
+    return {NAME: tuple(p for p in sources if not p.name.startswith("kvquant_")),
+            QUANT_NAME: tuple(p for p in sources if p.name.startswith("kvquant_"))}
+
+
+def module_name(extension: str, level: Level) -> str:
+    return f"{extension}_{level.name}"
+
+
+def level_dir(level: Level) -> Path:
+    return BUILD_DIR / level.name
+
+
+def _built_library(extension: str, level: Level) -> Path | None:
+    candidates = sorted(level_dir(level).glob(f"{module_name(extension, level)}*.so"))
     if not candidates:
         return None
     library = candidates[0]
-    newest = max(path.stat().st_mtime for path in (*sources, *CSRC.glob("*.h")))
+    newest = max(path.stat().st_mtime for path in (*extension_sources()[extension], *CSRC.glob("*.h")))
     if library.stat().st_mtime < newest:
-        logger.warning("kvmosaic C++ ops are older than their source; rebuild with `python -m kvmosaic.ops.build`")
+        logger.warning("kvmosaic C++ ops (%s) are older than their source; rebuild with "
+                       "`python -m kvmosaic.ops.build`", level.name)
         return None
     return library
 
@@ -55,11 +70,25 @@ class Kernels:
 
     ops: ModuleType | None = None  # float kernels: linears, norms, rotary + cache write, attention
     quant: ModuleType | None = None  # quantized-KV kernels
+    level: str = "reference"  # the ISA level both were compiled for
 
     @classmethod
-    def load(cls) -> Kernels:
-        """The kernels built for this machine (either may be missing)."""
-        return cls(get_ops(), get_quant_ops())
+    def load(cls, level: str | None = None) -> Kernels:
+        """The kernels of ``level`` (default: ``KVMOSAIC_ISA``, else the best built level this CPU runs);
+        either module may be missing. A named level that was not built is an error."""
+        if os.environ.get("KVMOSAIC_DISABLE_OPS", "") not in ("", "0"):
+            return cls()
+        chosen = resolve_level(level)
+        if chosen is not None:
+            if _load(NAME, chosen) is None:
+                raise ValueError(f"the {chosen.name} kernels are not built (built here: "
+                                 f"{', '.join(available_levels()) or 'none'}); run `python -m kvmosaic.ops.build`")
+            return cls(_load(NAME, chosen), _load(QUANT_NAME, chosen), chosen.name)
+        for candidate in runnable_levels():
+            ops = _load(NAME, candidate)
+            if ops is not None:
+                return cls(ops, _load(QUANT_NAME, candidate), candidate.name)
+        return cls()
 
     @classmethod
     def reference(cls) -> Kernels:
@@ -74,28 +103,37 @@ class Kernels:
 NO_KERNELS = Kernels()
 
 
-@functools.cache
-def get_ops() -> ModuleType | None:
-    """The compiled kernels, or None (reference PyTorch path)."""
-    return _load(NAME, SOURCES)
-
-
-@functools.cache
-def get_quant_ops() -> ModuleType | None:
-    """The quantized-KV kernels, or None (reference PyTorch path)."""
-    return _load(QUANT_NAME, QUANT_SOURCES)
-
-
-def _load(name: str, sources: tuple[Path, ...]) -> ModuleType | None:
+def available_levels() -> list[str]:
+    """The levels whose float kernels are built and runnable on this CPU, best first."""
     if os.environ.get("KVMOSAIC_DISABLE_OPS", "") not in ("", "0"):
-        return None
-    library = _built_library(name, sources)
+        return []
+    return [level.name for level in runnable_levels() if _load(NAME, level) is not None]
+
+
+def get_ops() -> ModuleType | None:
+    """The float kernels of the default level, or None (reference PyTorch path)."""
+    return Kernels.load().ops
+
+
+def get_quant_ops() -> ModuleType | None:
+    """The quantized-KV kernels of the default level, or None (reference PyTorch path)."""
+    return Kernels.load().quant
+
+
+@functools.cache
+def _load(extension: str, level: Level) -> ModuleType | None:
+    library = _built_library(extension, level)
     if library is None:
         return None
     import torch  # noqa: F401  (the extension links against libtorch)
 
+    name = module_name(extension, level)
     loader = importlib.machinery.ExtensionFileLoader(name, str(library))
     spec = importlib.util.spec_from_file_location(name, library, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+__all__ = ["Kernels", "NO_KERNELS", "available_levels", "extension_sources", "get_ops", "get_quant_ops",
+           "levels_to_build", "module_name", "level_dir"]
