@@ -3,7 +3,9 @@
 One float32 HF directory exported by kvmosaic from the embedded default model (kvmosaic, HF
 transformers and vLLM read it and cast to the run's dtype), f32 and bf16 GGUF files made from it by
 the llama-cpp-python source package's convert_hf_to_gguf.py (run in the llamacpp venv), and a
-float32 CTranslate2 directory (its compute type is chosen at load). Runs in the main venv.
+float32 CTranslate2 directory (its compute type is chosen at load). Quantized GGUF files (q8_0,
+q4_0, q4_1, q4_k) are made from the f32 one by llama.cpp's own quantizer (llamacpp_quantize.py).
+Runs in the main venv.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ MODELS = PEERS / "models"
 HF_DIR = MODELS / "hf-float32"
 CT2_DIR = MODELS / "ct2-float32"
 GGUF = {"float32": MODELS / "smollm2-135m-f32.gguf", "bfloat16": MODELS / "smollm2-135m-bf16.gguf"}
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")
+QUANT_GGUF = {fmt: MODELS / f"smollm2-135m-{fmt}.gguf" for fmt in QUANT_FORMATS}
 LLAMA_CPP_VERSION = "0.3.36"  # scripts/setup_peers.sh unpacks its source package under .peers/src/
 THREADS = 2
 
@@ -60,6 +64,17 @@ def prepare_gguf(python: Path) -> None:
         outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
         _run_tool([python, script, HF_DIR, "--outtype", outtype, "--outfile", tmp], f"GGUF {out.name}")
         tmp.rename(out)
+
+
+def prepare_quantized_gguf(python: Path, fmt: str) -> Path:
+    """The f32 GGUF quantized to ``fmt`` by llama.cpp (made once); returns its path."""
+    out = QUANT_GGUF[fmt]
+    if not out.is_file():
+        tmp = out.with_suffix(".tmp")
+        _run_tool([python, Path(__file__).with_name("llamacpp_quantize.py"), GGUF["float32"], tmp, fmt],
+                  f"GGUF {out.name}")
+        tmp.rename(out)
+    return out
 
 
 def prepare_ct2(python: Path) -> None:

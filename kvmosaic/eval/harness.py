@@ -7,6 +7,7 @@ attention backend), with the sequence in blocks 0, 1, 2, ... of a pool sized for
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -26,15 +27,33 @@ class EvalModel:
     dtype: torch.dtype
     path: str | None  # None: the embedded default model
     max_len: int = 4096
+    quantization: str | None = None  # the weight format asked of the loader; None: all float
+
+    @property
+    def weight_format(self) -> str:
+        return self.quantization or "none"
 
     @property
     def identity(self) -> kv_thresholds.ModelIdentity:
         return kv_thresholds.ModelIdentity.of(self.loaded.config, self.loaded.weights)
 
 
-def load_eval_model(path: str | None, dtype: str = "float32", max_len: int = 4096) -> EvalModel:
+def load_eval_model(path: str | None, dtype: str = "float32", max_len: int = 4096,
+                    quantization: str | None = None) -> EvalModel:
+    """``quantization``: None dequantizes every weight to ``dtype`` (the exact float path), "auto"
+    keeps a GGUF's quantized linears, "q8_0" / "q4_0" / ... quantizes them at load."""
     torch_dtype = resolve_dtype(dtype)
-    return EvalModel(load_model(path, torch_dtype), torch_dtype, path, max_len)
+    loaded = load_model(path, torch_dtype, **_quantization_kwargs(quantization))
+    return EvalModel(loaded, torch_dtype, path, max_len, quantization)
+
+
+def _quantization_kwargs(quantization: str | None) -> dict:
+    # A loader without weight formats (before quantized linears) dequantizes everything: None only.
+    if "quantization" in inspect.signature(load_model).parameters:
+        return {"quantization": quantization}
+    if quantization is not None:
+        raise ValueError(f"this kvmosaic's loader has no weight formats (asked for {quantization!r})")
+    return {}
 
 
 def eval_worker(em: EvalModel, kv_cache_dtype: str, max_tokens: int, block_size: int = 16,
@@ -48,7 +67,7 @@ def eval_worker(em: EvalModel, kv_cache_dtype: str, max_tokens: int, block_size:
     config = EngineConfig(model=em.path, dtype="bfloat16" if em.dtype == torch.bfloat16 else "float32", cache=cache,
                           scheduler=SchedulerConfig(max_model_len=max(em.max_len, max_tokens + 1)))
     in_memory = thresholds if isinstance(thresholds, kv_thresholds.KVThresholds) else None
-    return Worker(config, loader=lambda path, dtype: em.loaded, thresholds=in_memory)
+    return Worker(config, loader=lambda *args, **kwargs: em.loaded, thresholds=in_memory)
 
 
 def forward_chunk(worker: Worker, token_ids: list[int], start: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from kvmosaic.quant.thresholds import KVThresholds
 
 @dataclass(frozen=True, slots=True)
 class PerplexityResult:
+    weight_format: str  # "none" (float weights), "auto", "q8_0", ...
     kv_cache_dtype: str
     num_tokens: int  # predicted tokens
     mean_nll: float
@@ -60,5 +61,5 @@ def perplexity(em: EvalModel, windows: list[list[int]], kv_cache_dtype: str, chu
             if targets:
                 total += chunk_nll(forward_chunk(worker, part, start), targets)
                 count += len(targets)
-    return PerplexityResult(kv_cache_dtype, count, total / count, worker.kv_cache.bits_per_value,
+    return PerplexityResult(em.weight_format, kv_cache_dtype, count, total / count, worker.kv_cache.bits_per_value,
                             worker.attention.folded_outliers, time.perf_counter() - started)

@@ -1,0 +1,109 @@
+"""llama.cpp as an external perplexity oracle for a GGUF file and kvmosaic's run of the same file.
+
+Both engines get the same token ids (windows cut by ``tokenize_windows``, never text), each window
+from an empty cache in one pass, every position 1..n-1 scored (kvmosaic's eval-ppl convention;
+llama-perplexity would score only the second half of each window). llama.cpp runs in the peers venv
+(``bash scripts/setup_peers.sh llamacpp``; ``KVMOSAIC_LLAMACPP_VENV`` names another) through
+``llamacpp_ppl.py``, with a float32 KV cache so that only the weights differ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmosaic.eval.harness import EvalModel
+from kvmosaic.eval.ppl import perplexity
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("llamacpp_ppl.py")
+AGREEMENT = 0.01  # the two engines' perplexities must agree within 1%
+
+
+def llamacpp_venv() -> Path:
+    return Path(os.environ.get("KVMOSAIC_LLAMACPP_VENV", REPO / ".peers" / "llamacpp-venv"))
+
+
+def llamacpp_missing() -> str | None:
+    """Why llama.cpp cannot be run here, or None."""
+    venv = llamacpp_venv()
+    if not (venv / ".installed").is_file() or not (venv / "bin" / "python").is_file():
+        return f"no llama-cpp-python venv at {venv} (bash scripts/setup_peers.sh llamacpp)"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaCppPerplexity:
+    nll_sum: float
+    num_tokens: int
+    system_info: str
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll_sum / self.num_tokens)
+
+
+def llamacpp_perplexity(gguf: str | Path, windows: list[list[int]], threads: int = 2,
+                        timeout: float = 1800) -> LlamaCppPerplexity:
+    """llama.cpp's perplexity of ``windows`` (token ids) under the model in ``gguf``."""
+    missing = llamacpp_missing()
+    if missing:
+        raise RuntimeError(missing)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
+        json.dump(windows, spec)
+        spec.flush()
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run([str(llamacpp_venv() / "bin" / "python"), str(RUNNER), str(gguf), spec.name,
+                               str(threads)], capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp perplexity failed: {done.stderr.strip()[-1500:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = result["windows"]
+    return LlamaCppPerplexity(sum(r[0] for r in rows), sum(r[1] for r in rows), result["system_info"])
+
+
+def tensor_types(gguf: str | Path) -> str:
+    """The weight formats of a GGUF's matrices, e.g. "Q4_K x30, Q5_0 x181" (1-D norms left out)."""
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(str(gguf))
+    counts = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1 and t.shape[1] > 1)
+    return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
+
+
+@dataclass(frozen=True, slots=True)
+class OracleRow:
+    label: str
+    gguf: str
+    tensor_types: str
+    weight_format: str  # kvmosaic's load mode of the file ("auto": native, "none": dequantized)
+    num_tokens: int
+    kvmosaic: float
+    llamacpp: float
+    kvmosaic_s: float
+
+    @property
+    def difference(self) -> float:
+        """kvmosaic's perplexity relative to llama.cpp's (0.01 = 1% higher)."""
+        return self.kvmosaic / self.llamacpp - 1
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.difference) <= AGREEMENT
+
+
+def compare(label: str, gguf: str | Path, em: EvalModel, windows: list[list[int]],
+            threads: int = 2) -> OracleRow:
+    """kvmosaic (``em``, loaded from ``gguf``) against llama.cpp on the same file and windows."""
+    ours = perplexity(em, windows, "auto", chunk=max(len(w) for w in windows))
+    theirs = llamacpp_perplexity(gguf, windows, threads)
+    if theirs.num_tokens != ours.num_tokens:
+        raise RuntimeError(f"scored {ours.num_tokens} tokens here and {theirs.num_tokens} in llama.cpp")
+    return OracleRow(label, str(gguf), tensor_types(gguf), em.weight_format, ours.num_tokens, ours.perplexity,
+                     theirs.perplexity, ours.seconds)
