@@ -10,9 +10,11 @@ import sys
 import pytest
 import torch
 
+from kvmosaic.eval.cli import ppl_table
 from kvmosaic.eval.corpus import calibration_text, eval_text
-from kvmosaic.eval.harness import EvalModel
-from kvmosaic.eval.ppl import perplexity, tokenize_windows
+from kvmosaic.eval.harness import EvalModel, load_eval_model
+from kvmosaic.eval.oracle import compare, llamacpp_missing
+from kvmosaic.eval.ppl import PerplexityResult, perplexity, tokenize_windows
 from kvmosaic.quant.format import KVFormat
 
 
@@ -72,3 +74,34 @@ def test_calibrate_then_eval_ppl_commands(tmp_path, default_model_path):
     bad = subprocess.run(cli + ["eval-ppl", "--kv-cache-dtype", "oaken", "--kv-thresholds", str(tmp_path / "x.json"),
                                 "--max-tokens", "64"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not found" in bad.stderr
+
+
+def test_ppl_table_puts_each_weight_format_next_to_float_weights():
+    def result(weights: str, kv: str, nll: float) -> PerplexityResult:
+        return PerplexityResult(weights, kv, 100, nll, 32.0, 0, 1.0)
+
+    rows = ppl_table([result("none", "auto", math.log(10)), result("q8_0", "auto", math.log(10.1)),
+                      result("q4_0", "int8", math.log(12))])
+    assert rows[1].split()[:4] == ["none", "auto", "10.0000", "+0.00%"]
+    assert rows[2].split()[:4] == ["q8_0", "auto", "10.1000", "+1.00%"]
+    assert rows[3].split()[3] == "-"  # no float-weights row with int8 KV to compare with
+
+
+LLAMACPP_MISSING = llamacpp_missing()
+
+
+@pytest.mark.skipif(LLAMACPP_MISSING is not None, reason=f"llama.cpp perplexity oracle: {LLAMACPP_MISSING}")
+@pytest.mark.parametrize("quantization", [None, "auto"])
+def test_llamacpp_oracle_agrees_on_the_shipped_q4_1_file(default_model_path, quantization):
+    """Same GGUF file, same token ids: kvmosaic's perplexity within 1% of llama.cpp's."""
+    try:
+        em = load_eval_model(default_model_path, "float32", 256, quantization)
+    except ValueError as exc:
+        pytest.skip(str(exc))  # a loader without weight formats: only None
+    # llama.cpp quantizes activations for its Q4_1 dot products: about 0.06 nats of noise per token,
+    # so the text must be long enough to average it out (128 tokens alone can differ by 1%).
+    windows = tokenize_windows(em, eval_text(), 256, 1024)
+    row = compare("shipped", default_model_path, em, windows)
+    assert row.num_tokens == 4 * 255 and row.tensor_types == "Q4_1 x210, Q8_0 x1"
+    assert 5 < row.llamacpp < 100
+    assert row.agrees, f"kvmosaic {row.kvmosaic:.4f} vs llama.cpp {row.llamacpp:.4f}"
