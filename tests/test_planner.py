@@ -15,6 +15,7 @@ import torch
 
 from kvmosaic.config import ModelConfig
 from kvmosaic.entrypoints.cli import main
+from kvmosaic.ops.cpu import cpu_flags
 from kvmosaic.planner import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
@@ -32,7 +33,9 @@ from kvmosaic.planner import (
     tokens_per_second,
     workload,
 )
-from kvmosaic.planner.probe import THIS_MACHINE, packed_matmul, probe_hardware
+from kvmosaic.planner import probe as probe_module
+from kvmosaic.planner.probe import THIS_MACHINE, packed_matmul, probe, probe_hardware
+from kvmosaic.planner.roofline import format_rate
 
 V5E = HARDWARE_PRESETS["tpu-v5e"]
 LLAMA2 = MODEL_PRESETS["llama2-13b"]
@@ -195,3 +198,44 @@ def test_cli_plan_rejects_bad_input(capsys):
     assert main(["plan", "--weight-dtype", "fp32"]) == 2  # the book gives no fp32 FLOP/s for a v5e
     assert main(["plan", "--batch-sizes", "1,x"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_format_rate_never_rounds_a_slow_path_to_zero():
+    assert format_rate(2.92e8) == "292 MFLOP/s"
+    assert format_rate(2.137e10) == "21.4 GFLOP/s"
+    assert format_rate(8 * 1.97e14) == "1576 TFLOP/s"
+
+
+def test_probe_times_the_paths_kvmosaic_layers_take():
+    """bf16 is timed on what a linear layer runs here (F.linear / the packed kernel), not torch.mm
+    alone, which on AVX2 is a scalar fallback (about 0.3 GFLOP/s against 20 for F.linear)."""
+    measured = probe(0.05, buffer_bytes=1 << 20, matmul_size=64)
+    for rate in (measured.fp32, measured.bf16):
+        assert rate.flops is not None and math.isfinite(rate.flops) and rate.flops > 0
+        assert rate.path.startswith(("torch.mm", "F.linear", "packed kernel"))
+    if "packed kernel" in measured.bf16.path and "avx512_bf16" not in cpu_flags():
+        assert "widened to float32" in measured.bf16.path
+    assert measured.spec.flops("bf16") == measured.bf16.flops
+    assert measured.isa in measured.describe() and "n/a" not in measured.describe()
+
+
+def test_a_matmul_path_that_cannot_run_gives_no_figure_instead_of_zero(monkeypatch, capsys):
+    def fail(fn, budget_s):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(probe_module, "best_time", fail)
+    rate = probe_module.measure_matmul_flops(torch.bfloat16, 0.01, 32)
+    assert rate.flops is None and "not measured" in rate.path and "no such kernel" in rate.path
+    no_bf16 = HardwareSpec("host", hbm_bandwidth=1e10, hbm_bytes=1e10, flops_bf16=None, flops_fp32=1e11)
+    with pytest.raises(ValueError, match="no bf16 FLOP/s"):
+        no_bf16.flops("bf16")
+    with pytest.raises(ValueError):
+        HardwareSpec("nothing", hbm_bandwidth=1e10, hbm_bytes=1e10, flops_bf16=None)
+    # The planner says so instead of planning with a 0 rate.
+    monkeypatch.setattr(probe_module, "probe", lambda seconds: probe_module.Probe(
+        no_bf16, "AVX2+FMA", probe_module.MatmulRate(1e11, "torch.mm"), rate))
+    assert main(["plan", "--probe", "--weight-dtype", "bf16"]) == 2
+    assert "no bf16 FLOP/s" in capsys.readouterr().err
+    assert main(["plan", "--probe", "--weight-dtype", "fp32", "--batch-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "probed AVX2+FMA" in out and "bf16 n/a (not measured" in out and "100 GFLOP/s fp32" in out

@@ -40,12 +40,14 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _hardware(args: argparse.Namespace) -> rl.HardwareSpec:
+def _hardware(args: argparse.Namespace) -> tuple[rl.HardwareSpec, str | None]:
+    """The hardware spec and, for a probe, a line saying what was measured and how."""
     if args.probe:
-        from kvmosaic.planner.probe import probe_hardware  # imports torch only when asked
+        from kvmosaic.planner.probe import probe  # imports torch only when asked
 
-        return probe_hardware(args.probe_seconds)
-    return resolve_hardware(args.hardware)
+        measured = probe(args.probe_seconds)
+        return measured.spec, measured.describe()
+    return resolve_hardware(args.hardware), None
 
 
 def _workload(model: rl.ModelSpec, args: argparse.Namespace) -> rl.Workload:
@@ -58,7 +60,7 @@ def _workload(model: rl.ModelSpec, args: argparse.Namespace) -> rl.Workload:
     return work
 
 
-def build_report(args: argparse.Namespace, hardware: rl.HardwareSpec) -> dict:
+def build_report(args: argparse.Namespace, hardware: rl.HardwareSpec, probe_note: str | None = None) -> dict:
     """Everything the planner prints, as plain data (bytes, seconds)."""
     if args.chips < 1 or args.context_len < 1:
         raise ValueError("--chips and --context-len must be >= 1")
@@ -73,7 +75,7 @@ def build_report(args: argparse.Namespace, hardware: rl.HardwareSpec) -> dict:
         "weight_dtype": weight_dtype, "kv_dtype": rl.canonical_dtype(args.kv_dtype), "compute_dtype": compute,
         "hardware": hardware.name, "chips": args.chips, "hbm_bytes_per_chip": hardware.hbm_bytes,
         "hbm_bandwidth_per_chip": hardware.hbm_bandwidth, "flops_per_chip": hardware.flops(compute),
-        "context_len": args.context_len,
+        "context_len": args.context_len, "probe": probe_note,
         "critical_batch_size": rl.critical_batch_size(hardware, rl.dtype_bytes(weight_dtype), compute),
         "max_batch_size": rl.max_batch_size(work, hardware, args.context_len, args.chips),
         "rows": [_row_dict(row) for row in rows],
@@ -97,7 +99,7 @@ def format_report(r: dict) -> str:
         f"{r['context_len'] * r['kv_bytes_per_token'] / GB:.2f} GB per {r['context_len']}-token sequence",
         f"{chips} x {r['hardware']}: {chips * r['hbm_bytes_per_chip'] / GB:.2f} GB memory, "
         f"{chips * r['hbm_bandwidth_per_chip'] / 1e12:.3g} TB/s, "
-        f"{chips * r['flops_per_chip'] / 1e12:.4g} TFLOP/s {r['compute_dtype']}",
+        f"{rl.format_rate(chips * r['flops_per_chip'])} {r['compute_dtype']}",
         f"critical batch size {r['critical_batch_size']:.0f} ({r['weight_dtype']} weights, {r['compute_dtype']} "
         f"compute); largest batch that fits: {r['max_batch_size']}",
         "",
@@ -112,10 +114,12 @@ def format_report(r: dict) -> str:
             f"{mlp_ms:>8.2f} {row['mlp_bound']:>10} {row['tokens_per_s']:>11.2f}"
         )
     lines.append("GB = 1e9 bytes; step time = KV load (bandwidth-bound) + max(weight load, matmul FLOPs)")
+    if r.get("probe"):
+        lines.insert(2, r["probe"])
     return "\n".join(lines)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    report = build_report(args, _hardware(args))
+    report = build_report(args, *_hardware(args))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

@@ -2,21 +2,28 @@
 
 Bandwidth is the best time of summing a tensor much larger than the CPU caches (a pure
 read stream); FLOP/s is the best time of a square matmul, 2 n^3 FLOPs, in float32 and
-bfloat16, on whichever is faster of ``torch.mm`` and kvmosaic's packed linear kernel (when
-built: on this project's CPU oneDNN's float32 matmul reaches about half of what the FMA units
-do). Everything runs on all the cores the process may use.
+bfloat16, on the fastest of the paths kvmosaic's linear layers can take on this host: its
+packed linear kernel where the loaded ISA level takes the dtype (bf16 widened to float in
+registers on CPUs without native bf16 dot products), ``F.linear`` (oneDNN: what an unpacked
+layer runs) and ``torch.mm``. ``torch.mm`` alone is no measure of bf16 on AVX2: it falls back
+to a scalar loop at about 0.3 GFLOP/s while ``F.linear`` runs 20 GFLOP/s. Everything runs on
+all the cores the process may use; a path that fails is left out, and a dtype with no path that
+ran has no figure (never 0).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kvmosaic.planner.roofline import HardwareSpec
+from kvmosaic.planner.roofline import HardwareSpec, format_rate
 
 THIS_MACHINE = "this machine"
 MiB = 1024**2
@@ -62,19 +69,47 @@ def measure_read_bandwidth(budget_s: float, buffer_bytes: int = 256 * MiB) -> fl
     return data.numel() * data.element_size() / seconds
 
 
-def measure_matmul_flops(dtype: torch.dtype, budget_s: float, size: int = 1024) -> float:
-    """FLOP/s of a ``size`` x ``size`` by ``size`` x ``size`` matmul in ``dtype``: the faster of
-    ``torch.mm`` and the packed linear kernel (when it is built and takes this shape)."""
+@dataclass(frozen=True, slots=True)
+class MatmulRate:
+    flops: float | None  # FLOP/s of the fastest path, None when no path ran
+    path: str  # which path that was, or why there is no figure
+
+
+def measure_matmul_flops(dtype: torch.dtype, budget_s: float, size: int = 1024) -> MatmulRate:
+    """FLOP/s of a ``size`` x ``size`` by ``size`` x ``size`` matmul in ``dtype`` on the fastest
+    path kvmosaic's linear layers can take here (see the module docstring)."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(dtype)
     b = torch.randn(size, size, generator=generator).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
-    candidates = [lambda: torch.mm(a, b, out=out)]
+    weight = b.T.contiguous()
+    candidates = {"torch.mm": lambda: torch.mm(a, b, out=out), "F.linear (oneDNN)": lambda: F.linear(a, weight)}
     packed = packed_matmul(a, b)
     if packed is not None:
-        candidates.append(packed)
-    seconds = min(best_time(fn, budget_s / len(candidates)) for fn in candidates)
-    return 2 * size**3 / seconds
+        candidates[packed_path_name(dtype)] = packed
+    rates, failures = {}, []
+    for name, fn in candidates.items():
+        try:
+            seconds = best_time(fn, budget_s / len(candidates))
+        except RuntimeError as exc:  # a path this build or CPU does not take
+            failures.append(f"{name}: {exc}")
+            continue
+        if seconds > 0 and math.isfinite(seconds):
+            rates[name] = 2 * size**3 / seconds
+    if not rates:
+        return MatmulRate(None, "not measured (" + "; ".join(failures)[:200] + ")")
+    best = max(rates, key=rates.get)
+    return MatmulRate(rates[best], best)
+
+
+def packed_path_name(dtype: torch.dtype) -> str:
+    from kvmosaic.ops import Kernels
+    from kvmosaic.ops.cpu import cpu_flags
+
+    name = f"packed kernel ({Kernels.load().level})"
+    if dtype == torch.bfloat16 and not {"avx512_bf16", "amx_bf16"} & cpu_flags():
+        name += ", bf16 widened to float32"
+    return name
 
 
 def packed_matmul(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor] | None:
@@ -92,13 +127,38 @@ def packed_matmul(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor
     return lambda: ops.packed_linear(a, weight)
 
 
-def probe_hardware(seconds: float = 3.0, *, buffer_bytes: int = 256 * MiB, matmul_size: int = 2048) -> HardwareSpec:
-    """This machine as a ``HardwareSpec`` named 'this machine' (about ``seconds`` of measuring)."""
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What was measured and how: the spec the planner uses plus the host's ISA and the paths."""
+
+    spec: HardwareSpec
+    isa: str
+    fp32: MatmulRate
+    bf16: MatmulRate
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{name} {format_rate(r.flops) if r.flops else 'n/a'} ({r.path})"
+                          for name, r in (("fp32", self.fp32), ("bf16", self.bf16)))
+        return f"probed {self.isa}: read {self.spec.hbm_bandwidth / 1e9:.1f} GB/s; matmul {rates}"
+
+
+def probe(seconds: float = 3.0, *, buffer_bytes: int = 256 * MiB, matmul_size: int = 2048) -> Probe:
+    """This machine, measured in about ``seconds``."""
+    from kvmosaic.ops.cpu import isa_summary
+
     if seconds <= 0:
         raise ValueError("seconds must be positive")
     with all_threads():
         bandwidth = measure_read_bandwidth(0.4 * seconds, buffer_bytes)
         fp32 = measure_matmul_flops(torch.float32, 0.3 * seconds, matmul_size)
         bf16 = measure_matmul_flops(torch.bfloat16, 0.3 * seconds, matmul_size)
-    return HardwareSpec(THIS_MACHINE, hbm_bandwidth=bandwidth, hbm_bytes=physical_memory_bytes(),
-                        flops_bf16=bf16, flops_fp32=fp32)
+    if fp32.flops is None and bf16.flops is None:
+        raise RuntimeError(f"no matmul ran: {fp32.path}")
+    spec = HardwareSpec(THIS_MACHINE, hbm_bandwidth=bandwidth, hbm_bytes=physical_memory_bytes(),
+                        flops_bf16=bf16.flops, flops_fp32=fp32.flops)
+    return Probe(spec, isa_summary(), fp32, bf16)
+
+
+def probe_hardware(seconds: float = 3.0, *, buffer_bytes: int = 256 * MiB, matmul_size: int = 2048) -> HardwareSpec:
+    """This machine as a ``HardwareSpec`` named 'this machine' (about ``seconds`` of measuring)."""
+    return probe(seconds, buffer_bytes=buffer_bytes, matmul_size=matmul_size).spec

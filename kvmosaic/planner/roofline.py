@@ -12,11 +12,22 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Bytes per element of each storage dtype; aliases map onto the short names.
-DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+# Bytes per element of each storage dtype; aliases map onto the short names. The GGUF block formats
+# count their scales: Q8_0 34 B / 32 weights, Q4_0 18 / 32, Q4_1 20 / 32, Q4_K 144 / 256.
+DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
+                                 "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q4_k": 144 / 256}
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 # Matmul arithmetic runs in one of these; fp16 and fp8 share the bf16 / int8 rates here.
 _COMPUTE_RATE = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16", "int8": "int8", "fp8": "int8"}
+
+
+def format_rate(flops: float) -> str:
+    """A FLOP/s figure in the unit that shows three significant digits: "292 MFLOP/s", "21.4 GFLOP/s"."""
+    for scale, unit in ((1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1e6, "MFLOP/s")):
+        if flops >= scale:
+            value = flops / scale
+            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
+    return f"{flops:.3g} FLOP/s"
 
 
 def canonical_dtype(name: str) -> str:
@@ -57,18 +68,19 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class HardwareSpec:
-    """One accelerator chip: memory bandwidth (B/s), memory (B) and peak matmul FLOP/s per dtype."""
+    """One accelerator chip: memory bandwidth (B/s), memory (B) and peak matmul FLOP/s per dtype
+    (None: no figure, e.g. a probe that could not measure it; asking for it is an error)."""
 
     name: str
     hbm_bandwidth: float
     hbm_bytes: float
-    flops_bf16: float
+    flops_bf16: float | None
     flops_fp32: float | None = None
     flops_int8: float | None = None
 
     def __post_init__(self) -> None:
         rates = [r for r in (self.flops_bf16, self.flops_fp32, self.flops_int8) if r is not None]
-        if self.hbm_bandwidth <= 0 or self.hbm_bytes <= 0 or min(rates) <= 0:
+        if self.hbm_bandwidth <= 0 or self.hbm_bytes <= 0 or not rates or min(rates) <= 0:
             raise ValueError(f"hardware {self.name!r}: bandwidth, memory and FLOP/s must be positive")
 
     def flops(self, compute_dtype: str) -> float:
