@@ -6,6 +6,12 @@ skipped with a note. The default SmolLM2-135M-Instruct is exported once into .pe
 directory in float32 (kvmosaic, HF, vLLM), f32 and bf16 GGUF (llama.cpp, made by the
 convert_hf_to_gguf.py of the llama-cpp-python source package) and a CTranslate2 directory.
 
+Dtypes: float32 and bfloat16 (weights and activations), and the GGUF weight formats q8_0 and q4_1
+with float32 activations, for llama.cpp and kvmosaic only: llama.cpp runs a Q8_0 file made from the
+f32 GGUF by its own quantizer and the shipped Q4_1 file of the default model; kvmosaic quantizes the
+float model to Q8_0 at load (quantization="q8_0") and keeps the shipped file's Q4_1 linears
+(quantization="auto"). The table header names the host's ISA and kvmosaic's kernel level.
+
 Workloads (token-id prompts, greedy, EOS ignored, 2 threads everywhere):
   A  1 prompt x 128 tokens, 128 generated      -> decode tok/s
   B  64 prompts x 128 tokens, 128 generated    -> output tok/s and wall time
@@ -18,7 +24,7 @@ JSON line. With --rounds N the whole matrix runs N times over and each entry kee
 benchmarks/results/peers.json.
 
     make peers
-    python benchmarks/peers.py [--engines kvmosaic,hf,vllm,llamacpp,ct2] [--dtypes float32,bfloat16]
+    python benchmarks/peers.py [--engines kvmosaic,hf,vllm,llamacpp,ct2] [--dtypes float32,bfloat16,q8_0,q4_1]
                                [--workloads A,B,C] [--rounds 1] [--timeout 1500] [--json out.json]
 """
 
@@ -37,9 +43,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from peer_runners.common import FIRST_TOKENS, WORKLOADS
-from peer_runners.models import CT2_DIR, GGUF, HF_DIR, PEERS, ROOT, THREADS, base_env, prepare_models
+from peer_runners.common import DTYPES, FIRST_TOKENS, WEIGHT_FORMATS, WORKLOADS
+from peer_runners.models import CT2_DIR, HF_DIR, PEERS, ROOT, THREADS, base_env, gguf_for, prepare_models
 from peer_runners.report import BUSY, CHECK_TOKENS, succeeded, table, token_check
+from peer_runners.roofline import roofline_lines, roofline_rows
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,8 +75,13 @@ class Engine:
             return f"{self.venv.relative_to(ROOT)} is not set up (bash scripts/setup_peers.sh {self.key})"
         return None
 
+    def supports(self, dtype: str) -> bool:
+        return dtype not in WEIGHT_FORMATS or self.key in ("kvmosaic", "llamacpp")
+
     def model_path(self, dtype: str) -> Path:
-        return {"llamacpp": GGUF[dtype], "ct2": CT2_DIR}.get(self.key, HF_DIR)
+        if self.key == "llamacpp" or dtype == "q4_1":
+            return gguf_for(dtype)
+        return CT2_DIR if self.key == "ct2" else HF_DIR  # kvmosaic quantizes q8_0 at load
 
 
 def _vllm_preload() -> str:
@@ -163,6 +175,8 @@ def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], t
         for dtype in dtypes:
             for workload in workloads:
                 for engine in engines:
+                    if not engine.supports(dtype):
+                        continue
                     tag = f" r{round_no}" if rounds > 1 else ""
                     print(f"  {engine.label:16} {dtype:9} {workload}{tag} ...", end=" ", flush=True)
                     wait_for_quiet(quiet_wait)
@@ -186,6 +200,8 @@ def run_startup(dtypes: list[str], timeout: float, quiet_wait: float) -> list[di
     kvmosaic = ENGINES[0]
     rows = []
     for dtype in dtypes:
+        if dtype == "q8_0":  # start-up is of the embedded default model, a Q4_1 file
+            continue
         wait_for_quiet(quiet_wait)
         res = run_one(kvmosaic, dtype, "S", timeout)
         res.update(engine="kvmosaic", dtype=dtype, workload="S")
@@ -193,55 +209,14 @@ def run_startup(dtypes: list[str], timeout: float, quiet_wait: float) -> list[di
     return rows
 
 
-# ---- roofline --------------------------------------------------------------------------------------
-
-def roofline_rows(results: list[dict]) -> list[dict]:
-    """kvmosaic against this machine's roofline, from the planner (kvmosaic/planner).
-
-    A: a decode step reads the weights and the KV cache once: their bytes / measured read bandwidth,
-       against the measured seconds per token.
-    B: prefill matmul FLOPs / measured matmul FLOP/s plus 128 decode steps of 64 sequences, each the
-       larger of its FLOP and weight-read times (plus KV reads), against the measured wall time.
-    Attention FLOPs and activations are ignored. Returns [] when the planner is not there.
-    """
+def host_isa() -> tuple[str, str]:
+    """The host's x86 level ("AVX2+FMA", "AVX-512 (+BF16, +VNNI)") and the kernel level kvmosaic loads."""
     try:
-        from kvmosaic.planner import MODEL_PRESETS, param_count, roofline_step_time
-        from kvmosaic.planner.probe import probe_hardware
-        from kvmosaic.planner.roofline import dtype_bytes
+        from kvmosaic.ops import Kernels
+        from kvmosaic.ops.cpu import isa_summary
     except ImportError:
-        return []
-    hw = probe_hardware()
-    model = MODEL_PRESETS["default"]
-    head = model.vocab_size * model.hidden_size  # the LM head: only sampled rows go through it
-    body = param_count(model) - head * (1 if model.tie_embeddings else 2)
-    rows = []
-    for res in results:
-        if res["engine"] != "kvmosaic" or not succeeded(res) or res["workload"] not in ("A", "B"):
-            continue
-        work, size = WORKLOADS[res["workload"]], dtype_bytes(res["dtype"])
-        batch, context = work.num_prompts, work.prompt_len + work.max_tokens // 2
-        step = roofline_step_time(model, hw, batch, context, size, size)
-        if work.name == "A":
-            roof, measured, unit = step.total_s, 1 / res["tokens_per_s"], "s/token"
-        else:
-            prefill = 2 * body * batch * work.prompt_len / hw.flops(res["dtype"])
-            roof, measured, unit = prefill + work.max_tokens * step.total_s, res["seconds"], "s"
-        rows.append({"workload": work.name, "dtype": res["dtype"], "unit": unit, "roofline": roof,
-                     "measured": measured, "efficiency": roof / measured,
-                     "read_bandwidth": hw.hbm_bandwidth, "matmul_flops": hw.flops(res["dtype"])})
-    return rows
-
-
-def roofline_lines(rows: list[dict]) -> list[str]:
-    if not rows:
-        return ["roofline: planner not available"]
-    lines = ["kvmosaic vs roofline (planner probe of this machine; A: weights+KV bytes / read bandwidth, "
-             "B: prefill FLOPs + 128 decode steps of 64 at max(FLOP, weight-read) time):"]
-    for r in rows:
-        lines.append(f"  {r['workload']} {r['dtype']:9} roofline {r['roofline']:.4g} {r['unit']}, measured "
-                     f"{r['measured']:.4g} {r['unit']} -> {100 * r['efficiency']:.0f}% of roofline "
-                     f"(read {r['read_bandwidth'] / 1e9:.1f} GB/s, matmul {r['matmul_flops'] / 1e9:.0f} GFLOP/s)")
-    return lines
+        return platform.machine(), "unknown"
+    return isa_summary(), Kernels.load().level
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -264,9 +239,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     keys, dtypes, workloads = (s.split(",") for s in (args.engines, args.dtypes, args.workloads))
+    if unknown := set(dtypes) - set(DTYPES):
+        raise SystemExit(f"unknown dtypes {sorted(unknown)}; choose from {', '.join(DTYPES)}")
     engines = [e for e in ENGINES if e.key in keys]
     skipped = {e.key: why for e in engines if (why := e.missing())}
-    skipped.update(prepare_models([e for e in engines if e.key not in skipped]))
+    skipped.update(prepare_models([e for e in engines if e.key not in skipped], dtypes))
     for key, why in skipped.items():
         print(f"note: {key} skipped: {why}")
     running = [e for e in engines if e.key not in skipped]
@@ -276,8 +253,10 @@ def main() -> None:
     results = run_matrix(running, dtypes, workloads, args.timeout, args.quiet_wait, args.rounds)
     startup = [] if args.no_startup or "kvmosaic" in skipped else run_startup(dtypes, args.timeout, args.quiet_wait)
 
-    print(f"\nSmolLM2-135M-Instruct, greedy, EOS ignored, {THREADS} threads; A: 1 x 128 prompt + 128 output "
-          "tokens, B: 64 x 128 + 128, C: 16 x 512 + 1\n")
+    isa, kernels = host_isa()
+    print(f"\nhost ISA {isa}, kvmosaic kernels {kernels}; SmolLM2-135M-Instruct, greedy, EOS ignored, {THREADS} "
+          "threads; A: 1 x 128 prompt + 128 output tokens, B: 64 x 128 + 128, C: 16 x 512 + 1; q8_0 / q4_1: GGUF "
+          "weight formats with float32 activations\n")
     lines = table(results, engines, dtypes, workloads, skipped)
     for res in startup:  # kvmosaic is the first engine column
         value = f"{res['seconds']:.2f}" if succeeded(res) else "failed"
@@ -303,7 +282,8 @@ def main() -> None:
 
     out = Path(args.json) if args.json else RESULTS / "peers.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.machine(), "processor": platform.processor(), "threads": THREADS,
+    meta = {"machine": platform.machine(), "processor": platform.processor(), "isa": isa, "kernel_level": kernels,
+            "threads": THREADS,
             "dtypes": dtypes, "workloads": {w: asdict(WORKLOADS[w]) for w in workloads},
             "first_tokens_kept": FIRST_TOKENS, "rounds": args.rounds}
     out.write_text(json.dumps({"config": meta, "skipped": skipped, "results": results, "startup": startup,

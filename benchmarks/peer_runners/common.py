@@ -15,6 +15,9 @@ import time
 from dataclasses import asdict, dataclass
 
 VOCAB_SIZE = 49152  # SmolLM2; ids below 100 hold the special tokens
+# Float dtypes, and GGUF weight formats run with float32 activations (llama.cpp and kvmosaic only).
+DTYPES = ("float32", "bfloat16", "q8_0", "q4_1")
+WEIGHT_FORMATS = ("q8_0", "q4_1")
 FIRST_TOKENS = 16  # greedy ids of the first prompt kept for the cross-engine check
 
 
@@ -52,7 +55,7 @@ def workload_prompts(work: Workload) -> list[list[int]]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--model-path", default=None, help="HF dir, GGUF file or CTranslate2 dir (engine-specific)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--t0", type=float, default=None, help="time.time() when the parent started this process")

@@ -1,12 +1,14 @@
 """kvmosaic on one workload: ``python kvmosaic_runner.py --workload A --dtype float32 [--model-path DIR]``.
 
 Without --model-path it runs the embedded default model (what the start-up workload S measures).
+--dtype q8_0 quantizes the (float) model at load; q4_1 keeps the quantized linears of a Q4_1 GGUF
+(the shipped file); both with float32 activations.
 """
 
 from __future__ import annotations
 
 import torch
-from common import run
+from common import WEIGHT_FORMATS, run
 
 from kvmosaic import LLM, SamplingParams
 
@@ -14,9 +16,14 @@ from kvmosaic import LLM, SamplingParams
 class KvmosaicEngine:
     def __init__(self, model_path: str | None, dtype: str, threads: int) -> None:
         torch.set_num_threads(threads)
+        weights = {}
+        if dtype in WEIGHT_FORMATS:  # a GGUF weight format, float32 activations
+            gguf = model_path is None or model_path.endswith(".gguf")  # None: the embedded Q4_1 file
+            weights = {"quantization": "auto" if dtype == "q4_1" and gguf else dtype}
+            dtype = "float32"
         # No prefix caching: workload A runs the same prompt more than once.
         self.llm = LLM(model=model_path, dtype=dtype, num_threads=threads, enable_prefix_caching=False,
-                       kv_cache_memory="2GiB", max_num_seqs=64, max_num_batched_tokens=2048)
+                       kv_cache_memory="2GiB", max_num_seqs=64, max_num_batched_tokens=2048, **weights)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""llama.cpp (llama-cpp-python) on one workload, from a GGUF file (f32 or bf16 per --dtype).
+"""llama.cpp (llama-cpp-python) on one workload, from a GGUF file (f32, bf16, Q8_0 or Q4_1 per --dtype).
 
 llama-cpp-python's Llama holds one sequence, so the prompts of a workload run one after another.
 """

