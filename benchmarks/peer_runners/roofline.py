@@ -9,7 +9,7 @@ from peer_runners.common import WEIGHT_FORMATS, WORKLOADS
 from peer_runners.report import succeeded
 
 
-def roofline_rows(results: list[dict]) -> list[dict]:
+def roofline_rows(results: list[dict]) -> list[dict] | None:
     """kvmosaic against this machine's roofline, from the planner (kvmosaic/planner).
 
     A: a decode step reads the weights and the KV cache once: their bytes / measured read bandwidth,
@@ -17,13 +17,16 @@ def roofline_rows(results: list[dict]) -> list[dict]:
     B: prefill matmul FLOPs / measured matmul FLOP/s plus 128 decode steps of 64 sequences, each the
        larger of its FLOP and weight-read times (plus KV reads), against the measured wall time.
     q8_0 / q4_1 weights count their GGUF bytes (scales included), with float32 KV and fp32 matmuls.
-    Attention FLOPs and activations are ignored. Returns [] when the planner is not there.
+    Attention FLOPs and activations are ignored. Returns None when the planner is not there.
     """
     try:
         from kvmosaic.planner import MODEL_PRESETS, param_count, roofline_step_time
         from kvmosaic.planner.probe import probe
         from kvmosaic.planner.roofline import dtype_bytes
     except ImportError:
+        return None
+    ours = [r for r in results if r["engine"] == "kvmosaic" and succeeded(r) and r["workload"] in ("A", "B")]
+    if not ours:
         return []
     measured_host = probe()
     hw = measured_host.spec
@@ -31,9 +34,7 @@ def roofline_rows(results: list[dict]) -> list[dict]:
     head = model.vocab_size * model.hidden_size  # the LM head: only sampled rows go through it
     body = param_count(model) - head * (1 if model.tie_embeddings else 2)
     rows = []
-    for res in results:
-        if res["engine"] != "kvmosaic" or not succeeded(res) or res["workload"] not in ("A", "B"):
-            continue
+    for res in ours:
         dtype, work = res["dtype"], WORKLOADS[res["workload"]]
         compute = "bf16" if dtype == "bfloat16" else "fp32"
         rate = getattr(measured_host, compute)
@@ -55,13 +56,15 @@ def roofline_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
-def roofline_lines(rows: list[dict]) -> list[str]:
+def roofline_lines(rows: list[dict] | None) -> list[str]:
     """A share of the roofline only where it means one: a run faster than its roofline says the
     probe did not find this host's fastest path, so no share is printed for it."""
     from kvmosaic.planner.roofline import format_rate
 
-    if not rows:
+    if rows is None:
         return ["roofline: planner not available"]
+    if not rows:
+        return ["roofline: no kvmosaic A or B result to compare"]
     lines = ["kvmosaic vs roofline (planner probe of this machine; A: weights+KV bytes / read bandwidth, "
              "B: prefill FLOPs + 128 decode steps of 64 at max(FLOP, weight-read) time):"]
     for r in rows:
