@@ -66,7 +66,7 @@ setup_llamacpp() {
     local venv=$PEERS/llamacpp-venv src
     src=$(llama_cpp_sdist) || return 1
     if ! "$venv/bin/python" -c "import llama_cpp" 2> /dev/null; then
-        # Built from source for this CPU (AVX-512, bf16); about 10 minutes on 2 cores.
+        # Built from source for this CPU (GGML_NATIVE: AVX-512 + bf16, or AVX2 + FMA); about 10 minutes on 2 cores.
         CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
             pip_in llamacpp -q "$PEERS/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" || return 1
     fi
