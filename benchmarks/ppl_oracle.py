@@ -26,7 +26,7 @@ from peer_runners.models import GGUF, PEERS, QUANT_FORMATS, prepare_gguf, prepar
 
 from kvmosaic.eval.corpus import EVAL_SOURCE, read_text
 from kvmosaic.eval.harness import load_eval_model
-from kvmosaic.eval.oracle import AGREEMENT, OracleRow, compare, llamacpp_missing, llamacpp_perplexity
+from kvmosaic.eval.oracle import AGREEMENT, OracleRow, compare, llamacpp_missing
 from kvmosaic.eval.ppl import tokenize_windows
 from kvmosaic.model.loader import default_model_path
 from kvmosaic.ops import Kernels
@@ -91,7 +91,7 @@ def main() -> int:
     kernels = Kernels.load().level
     rows, windows = run(formats, None if args.quantization == "none" else args.quantization, args.window,
                         args.max_tokens, args.threads)
-    info = llamacpp_perplexity(model_file(formats[0]), windows[:1], args.threads).system_info
+    info = rows[0].llamacpp_info
     header = (f"host ISA {isa_summary()}, kvmosaic kernels {kernels}, {args.threads} threads; text {EVAL_SOURCE}, "
               f"{len(windows)} windows of {args.window} tokens, {rows[0].num_tokens} scored")
     lines = table(rows)

@@ -87,6 +87,7 @@ class OracleRow:
     kvmosaic: float
     llamacpp: float
     kvmosaic_s: float
+    llamacpp_info: str  # llama.cpp's system info: the CPU features its build uses
 
     @property
     def difference(self) -> float:
@@ -106,4 +107,4 @@ def compare(label: str, gguf: str | Path, em: EvalModel, windows: list[list[int]
     if theirs.num_tokens != ours.num_tokens:
         raise RuntimeError(f"scored {ours.num_tokens} tokens here and {theirs.num_tokens} in llama.cpp")
     return OracleRow(label, str(gguf), tensor_types(gguf), em.weight_format, ours.num_tokens, ours.perplexity,
-                     theirs.perplexity, ours.seconds)
+                     theirs.perplexity, ours.seconds, theirs.system_info)
