@@ -64,12 +64,10 @@ template <>
 struct Step<bf16> {
   static constexpr int64_t kPack = 2;
   using W = vec::BF16Pairs;
-  struct A {
-    F16 a0, a1;
-  };
+  using A = vec::BF16Pairs;
   static W weight(const bf16* w) { return vec::load_bf16_pairs(w); }
-  static A act(const bf16* x) { return {F16::set1(static_cast<float>(x[0])), F16::set1(static_cast<float>(x[1]))}; }
-  static F16 fma(F16 acc, A a, W w) { return vec::fma(a.a1, w.odd, vec::fma(a.a0, w.even, acc)); }
+  static A act(const bf16* x) { return vec::broadcast_bf16_pair(x); }
+  static F16 fma(F16 acc, A a, W w) { return vec::fma(a.odd, w.odd, vec::fma(a.even, w.even, acc)); }
 };
 #endif
 

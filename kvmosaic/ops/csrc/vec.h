@@ -467,4 +467,23 @@ inline BF16Pairs load_bf16_pairs(const bf16* pairs) {
 #endif
 }
 
+// One pair of bf16 values (x[0], x[1]) broadcast to all lanes and widened: even = x[0], odd = x[1]
+// (one 32-bit broadcast and two integer ops, not two scalar conversions and broadcasts).
+inline BF16Pairs broadcast_bf16_pair(const bf16* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof(bits));
+#if defined(KVM_VEC_AVX512)
+  const __m512i w = _mm512_set1_epi32(bits);
+  return {{_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))},
+          {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))}};
+#elif defined(KVM_VEC_AVX2)
+  const __m256i w = _mm256_set1_epi32(bits);
+  const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return {{even, even}, {odd, odd}};
+#else
+  return {F16::set1(static_cast<float>(pair[0])), F16::set1(static_cast<float>(pair[1]))};
+#endif
+}
+
 }  // namespace kvmosaic_vec
