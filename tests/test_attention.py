@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import mixed_batch_metadata
-from kernel_levels import kernels_for, level_params
 
 from kvmosaic.model.layers.attention import (
     AttentionMetadata,
@@ -18,21 +17,22 @@ from kvmosaic.model.layers.attention import (
     write_kv,
 )
 from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.ops import Kernels, available_levels
 
 
-@pytest.fixture(params=level_params("reference"))
+@pytest.fixture(params=["reference", *available_levels()])
 def paged_attention(request):
     """paged_attention(q, k_cache, v_cache, meta, scale) on the reference or on one level's kernels."""
     if request.param == "reference":
         return paged_attention_reference
-    ops = kernels_for(request.param).ops
+    ops = Kernels.load(request.param).ops
     return lambda *args: paged_attention_kernel(ops, *args)
 
 
-@pytest.fixture(params=level_params())
-def ops(request):
-    """The float kernels of one built ISA level."""
-    return kernels_for(request.param).ops
+@pytest.fixture
+def ops(level_kernels: Kernels):
+    """The float kernels of one built ISA level (conftest's level_kernels)."""
+    return level_kernels.ops
 
 HQ, HK, D, BS = 9, 3, 16, 4
 

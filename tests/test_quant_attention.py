@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import mixed_batch_metadata
-from kernel_levels import kernels_for, level_params
 
 from kvmosaic.model.layers.attention import AttentionMetadata
 from kvmosaic.model.layers.quant_attention import (
@@ -18,7 +17,7 @@ from kvmosaic.model.layers.quant_attention import (
     write_quantized,
 )
 from kvmosaic.model.layers.rotary import RotaryEmbedding
-from kvmosaic.ops import Kernels
+from kvmosaic.ops import Kernels, available_levels
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat
 
@@ -45,16 +44,10 @@ def _rows(n: int, seed: int, dim: int = D) -> tuple[torch.Tensor, torch.Tensor]:
     return k, torch.randn(n, HK, dim, generator=gen)
 
 
-@pytest.fixture(params=level_params("reference"))
+@pytest.fixture(params=["reference", *available_levels()])
 def kernels(request) -> Kernels:
     """The PyTorch reference, or one built ISA level's kernels."""
-    return kernels_for(request.param)
-
-
-@pytest.fixture(params=level_params())
-def level_kernels(request) -> Kernels:
-    """One built ISA level's kernels."""
-    return kernels_for(request.param)
+    return Kernels.reference() if request.param == "reference" else Kernels.load(request.param)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
