@@ -17,19 +17,22 @@ from kvmosaic.model.layers.attention import (
     write_kv,
 )
 from kvmosaic.model.layers.rotary import RotaryEmbedding
-from kvmosaic.ops import get_ops
-
-PATHS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
-    get_ops() is None, reason="C++ kernels not built (python -m kvmosaic.ops.build)"))]
+from kvmosaic.ops import Kernels, available_levels
 
 
-@pytest.fixture(params=PATHS)
+@pytest.fixture(params=["reference", *available_levels()])
 def paged_attention(request):
-    """paged_attention(q, k_cache, v_cache, meta, scale) on the reference or on the kernels."""
+    """paged_attention(q, k_cache, v_cache, meta, scale) on the reference or on one level's kernels."""
     if request.param == "reference":
         return paged_attention_reference
-    ops = get_ops()
+    ops = Kernels.load(request.param).ops
     return lambda *args: paged_attention_kernel(ops, *args)
+
+
+@pytest.fixture
+def ops(level_kernels: Kernels):
+    """The float kernels of one built ISA level (conftest's level_kernels)."""
+    return level_kernels.ops
 
 HQ, HK, D, BS = 9, 3, 16, 4
 
@@ -87,9 +90,7 @@ def test_mixed_batch_matches_naive(paged_attention, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [D, 64, 48])  # scalar loop, 16-lane loop, 16 lanes + scalar tail
-def test_rotate_and_cache_kernel_matches_reference(dtype, dim):
-    if get_ops() is None:
-        pytest.skip("C++ kernels not built")
+def test_rotate_and_cache_kernel_matches_reference(ops, dtype, dim):
     gen = torch.Generator().manual_seed(1)
     rotary = RotaryEmbedding(dim, 64, 10000.0, None)
     n = 7
@@ -97,7 +98,6 @@ def test_rotate_and_cache_kernel_matches_reference(dtype, dim):
     positions = torch.tensor([0, 5, 6, 7, 30, 31, 63])
     meta = AttentionMetadata(torch.tensor([3, 9, 10, 11, 17, 40, 2]), 0, None, None, positions=positions)
     results = []
-    ops = get_ops()
     for rotate in (lambda *args: rotate_and_cache_kernel(ops, *args), rotate_and_cache_reference):
         caches = torch.zeros(2, 16, BS, HK, dim, dtype=dtype)
         q = rotate(qkv, rotary, caches[0], caches[1], meta.positions, meta.slot_mapping, HQ, HK)
@@ -126,23 +126,22 @@ def test_long_prefill_chunked_queries_match_naive(cached, new):
     torch.testing.assert_close(out, _naive(q, k_all, v_all, cached), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(get_ops() is None, reason="C++ kernels not built (python -m kvmosaic.ops.build)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hk,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5), (4, 4, 64, 3), (6, 2, 32, 16)])
 @pytest.mark.parametrize("threads", [None, 8])  # 8 threads > 6 sequences: work items are (sequence, KV head)
-def test_decode_kernel_matches_naive(dtype, hq, hk, dim, block_size, threads):
+def test_decode_kernel_matches_naive(ops, dtype, hq, hk, dim, block_size, threads):
     """The decode kernel (register-blocked for head_dim 64/128, generic otherwise) on contexts that end
     inside, at and across its 16-token chunks, with shuffled block tables; with more threads than
     sequences each (sequence, KV head) is its own work item."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        _check_decode_kernel(dtype, hq, hk, dim, block_size)
+        _check_decode_kernel(ops, dtype, hq, hk, dim, block_size)
     finally:
         torch.set_num_threads(previous)
 
 
-def _check_decode_kernel(dtype, hq, hk, dim, block_size):
+def _check_decode_kernel(ops, dtype, hq, hk, dim, block_size):
     gen = torch.Generator().manual_seed(1)
     lens = [1, 15, 16, 17, 40, 300]
     width = max((n + block_size - 1) // block_size for n in lens)
@@ -153,7 +152,7 @@ def _check_decode_kernel(dtype, hq, hk, dim, block_size):
     v_cache = torch.randn(num_blocks, block_size, hk, dim, generator=gen).to(dtype)
     q = torch.randn(len(lens), hq, dim, generator=gen).to(dtype)
     scale = dim**-0.5
-    out = get_ops().paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), scale).float()
+    out = ops.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), scale).float()
     g = hq // hk
     for i, n in enumerate(lens):
         slots = tables[i].repeat_interleave(block_size) * block_size + torch.arange(width * block_size) % block_size
@@ -165,16 +164,15 @@ def _check_decode_kernel(dtype, hq, hk, dim, block_size):
         torch.testing.assert_close(out[i], ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(get_ops() is None or not get_ops().prefill_attention_supports(64),
-                    reason="prefill kernel needs the C++ kernels on an AVX-512 CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hk,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5), (5, 5, 64, 7)])
 @pytest.mark.parametrize("cached,new,spread", [(0, 1, 1), (0, 37, 1), (16, 16, 1), (100, 61, 1), (70, 200, 6)])
-def test_prefill_kernel_matches_naive(dtype, hq, hk, dim, block_size, cached, new, spread):
+def test_prefill_kernel_matches_naive(ops, dtype, hq, hk, dim, block_size, cached, new, spread):
     """The prefill kernel: causal chunk attention over a shuffled paged context, with cached tokens
     before the chunk, query-row blocks that straddle tokens, tiles and 64-key blocks cut by the
     causal edge, and (spread) scores wide enough that the softmax reference moves mid-row. The
     result is written into the given rows of a larger output tensor."""
+    assert ops.prefill_attention_supports(dim)
     gen = torch.Generator().manual_seed(2)
     ctx = cached + new
     blocks = (ctx + block_size - 1) // block_size
@@ -185,10 +183,10 @@ def test_prefill_kernel_matches_naive(dtype, hq, hk, dim, block_size, cached, ne
     q = (torch.randn(new, hq, dim, generator=gen) * spread).to(dtype)
     scale = dim**-0.5
     batch_out = torch.full((new + 3, hq, dim), float("nan"), dtype=dtype)
-    written = get_ops().paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale, batch_out[2:new + 2])
+    written = ops.paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale, batch_out[2:new + 2])
     assert written.data_ptr() == batch_out[2].data_ptr()
     assert batch_out[:2].isnan().all() and batch_out[new + 2:].isnan().all()
-    out = get_ops().paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale).double()
+    out = ops.paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale).double()
     torch.testing.assert_close(batch_out[2:new + 2].double(), out, atol=0, rtol=0)
     slots = table.repeat_interleave(block_size) * block_size + torch.arange(blocks * block_size) % block_size
     g = hq // hk

@@ -1,10 +1,12 @@
 // Decode attention over the paged float KV cache, read in place (no gather copy): one query token
 // per sequence, an online softmax in one pass over the context.
 #include "ops_common.h"
+#include "vec.h"
 
 namespace {
 
 using namespace kvops;
+namespace vec = kvmosaic_vec;
 
 // Widen one row to float. The bf16 case is a plain shift so the compiler vectorizes it.
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
@@ -82,84 +84,83 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 }
 
-#if defined(__AVX512F__)
 // One query head held in registers; dot() returns the lane-wise partial products of q . k for one
-// cached row (the caller sums the lanes). bf16 uses AVX512-BF16 dot products (float accumulation).
+// cached row (the caller sums the lanes). bf16 uses AVX512-BF16 dot products (float accumulation)
+// where the level has them, and otherwise widens K to float in registers.
 template <typename T, int NC>
-struct QueryDot;
-
-template <int NC>
-struct QueryDot<float, NC> {
-  __m512 q[NC];
-  void load(const float* p) {
-    for (int c = 0; c < NC; ++c) q[c] = _mm512_loadu_ps(p + c * 16);
+struct QueryDot {
+  vec::F16 q[NC];
+  void load(const T* p) {
+    for (int c = 0; c < NC; ++c) q[c] = vec::F16::load(p + c * 16);
   }
-  __m512 dot(const float* k) const {
-    __m512 s = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-    for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + c * 16), s);
+  vec::F16 dot(const T* k) const {
+    vec::F16 s = q[0] * vec::F16::load(k);
+    for (int c = 1; c < NC; ++c) s = vec::fma(q[c], vec::F16::load(k + c * 16), s);
     return s;
   }
 };
 
+#if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
 template <int NC>
 struct QueryDot<c10::BFloat16, NC> {
-#if defined(__AVX512BF16__)
   __m512bh q[NC / 2];
   void load(const c10::BFloat16* p) {
     for (int c = 0; c < NC / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p + c * 32));
   }
-  __m512 dot(const c10::BFloat16* k) const {
+  vec::F16 dot(const c10::BFloat16* k) const {
     __m512 s = _mm512_setzero_ps();
     for (int c = 0; c < NC / 2; ++c)
       s = _mm512_dpbf16_ps(s, q[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
-    return s;
+    return {s};
   }
-#else
-  __m512 q[NC];
-  void load(const c10::BFloat16* p) {
-    for (int c = 0; c < NC; ++c) q[c] = load16(p + c * 16);
-  }
-  __m512 dot(const c10::BFloat16* k) const {
-    __m512 s = _mm512_mul_ps(q[0], load16(k));
-    for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], load16(k + c * 16), s);
-    return s;
-  }
-#endif
 };
+#endif
 
-// part[g][kSumSlot[j]] = the 16-lane partial dot products of G query heads (sharing one KV head)
-// with the chunk's K rows j < n (zero past n); the G queries stay in registers.
+// part[g][j] = the 16-lane partial dot products of G query heads (sharing one KV head) with the
+// chunk's K rows j < n (zero past n); the G queries stay in registers.
 template <typename T, int NC, int G, typename Prefetch>
 inline void head_scores(const QueryDot<T, NC>* qd, const T* krows, const int64_t* slots, int64_t n,
-                        int64_t slot_stride, __m512* part, const Prefetch& prefetch_some) {
+                        int64_t slot_stride, vec::F16* part, const Prefetch& prefetch_some) {
   QueryDot<T, NC> q[G];
   for (int g = 0; g < G; ++g) q[g] = qd[g];
   for (int64_t j = 0; j < 16; ++j) {
     prefetch_some();
     const T* row = krows + slots[j] * slot_stride;
-    for (int g = 0; g < G; ++g) part[g * 16 + kSumSlot[j]] = j < n ? q[g].dot(row) : _mm512_setzero_ps();
+    for (int g = 0; g < G; ++g) part[g * 16 + j] = j < n ? q[g].dot(row) : vec::F16::zero();
   }
 }
 
-// acc[i] += sum over the chunk's n tokens j of probs[i][j] * v_j for HN heads sharing one KV head; the
-// HN x NC sums stay in registers (a runtime head count left them on the stack, 2x slower).
+// Register blocking of the p . v sums: HN heads x CB vectors of the head dimension at a time, so
+// the HN x CB sums, one V vector and the broadcast probabilities fit the level's registers (a
+// runtime head count left them on the stack, 2x slower).
+template <int NC>
+struct PvBlock {
+  static constexpr int CB = vec::kVecRegisters >= 32 ? NC : 2;
+  static constexpr int HN = vec::kVecRegisters >= 32 ? (NC <= 4 ? 4 : 2) : 3;
+};
+
+// acc[i] += sum over the chunk's n tokens j of probs[i][j] * v_j for HN heads sharing one KV head,
+// CB vectors of the head dimension at a time.
 template <typename T, int NC, int HN>
 inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t slot_stride, const float* probs,
-                     __m512* acc) {
-  __m512 a[HN][NC];
-  for (int i = 0; i < HN; ++i)
-    for (int c = 0; c < NC; ++c) a[i][c] = acc[i * NC + c];
-  for (int64_t j = 0; j < n; ++j) {
-    const T* row = vrows + slots[j] * slot_stride;
-    __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = load16(row + c * 16);
-    for (int i = 0; i < HN; ++i) {
-      const __m512 p = _mm512_set1_ps(probs[i * 16 + j]);
-      for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(p, vv[c], a[i][c]);
+                     vec::F16* acc) {
+  constexpr int CB = PvBlock<NC>::CB;
+  for (int c0 = 0; c0 < NC; c0 += CB) {
+    vec::F16 a[HN][CB];
+    for (int i = 0; i < HN; ++i)
+      for (int c = 0; c < CB; ++c) a[i][c] = acc[i * NC + c0 + c];
+    for (int64_t j = 0; j < n; ++j) {
+      const T* row = vrows + slots[j] * slot_stride + c0 * 16;
+      vec::F16 p[HN];
+      for (int i = 0; i < HN; ++i) p[i] = vec::F16::set1(probs[i * 16 + j]);
+      for (int c = 0; c < CB; ++c) {
+        const vec::F16 vv = vec::F16::load(row + c * 16);
+        for (int i = 0; i < HN; ++i) a[i][c] = vec::fma(p[i], vv, a[i][c]);
+      }
     }
+    for (int i = 0; i < HN; ++i)
+      for (int c = 0; c < CB; ++c) acc[i * NC + c0 + c] = a[i][c];
   }
-  for (int i = 0; i < HN; ++i)
-    for (int c = 0; c < NC; ++c) acc[i * NC + c] = a[i][c];
 }
 
 // Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
@@ -177,14 +178,14 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t slot_stride = hk * D;
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
   const int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));  // one KV head of a slot
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const vec::F16 vscale = vec::F16::set1(static_cast<float>(scale));
 
   const int64_t parts = batch < at::get_num_threads() ? hk : 1;  // work items per sequence
   const int64_t part_heads = hk / parts;
   at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<QueryDot<T, NC>> qd(hq);
-    std::vector<__m512> part(group * 16), acc(hq * NC);
-    std::vector<OnlineSoftmax> softmax(hq);
+    std::vector<vec::F16> part(group * 16), acc(hq * NC);
+    std::vector<vec::OnlineSoftmax> softmax(hq);
     std::vector<float> probs(hq * 16);
     int64_t slots[16];
     std::vector<const char*> pf_lines(2 * 16 * ((slot_bytes + 63) / 64));
@@ -194,11 +195,11 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
       const int64_t* table = tables + b * width;
       auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
       for (int64_t h = kh0 * group; h < kh1 * group; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
-      std::fill(softmax.begin(), softmax.end(), OnlineSoftmax());
-      for (auto& a : acc) a = _mm512_setzero_ps();
+      std::fill(softmax.begin(), softmax.end(), vec::OnlineSoftmax());
+      std::fill(acc.begin(), acc.end(), vec::F16::zero());
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
-        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+        const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
         for (int64_t j = 0; j < n; ++j) slots[j] = slot_of(t0 + j);
         // the rows two chunks ahead (past the end: the next sequence's first ones) are prefetched
         // into L2, spread evenly over the score loop below: one chunk ahead, or into L1, or in one
@@ -225,7 +226,7 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         // scores of the sixteen tokens for every head, folded into the running softmax
         for (int64_t kh = kh0; kh < kh1; ++kh) {
           auto prefetch_some = [&] {
-            for (int64_t i = 0; i < per_iter && issued < nlines; ++i) _mm_prefetch(pf_lines[issued++], _MM_HINT_T1);
+            for (int64_t i = 0; i < per_iter && issued < nlines; ++i) vec::prefetch_l2(pf_lines[issued++]);
           };
           const QueryDot<T, NC>* qh = qd.data() + kh * group;
           const T* krows = kc + kh * D;
@@ -238,51 +239,50 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
               for (int64_t j = 0; j < 16; ++j) {
                 prefetch_some();
                 for (int64_t g = 0; g < group; ++g)
-                  part[g * 16 + kSumSlot[j]] = j < n ? qh[g].dot(krows + slots[j] * slot_stride) : _mm512_setzero_ps();
+                  part[g * 16 + j] = j < n ? qh[g].dot(krows + slots[j] * slot_stride) : vec::F16::zero();
               }
           }
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kh * group + g;
-            const __m512 sc = _mm512_mul_ps(sum_lanes16(part.data() + g * 16), vscale);
+            const vec::F16 sc = vec::sum_lanes16(part.data() + g * 16) * vscale;
             float corr;
-            _mm512_storeu_ps(probs.data() + h * 16, softmax[h].update(sc, valid, &corr));
+            softmax[h].update(sc, valid, &corr).store(probs.data() + h * 16);
             if (corr != 1.f)
-              for (int c = 0; c < NC; ++c) acc[h * NC + c] = _mm512_mul_ps(acc[h * NC + c], _mm512_set1_ps(corr));
+              for (int c = 0; c < NC; ++c) acc[h * NC + c] = acc[h * NC + c] * vec::F16::set1(corr);
           }
         }
         // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
-        constexpr int64_t HB = NC <= 4 ? 4 : 2;
+        constexpr int64_t HB = PvBlock<NC>::HN;
         for (int64_t kh = kh0; kh < kh1; ++kh) {
           for (int64_t g0 = 0; g0 < group; g0 += HB) {
             const int64_t h0 = kh * group + g0;
             const T* vrows = vc + kh * D;
+            float* pr = probs.data() + h0 * 16;
+            vec::F16* ac = acc.data() + h0 * NC;
             switch (std::min(HB, group - g0)) {
-              case 1: pv_heads<T, NC, 1>(vrows, slots, n, slot_stride, probs.data() + h0 * 16, acc.data() + h0 * NC); break;
-              case 2: pv_heads<T, NC, 2>(vrows, slots, n, slot_stride, probs.data() + h0 * 16, acc.data() + h0 * NC); break;
-              case 3: pv_heads<T, NC, 3>(vrows, slots, n, slot_stride, probs.data() + h0 * 16, acc.data() + h0 * NC); break;
-              default: pv_heads<T, NC, HB>(vrows, slots, n, slot_stride, probs.data() + h0 * 16, acc.data() + h0 * NC); break;
+              case 1: pv_heads<T, NC, 1>(vrows, slots, n, slot_stride, pr, ac); break;
+              case 2: pv_heads<T, NC, 2>(vrows, slots, n, slot_stride, pr, ac); break;
+              case 3: pv_heads<T, NC, 3>(vrows, slots, n, slot_stride, pr, ac); break;
+              default: pv_heads<T, NC, HB>(vrows, slots, n, slot_stride, pr, ac); break;
             }
           }
         }
       }
       for (int64_t h = kh0 * group; h < kh1 * group; ++h) {
-        const __m512 inv = _mm512_set1_ps(1.f / softmax[h].total());
-        for (int c = 0; c < NC; ++c) store16(o_ptr + (b * hq + h) * D + c * 16, _mm512_mul_ps(acc[h * NC + c], inv));
+        const vec::F16 inv = vec::F16::set1(1.f / softmax[h].total());
+        for (int c = 0; c < NC; ++c) (acc[h * NC + c] * inv).store(o_ptr + (b * hq + h) * D + c * 16);
       }
     }
   });
 }
-#endif
 
 // Dispatch: the register-blocked kernel for head_dim 64 / 128, the generic loop otherwise.
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
-#if defined(__AVX512F__)
   const int64_t d = q.size(2);
   if (d == 64) return decode_attention_vec<T, 4>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
   if (d == 128) return decode_attention_vec<T, 8>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
-#endif
   decode_attention_impl<T>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
 }
 

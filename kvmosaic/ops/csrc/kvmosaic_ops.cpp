@@ -11,13 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of a prefill chunk over paged KV",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"),
         py::arg("scale"), py::arg("out") = py::none());
-  m.def("prefill_attention_supports", [](int64_t head_dim) {
-#if defined(__AVX512F__)
-    return head_dim == 64 || head_dim == 128;
-#else
-    return false;
-#endif
-  });
+  m.def("prefill_attention_supports", [](int64_t head_dim) { return head_dim == 64 || head_dim == 128; });
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU over a fused gate/up projection");
   m.def("packed_linear_supports", [](py::object dtype, int64_t out_features, int64_t in_features) {
     return packed_linear_supports(torch::python::detail::py_object_to_dtype(dtype), out_features, in_features);

@@ -1,6 +1,6 @@
 // Reading quantized records: dequantization of whole blocks (prefill chunks attend over them) and
 // the scalar decode-attention kernel, which dequantizes each head vector into a small buffer; the
-// AVX-512 kernel (kvquant_decode_fast.cpp) takes head_dim 64 / 128 when the CPU has it.
+// vector kernel (kvquant_decode_fast.cpp) takes head_dim 64 / 128 on every ISA level.
 #include "kvquant_format.h"
 
 namespace kvquant {

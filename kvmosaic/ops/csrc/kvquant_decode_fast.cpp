@@ -1,10 +1,10 @@
-// Decode attention over quantized paged K/V with AVX-512, head_dim 64 or 128.
+// Decode attention over quantized paged K/V, head_dim 64 or 128, over the vector type of vec.h.
 #include "kvquant_format.h"
+#include "vec_codes.h"
 
 namespace kvquant {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// ------------------------------------------------ decode attention, AVX-512 (head_dim 64 or 128)
+// ------------------------------------------------ decode attention (head_dim 64 or 128)
 //
 // One work item is one sequence; each tile of 16 tokens is read once for all KV heads (a record
 // holds every head of a slot). int8 / int4 are affine per token, so they are not dequantized:
@@ -13,27 +13,15 @@ namespace kvquant {
 // the same affine form (load_oaken64); other Oaken rows are dequantized through a one-row L1 buffer
 // and use lo = 0, s = 1.
 
-
-inline __m512 bytes_to_float(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
-
-// 32 four-bit codes (16 bytes, element 2i in the low nibble of byte i) as two vectors of floats.
-inline void nibbles32(const uint8_t* p, __m512* r) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(15);
-  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-  r[0] = bytes_to_float(_mm_unpacklo_epi8(lo, hi));
-  r[1] = bytes_to_float(_mm_unpackhi_epi8(lo, hi));
-}
-
 // Oaken rows of head_dim 64 (one-byte sparse entries) as affine codes, value_i = lo + s * r_i, like
 // int4, so the scores and value weights take the same per-token (lo, s) path. With y = mid_lo + c *
 // mid_s the middle value is y + inner_lo or y + inner_hi by the sign of y; y grows with the code c,
 // so with lo = mid_lo + inner_lo and s = mid_s a middle slot is r = c, plus (inner_hi - inner_lo) / s
 // from the first code whose level is >= 0 (a 16-entry table the nibbles index). Outlier slots get
-// r = (value - lo) / s. A tile's outliers (and middle tables) are decoded first, one row's (at most
-// 16) entries in one vector, with no branch on their count (oaken_row64); the rows are then built and
-// patched (load_oaken64): the values, lined up from each 16-lane chunk's first entry, expand into the lanes
-// the sorted indices name. Two passes keep the long decode chain of one row off the dot products.
+// r = (value - lo) / s. A tile's outliers (and middle tables) are decoded first (oaken_row64); the
+// rows are then built and patched (load_oaken64): the values, lined up from each 16-lane chunk's
+// first entry, expand into the lanes the sorted indices name. Two passes keep the long decode chain
+// of one row off the dot products.
 struct OakenRow {
   alignas(64) float table[16];  // affine code of each middle nibble
   alignas(64) float value[32];  // affine codes of the outliers, in index order (16 slack: full-width loads)
@@ -41,17 +29,21 @@ struct OakenRow {
   float lo, s;
 };
 
-inline void oaken_row64(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, OakenRow* out) {
-  const __m128 scales = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + h * kOakenHeader)));
-  const float mid_lo = _mm_cvtss_f32(scales), mid_s = _mm_cvtss_f32(_mm_movehdup_ps(scales));
-  const float lo = mid_lo + t.inner_lo, inv_s = 1.f / mid_s;
-  out->lo = lo, out->s = mid_s;
-  const __m512 level = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 y = _mm512_add_ps(_mm512_set1_ps(mid_lo), _mm512_mul_ps(level, _mm512_set1_ps(mid_s)));
-  _mm512_store_ps(out->table, _mm512_mask_add_ps(level, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GE_OQ), level,
-                                                 _mm512_set1_ps((t.inner_hi - t.inner_lo) * inv_s)));
+// The middle codes' table of one row (all levels).
+inline void oaken_table(float mid_lo, float mid_s, float inv_s, const Thresholds& t, float* table) {
+  alignas(64) static constexpr float kLevel[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vec::F16 level = vec::F16::load(kLevel);
+  const vec::F16 y = vec::F16::set1(mid_lo) + level * vec::F16::set1(mid_s);
+  const vec::Mask nonneg = ~vec::greater(vec::F16::zero(), y) & 0xFFFFu;  // y >= 0
+  vec::select(nonneg, level + vec::F16::set1((t.inner_hi - t.inner_lo) * inv_s), level).store(table);
+}
+
+#if defined(KVM_VEC_AVX512)
+// The outliers of one row in one vector, with no branch on their count (count <= 16: the caller checks).
+inline void oaken_outliers64(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t,
+                             const OakenScales& sc, float lo, float inv_s, OakenRow* out) {
   const uint8_t* list = rec + f.sparse_offset + h * f.sparse_bytes;
-  const __mmask16 valid = static_cast<__mmask16>((1u << list[0]) - 1u);  // count <= 16 (the caller checks)
+  const __mmask16 valid = static_cast<__mmask16>((1u << list[0]) - 1u);
   const __m512i entry = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, list + 1));
   const __m512i idx = _mm512_and_si512(entry, _mm512_set1_epi32(63));
   // the 4-bit code in the dense slot: nibble idx of the head's 32 bytes (8 dwords)
@@ -62,8 +54,7 @@ inline void oaken_row64(const uint8_t* rec, int64_t h, const Format& f, const Th
   // kind = group | sign << 1; value = base[kind] + code * step[kind]: the reference's outer_hi + m,
   // outer_lo - m, m, -m with m = code * scale (negation is exact)
   const __m512i kind = _mm512_srli_epi32(entry, 6);
-  const __m128 step4 = _mm_xor_ps(_mm_permutevar_ps(scales, _mm_setr_epi32(3, 2, 3, 2)), _mm_setr_ps(0.f, 0.f, -0.f, -0.f));
-  const __m512 step = _mm512_permutexvar_ps(kind, _mm512_castps128_ps512(step4));
+  const __m512 step = _mm512_permutexvar_ps(kind, _mm512_castps128_ps512(_mm_setr_ps(sc.in_s, sc.out_s, -sc.in_s, -sc.out_s)));
   const __m512 base = _mm512_permutexvar_ps(kind, _mm512_castps128_ps512(_mm_setr_ps(0.f, t.outer_hi, 0.f, t.outer_lo)));
   const __m512 value = _mm512_add_ps(base, _mm512_mul_ps(_mm512_cvtepi32_ps(nib), step));
   _mm512_store_ps(out->value, _mm512_mul_ps(_mm512_sub_ps(value, _mm512_set1_ps(lo)), _mm512_set1_ps(inv_s)));
@@ -73,21 +64,43 @@ inline void oaken_row64(const uint8_t* rec, int64_t h, const Format& f, const Th
       _mm512_maskz_sllv_epi64(static_cast<__mmask8>(valid >> 8), one, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(idx, 1))));
   out->lanes = static_cast<uint64_t>(_mm512_reduce_or_epi64(bits));
 }
+#else
+// The outliers of one row, entry by entry (the same float operations as the vector form).
+inline void oaken_outliers64(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t,
+                             const OakenScales& sc, float lo, float inv_s, OakenRow* out) {
+  const uint8_t* list = rec + f.sparse_offset + h * f.sparse_bytes;
+  const uint8_t* dense = rec + kOakenHeader * f.hk + h * 32;
+  const float base[4] = {0.f, t.outer_hi, 0.f, t.outer_lo};
+  const float step[4] = {sc.in_s, sc.out_s, -sc.in_s, -sc.out_s};
+  uint64_t lanes = 0;
+  for (int e = 0; e < list[0]; ++e) {
+    const int entry = list[1 + e], i = entry & 63, kind = entry >> 6;
+    const float value = base[kind] + static_cast<float>((dense[i >> 1] >> ((i & 1) * 4)) & 15) * step[kind];
+    out->value[e] = (value - lo) * inv_s;
+    lanes |= uint64_t{1} << i;
+  }
+  out->lanes = lanes;
+}
+#endif
 
-inline void load_oaken64(const uint8_t* rec, int64_t h, const Format& f, const OakenRow& o, __m512* r, float* lo, float* s) {
+inline void oaken_row64(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, OakenRow* out) {
+  const OakenScales sc = read_scales(rec + h * kOakenHeader);
+  const float lo = sc.mid_lo + t.inner_lo, inv_s = 1.f / sc.mid_s;
+  out->lo = lo, out->s = sc.mid_s;
+  oaken_table(sc.mid_lo, sc.mid_s, inv_s, t, out->table);
+  oaken_outliers64(rec, h, f, t, sc, lo, inv_s, out);
+}
+
+inline void load_oaken64(const uint8_t* rec, int64_t h, const Format& f, const OakenRow& o, vec::F16* r, float* lo,
+                         float* s) {
   const uint8_t* dense = rec + kOakenHeader * f.hk + h * 32;
   *lo = o.lo, *s = o.s;
-  const __m512 table = _mm512_load_ps(o.table);
-  const __m128i raw0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dense));
-  const __m128i raw1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dense + 16));
-  const __m128i high0 = _mm_srli_epi16(raw0, 4), high1 = _mm_srli_epi16(raw1, 4);
-  const __m128i nib[4] = {_mm_unpacklo_epi8(raw0, high0), _mm_unpackhi_epi8(raw0, high0),
-                          _mm_unpacklo_epi8(raw1, high1), _mm_unpackhi_epi8(raw1, high1)};
+  vec::lookup_nibbles(o.table, dense, r);
+  vec::lookup_nibbles(o.table, dense + 16, r + 2);
   int start = 0;
   for (int c = 0; c < 4; ++c) {
-    const auto mask = static_cast<__mmask16>(o.lanes >> (16 * c));
-    r[c] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib[c]), table);  // permutes read the low four bits only
-    r[c] = _mm512_mask_expand_ps(r[c], mask, _mm512_loadu_ps(o.value + start));  // register form: cheaper than expandloadu
+    const auto mask = static_cast<vec::Mask>(o.lanes >> (16 * c)) & 0xFFFFu;
+    r[c] = vec::expand(r[c], mask, o.value + start);
     start += __builtin_popcount(mask);
   }
 }
@@ -95,134 +108,148 @@ inline void load_oaken64(const uint8_t* rec, int64_t h, const Format& f, const O
 // One head vector into r[NC]: int8 / int4 codes as floats with their (lo, scale), or Oaken's
 // dequantized values (lo = 0, scale = 1 are then not used).
 template <int NC, int64_t MODE>
-inline void load_row(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, __m512* r, float* lo,
+inline void load_row(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, vec::F16* r, float* lo,
                      float* s, float* buf, const OakenRow* outliers) {
   if constexpr (MODE == kInt8) {
     const uint8_t* p = rec + h * (kIntHeader + NC * 16);
     *lo = read_half(p), *s = read_half(p + 2);
-    for (int c = 0; c < NC; ++c) r[c] = bytes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kIntHeader + 16 * c)));
+    for (int c = 0; c < NC; ++c) r[c] = vec::bytes_to_f16(p + kIntHeader + 16 * c);
   } else if constexpr (MODE == kInt4) {
     const uint8_t* p = rec + h * (kIntHeader + NC * 8);
     *lo = read_half(p), *s = read_half(p + 2);
-    for (int c = 0; c < NC; c += 2) nibbles32(p + kIntHeader + 8 * c, r + c);
+    for (int c = 0; c < NC; c += 2) vec::nibbles_to_f16(p + kIntHeader + 8 * c, r + c);
   } else if constexpr (NC == 4) {
     load_oaken64(rec, h, f, *outliers, r, lo, s);
   } else {
     *lo = 0.f, *s = 1.f;
     const OakenScales sc = read_scales(rec + h * kOakenHeader);
     const uint8_t* dense = rec + kOakenHeader * f.hk + h * (NC * 8);
-    const __m512 mid_lo = _mm512_set1_ps(sc.mid_lo), mid_s = _mm512_set1_ps(sc.mid_s);
-    const __m512 inner_lo = _mm512_set1_ps(t.inner_lo), inner_hi = _mm512_set1_ps(t.inner_hi);
-    for (int c = 0; c < NC; c += 2) nibbles32(dense + 8 * c, r + c);
+    const vec::F16 mid_lo = vec::F16::set1(sc.mid_lo), mid_s = vec::F16::set1(sc.mid_s);
+    const vec::F16 inner_lo = vec::F16::set1(t.inner_lo), inner_hi = vec::F16::set1(t.inner_hi);
+    for (int c = 0; c < NC; c += 2) vec::nibbles_to_f16(dense + 8 * c, r + c);
     for (int c = 0; c < NC; ++c) {
-      const __m512 y = _mm512_add_ps(mid_lo, _mm512_mul_ps(r[c], mid_s));  // multiply, then add: as encoded
-      const __mmask16 nonneg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GE_OQ);
-      _mm512_storeu_ps(buf + 16 * c, _mm512_add_ps(y, _mm512_mask_blend_ps(nonneg, inner_lo, inner_hi)));
+      const vec::F16 y = mid_lo + r[c] * mid_s;  // multiply, then add: as encoded
+      const vec::Mask nonneg = ~vec::greater(vec::F16::zero(), y) & 0xFFFFu;
+      (y + vec::select(nonneg, inner_hi, inner_lo)).store(buf + 16 * c);
     }
     patch_sparse(rec, h, f, t, sc, dense, buf);
-    for (int c = 0; c < NC; ++c) r[c] = _mm512_loadu_ps(buf + 16 * c);
+    for (int c = 0; c < NC; ++c) r[c] = vec::F16::load(buf + 16 * c);
   }
 }
-
-
-
 
 // Per-sequence state: the scaled queries (and their sums) in registers, and per query head the
 // value accumulator, the sum_j p_j lo_j lanes (int modes) and the running softmax.
 template <int NC>
 struct SequenceState {
-  std::vector<__m512> q, acc, bias;
+  std::vector<vec::F16> q, acc, bias;
   std::vector<float> q_sum, probs;
-  std::vector<OnlineSoftmax> softmax;
+  std::vector<vec::OnlineSoftmax> softmax;
   explicit SequenceState(int64_t hq) : q(hq * NC), acc(hq * NC), bias(hq), q_sum(hq), probs(hq * 16), softmax(hq) {}
 
   template <typename T>
   void reset(const T* qp, int64_t hq, float scale) {
     for (int64_t h = 0; h < hq; ++h) {
-      __m512 s = _mm512_setzero_ps();
+      vec::F16 s = vec::F16::zero();
       for (int c = 0; c < NC; ++c) {
-        q[h * NC + c] = _mm512_mul_ps(load16(qp + h * NC * 16 + c * 16), _mm512_set1_ps(scale));
-        s = _mm512_add_ps(s, q[h * NC + c]), acc[h * NC + c] = _mm512_setzero_ps();
+        q[h * NC + c] = vec::F16::load(qp + h * NC * 16 + c * 16) * vec::F16::set1(scale);
+        s = s + q[h * NC + c], acc[h * NC + c] = vec::F16::zero();
       }
-      q_sum[h] = _mm512_reduce_add_ps(s), bias[h] = _mm512_setzero_ps(), softmax[h] = OnlineSoftmax();
+      q_sum[h] = s.reduce_add(), bias[h] = vec::F16::zero(), softmax[h] = vec::OnlineSoftmax();
     }
   }
 };
+
+// Register blocking of the value sums: HN heads x CB vectors of the head dimension.
+template <int NC>
+struct ValueBlock {
+  static constexpr int CB = vec::kVecRegisters >= 32 ? NC : 2;
+  static constexpr int HN = vec::kVecRegisters >= 32 ? (NC <= 4 ? 4 : 2) : 3;
+};
+
+// acc[i] += sum_j w[i][j] * row_j for hn <= HN heads, rows 1..n of buf.
+template <int NC>
+inline void value_heads(const float* buf, int64_t n, const float (*w)[16], int64_t hn, vec::F16* acc) {
+  constexpr int CB = ValueBlock<NC>::CB, HN = ValueBlock<NC>::HN;
+  for (int c0 = 0; c0 < NC; c0 += CB) {
+    vec::F16 a[HN][CB];
+    for (int64_t i = 0; i < hn; ++i)
+      for (int c = 0; c < CB; ++c) a[i][c] = acc[i * NC + c0 + c];
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = buf + (1 + j) * NC * 16 + c0 * 16;
+      for (int c = 0; c < CB; ++c) {
+        const vec::F16 vv = vec::F16::load(v + 16 * c);
+        for (int64_t i = 0; i < HN; ++i) {
+          if (i >= hn) break;
+          a[i][c] = vec::fma(vec::F16::set1(w[i][j]), vv, a[i][c]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < hn; ++i)
+      for (int c = 0; c < CB; ++c) acc[i * NC + c0 + c] = a[i][c];
+  }
+}
 
 // One KV head over one tile of n <= 16 tokens (records at offsets): scores, softmax, values.
 template <int NC, int64_t MODE>
 inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* vp, const int64_t* offsets, int64_t n,
                       int64_t kh, int64_t group, const Format& f, const Thresholds& kt, const Thresholds& vt,
-                      __m512* part, float* buf, OakenRow* outliers) {
+                      vec::F16* part, float* buf, OakenRow* outliers) {
   constexpr bool kTwoPass = MODE == kOaken && NC == 4;
   alignas(64) float lo[16] = {}, s[16] = {};
-  __m512 row[NC];
+  vec::F16 row[NC];
   if constexpr (kTwoPass)
     for (int64_t j = 0; j < n; ++j) oaken_row64(kp + offsets[j], kh, f, kt, outliers + j);
   for (int64_t j = 0; j < 16; ++j) {
     if (j >= n) {
-      for (int64_t g = 0; g < group; ++g) part[g * 16 + kSumSlot[j]] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < group; ++g) part[g * 16 + j] = vec::F16::zero();
       continue;
     }
     load_row<NC, MODE>(kp + offsets[j], kh, f, kt, row, lo + j, s + j, buf, outliers + j);
     for (int64_t g = 0; g < group; ++g) {
-      const __m512* q = st.q.data() + (kh * group + g) * NC;
-      __m512 d = _mm512_mul_ps(q[0], row[0]);
-      for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], row[c], d);
-      part[g * 16 + kSumSlot[j]] = d;
+      const vec::F16* q = st.q.data() + (kh * group + g) * NC;
+      vec::F16 d = q[0] * row[0];
+      for (int c = 1; c < NC; ++c) d = vec::fma(q[c], row[c], d);
+      part[g * 16 + j] = d;
     }
   }
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = kh * group + g;
-    __m512 scores = sum_lanes16(part + g * 16);
-    scores = _mm512_fmadd_ps(_mm512_load_ps(lo), _mm512_set1_ps(st.q_sum[h]), _mm512_mul_ps(_mm512_load_ps(s), scores));
+    const vec::F16 scores = vec::fma(vec::F16::load(lo), vec::F16::set1(st.q_sum[h]),
+                                     vec::F16::load(s) * vec::sum_lanes16(part + g * 16));
     float corr;
-    const __m512 p = st.softmax[h].update(scores, valid, &corr);
+    const vec::F16 p = st.softmax[h].update(scores, valid, &corr);
     if (corr != 1.f) {
-      for (int c = 0; c < NC; ++c) st.acc[h * NC + c] = _mm512_mul_ps(st.acc[h * NC + c], _mm512_set1_ps(corr));
-      st.bias[h] = _mm512_mul_ps(st.bias[h], _mm512_set1_ps(corr));
+      for (int c = 0; c < NC; ++c) st.acc[h * NC + c] = st.acc[h * NC + c] * vec::F16::set1(corr);
+      st.bias[h] = st.bias[h] * vec::F16::set1(corr);
     }
-    _mm512_storeu_ps(st.probs.data() + h * 16, p);
+    p.store(st.probs.data() + h * 16);
   }
   // values: acc[h] += w_j * row_j with w = p * s and bias[h] += p * lo,
   // a few heads at a time with their accumulators in registers
-  constexpr int64_t HB = NC <= 4 ? 4 : 2;
+  constexpr int64_t HB = ValueBlock<NC>::HN;
   if constexpr (kTwoPass)
     for (int64_t j = 0; j < n; ++j) oaken_row64(vp + offsets[j], kh, f, vt, outliers + j);
   for (int64_t j = 0; j < n; ++j) {
     load_row<NC, MODE>(vp + offsets[j], kh, f, vt, row, lo + j, s + j, buf, outliers + j);
-    std::memcpy(buf + (1 + j) * NC * 16, row, sizeof(row));
+    for (int c = 0; c < NC; ++c) row[c].store(buf + (1 + j) * NC * 16 + 16 * c);
   }
   for (int64_t g0 = 0; g0 < group; g0 += HB) {
     const int64_t h0 = kh * group + g0, hn = std::min(HB, group - g0);
-    __m512 a[HB][NC];
     alignas(64) float w[HB][16];
     for (int64_t i = 0; i < hn; ++i) {
-      const __m512 p = _mm512_loadu_ps(st.probs.data() + (h0 + i) * 16);
-      _mm512_store_ps(w[i], _mm512_mul_ps(p, _mm512_load_ps(s)));
-      st.bias[h0 + i] = _mm512_fmadd_ps(p, _mm512_load_ps(lo), st.bias[h0 + i]);
-      for (int c = 0; c < NC; ++c) a[i][c] = st.acc[(h0 + i) * NC + c];
+      const vec::F16 p = vec::F16::load(st.probs.data() + (h0 + i) * 16);
+      (p * vec::F16::load(s)).store(w[i]);
+      st.bias[h0 + i] = vec::fma(p, vec::F16::load(lo), st.bias[h0 + i]);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const float* v = buf + (1 + j) * NC * 16;
-      __m512 vv[NC];
-      for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
-      for (int64_t i = 0; i < HB; ++i) {
-        if (i >= hn) break;
-        const __m512 wj = _mm512_set1_ps(w[i][j]);
-        for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(wj, vv[c], a[i][c]);
-      }
-    }
-    for (int64_t i = 0; i < hn; ++i)
-      for (int c = 0; c < NC; ++c) st.acc[(h0 + i) * NC + c] = a[i][c];
+    value_heads<NC>(buf, n, w, hn, st.acc.data() + h0 * NC);
   }
 }
 
 template <typename T, int NC, int64_t MODE>
-void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                             const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
-                             const Thresholds& vt, double scale, at::Tensor& out) {
+void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                          const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
+                          const Thresholds& vt, double scale, at::Tensor& out) {
   constexpr int64_t D = NC * 16;
   const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] =
       decode_batch<T>(q, k_pool, v_pool, tables, lens, f, out);
@@ -232,7 +259,7 @@ void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, cons
   const int64_t items_per_seq = f.hk / heads_per_item;
   at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     SequenceState<NC> st(hq);
-    std::vector<__m512> part(group * 16);
+    std::vector<vec::F16> part(group * 16);
     std::vector<float> buf(17 * D);  // row 0: the Oaken row being decoded; rows 1..16: the tile's values
     std::vector<OakenRow> outliers(16);
     int64_t offsets[16];
@@ -248,49 +275,38 @@ void decode_attention_avx512(const at::Tensor& q, const at::Tensor& k_pool, cons
         for (int64_t t = t0 + 16; t < std::min(ctx, t0 + 32); ++t) {  // the next tile's records
           const int64_t o = offset_of(t);
           for (int64_t off = 0; off < f.record; off += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(kp + o + off), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vp + o + off), _MM_HINT_T0);
+            vec::prefetch_l1(kp + o + off);
+            vec::prefetch_l1(vp + o + off);
           }
         }
         for (int64_t kh = kh0; kh < kh0 + heads_per_item; ++kh)
           tile_head<NC, MODE>(st, kp, vp, offsets, n, kh, group, f, kt, vt, part.data(), buf.data(), outliers.data());
       }
       for (int64_t h = kh0 * group; h < (kh0 + heads_per_item) * group; ++h) {
-        const float inv = 1.f / _mm512_reduce_add_ps(st.softmax[h].sum);
-        const __m512 bias = _mm512_set1_ps(_mm512_reduce_add_ps(st.bias[h]));
-        alignas(64) float o[D];
-        for (int c = 0; c < NC; ++c) _mm512_store_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(st.acc[h * NC + c], bias), _mm512_set1_ps(inv)));
-        for (int64_t i = 0; i < D; ++i) op[(b * hq + h) * D + i] = static_cast<T>(o[i]);
+        const vec::F16 inv = vec::F16::set1(1.f / st.softmax[h].total());
+        const vec::F16 bias = vec::F16::set1(st.bias[h].reduce_add());
+        for (int c = 0; c < NC; ++c) ((st.acc[h * NC + c] + bias) * inv).store(op + (b * hq + h) * D + 16 * c);
       }
     }
   });
 }
 
-// The AVX-512 kernel for head_dim 64 / 128; false when it does not apply.
+// The vector kernel for head_dim 64 / 128; false when it does not apply.
 template <typename T>
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
                            const Thresholds& vt, double scale, at::Tensor& out) {
   auto run = [&](auto nc) {
     constexpr int NC = decltype(nc)::value;
-    if (f.mode == kInt8) decode_attention_avx512<T, NC, kInt8>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
-    if (f.mode == kInt4) decode_attention_avx512<T, NC, kInt4>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
-    if (f.mode == kOaken) decode_attention_avx512<T, NC, kOaken>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+    if (f.mode == kInt8) decode_attention_vec<T, NC, kInt8>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+    if (f.mode == kInt4) decode_attention_vec<T, NC, kInt4>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+    if (f.mode == kOaken) decode_attention_vec<T, NC, kOaken>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
     return true;
   };
   if (f.d == 64 && (f.mode != kOaken || f.capacity <= 16)) return run(std::integral_constant<int, 4>());
   if (f.d == 128) return run(std::integral_constant<int, 8>());
   return false;
 }
-
-#else
-template <typename T>
-bool decode_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, const Format&, const Thresholds&, const Thresholds&, double,
-                           at::Tensor&) {
-  return false;
-}
-#endif
 
 template bool decode_attention_fast<float>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const Format&, const Thresholds&, const Thresholds&,

@@ -2,6 +2,9 @@
 // PyTorch reference's encoding (same float32 operation order, fp16 rounding to nearest even,
 // ties-to-even codes).
 #include "kvquant_format.h"
+#if defined(__BMI2__)
+#include <immintrin.h>
+#endif
 
 namespace kvquant {
 namespace {
@@ -87,83 +90,93 @@ void encode_oaken_head(const float* x, const uint8_t* group, const Format& f, co
   write_half(header, lo16), write_half(header + 2, mid_s), write_half(header + 4, out_s), write_half(header + 6, in_s);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__) && defined(__BMI2__)
 // One head vector of 64 values, the scalar path's operations lane by lane (bit-exact): groups as
-// 64-bit masks (the first `capacity` outer values kept, then the first inner ones, by pdep),
-// min/max scales by masked reductions, codes by round-to-nearest-even, the dense nibbles packed
-// pairwise, the sparse entries compressed into index order. Returns the outliers folded.
+// 64-bit masks (the first `capacity` outer values kept, then the first inner ones), min/max scales
+// by masked reductions, codes by round-to-nearest-even, the dense nibbles packed pairwise, the
+// sparse entries in index order. Returns the outliers folded.
 inline uint64_t low_bits(int64_t k) { return k >= 64 ? ~uint64_t{0} : (uint64_t{1} << k) - 1; }
+
+// The k lowest set bits of mask.
+inline uint64_t first_set_bits(uint64_t mask, int64_t k) {
+#if defined(__BMI2__)
+  return _pdep_u64(low_bits(k), mask);
+#else
+  uint64_t kept = 0;
+  for (; k > 0 && mask != 0; --k, mask &= mask - 1) kept |= mask & (~mask + 1);
+  return kept;
+#endif
+}
+
+inline vec::Mask chunk(uint64_t mask, int c) { return static_cast<vec::Mask>(mask >> (16 * c)) & 0xFFFFu; }
 
 int64_t encode_oaken_head64(const float* x, const Format& f, const Thresholds& t, uint8_t* header, uint8_t* dense,
                             uint8_t* list) {
-  __m512 v[4];
+  using vec::F16;
+  const F16 zero = F16::zero(), outer_hi = F16::set1(t.outer_hi), outer_lo = F16::set1(t.outer_lo);
+  const F16 inner_lo = F16::set1(t.inner_lo), inner_hi = F16::set1(t.inner_hi);
+  const F16 neg_inf = F16::set1(-std::numeric_limits<float>::infinity());
+  const F16 pos_inf = F16::set1(std::numeric_limits<float>::infinity());
+  F16 v[4];
   uint64_t outer = 0, inner = 0, neg = 0;
   for (int c = 0; c < 4; ++c) {
-    v[c] = _mm512_loadu_ps(x + 16 * c);
-    const __mmask16 o = _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.outer_hi), _CMP_GT_OQ) |
-                        _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.outer_lo), _CMP_LT_OQ);
-    const __mmask16 i = _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.inner_lo), _CMP_GE_OQ) &
-                        _mm512_cmp_ps_mask(v[c], _mm512_set1_ps(t.inner_hi), _CMP_LE_OQ) & ~o;
+    v[c] = F16::load(x + 16 * c);
+    const vec::Mask ordered = vec::greater(v[c], neg_inf) | vec::greater(pos_inf, v[c]);  // not NaN
+    const vec::Mask o = vec::greater(v[c], outer_hi) | vec::greater(outer_lo, v[c]);
+    const vec::Mask i = ordered & ~vec::greater(inner_lo, v[c]) & ~vec::greater(v[c], inner_hi) & ~o & 0xFFFFu;
     outer |= uint64_t{o} << (16 * c), inner |= uint64_t{i} << (16 * c);
-    neg |= uint64_t{_mm512_cmp_ps_mask(v[c], _mm512_setzero_ps(), _CMP_LT_OQ)} << (16 * c);
+    neg |= uint64_t{vec::greater(zero, v[c])} << (16 * c);
   }
   const int64_t n_outer = __builtin_popcountll(outer), n_inner = __builtin_popcountll(inner);
-  const uint64_t keep_outer = _pdep_u64(low_bits(std::min(f.capacity, n_outer)), outer);
-  const uint64_t keep_inner = _pdep_u64(low_bits(std::max<int64_t>(0, f.capacity - n_outer)), inner);
+  const uint64_t keep_outer = first_set_bits(outer, std::min(f.capacity, n_outer));
+  const uint64_t keep_inner = first_set_bits(inner, std::max<int64_t>(0, f.capacity - n_outer));
   const uint64_t kept = keep_outer | keep_inner;
   const int64_t folded = n_outer + n_inner - __builtin_popcountll(kept);
-  __m512 w[4], m[4];
-  __m512 mid_lo = _mm512_setzero_ps(), mid_hi = _mm512_setzero_ps(), out_max = _mm512_setzero_ps(), in_max = _mm512_setzero_ps();
+  F16 w[4], m[4];
+  F16 mid_lo = zero, mid_hi = zero, out_max = zero, in_max = zero;
   for (int c = 0; c < 4; ++c) {
-    const auto nc = static_cast<__mmask16>(neg >> (16 * c));
-    const auto mid = static_cast<__mmask16>(~kept >> (16 * c));
-    w[c] = _mm512_sub_ps(v[c], _mm512_mask_blend_ps(nc, _mm512_set1_ps(t.inner_hi), _mm512_set1_ps(t.inner_lo)));
-    mid_lo = _mm512_mask_min_ps(mid_lo, mid, mid_lo, w[c]), mid_hi = _mm512_mask_max_ps(mid_hi, mid, mid_hi, w[c]);
-    m[c] = _mm512_mask_blend_ps(nc, _mm512_sub_ps(v[c], _mm512_set1_ps(t.outer_hi)), _mm512_sub_ps(_mm512_set1_ps(t.outer_lo), v[c]));
-    out_max = _mm512_mask_max_ps(out_max, static_cast<__mmask16>(keep_outer >> (16 * c)), out_max, m[c]);
-    in_max = _mm512_mask_max_ps(in_max, static_cast<__mmask16>(keep_inner >> (16 * c)), in_max, _mm512_abs_ps(v[c]));
+    const vec::Mask nc = chunk(neg, c), mid = chunk(~kept, c);
+    w[c] = v[c] - vec::select(nc, inner_lo, inner_hi);
+    mid_lo = vec::select(mid, vec::min(mid_lo, w[c]), mid_lo);
+    mid_hi = vec::select(mid, vec::max(mid_hi, w[c]), mid_hi);
+    m[c] = vec::select(nc, outer_lo - v[c], v[c] - outer_hi);
+    out_max = vec::select(chunk(keep_outer, c), vec::max(out_max, m[c]), out_max);
+    in_max = vec::select(chunk(keep_inner, c), vec::max(in_max, vec::abs(v[c])), in_max);
   }
-  const float lo16 = half_round(std::min(_mm512_reduce_min_ps(mid_lo), kNegFloor));
-  const float mid_s = scale_for(_mm512_reduce_max_ps(mid_hi) - lo16, 15);
-  const float out_s = scale_for(_mm512_reduce_max_ps(out_max), 15);
-  const float in_s = scale_for(_mm512_reduce_max_ps(in_max), 15);
-  const __m512 level = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __mmask16 below = _mm512_cmp_ps_mask(
-      _mm512_add_ps(_mm512_set1_ps(lo16), _mm512_mul_ps(level, _mm512_set1_ps(mid_s))), _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 first = _mm512_set1_ps(static_cast<float>(__builtin_popcount(below)));
-  const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.f);
-  auto quantize = [&](__m512 y, float divisor) {
-    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(y, _mm512_set1_ps(divisor)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_min_ps(_mm512_max_ps(r, zero), top);
+  const float lo16 = half_round(std::min(-(zero - mid_lo).reduce_max(), kNegFloor));
+  const float mid_s = scale_for(mid_hi.reduce_max() - lo16, 15);
+  const float out_s = scale_for(out_max.reduce_max(), 15);
+  const float in_s = scale_for(in_max.reduce_max(), 15);
+  alignas(64) static constexpr float kLevel[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vec::Mask below = vec::greater(zero, F16::set1(lo16) + F16::load(kLevel) * F16::set1(mid_s));
+  const F16 first = F16::set1(static_cast<float>(__builtin_popcount(below)));
+  const F16 top = F16::set1(15.f);
+  auto quantize = [&](F16 y, float divisor) {
+    return vec::min(vec::max(vec::round_nearest(y / F16::set1(divisor)), zero), top);
   };
   for (int c = 0; c < 4; ++c) {
-    const auto nc = static_cast<__mmask16>(neg >> (16 * c));
-    __m512 code = quantize(_mm512_sub_ps(w[c], _mm512_set1_ps(lo16)), mid_s > 0.f ? mid_s : 1.f);
-    code = _mm512_mask_blend_ps(nc, _mm512_max_ps(code, first), _mm512_min_ps(code, _mm512_sub_ps(first, _mm512_set1_ps(1.f))));
-    code = _mm512_mask_mov_ps(code, static_cast<__mmask16>(keep_outer >> (16 * c)), quantize(m[c], out_s));
-    code = _mm512_mask_mov_ps(code, static_cast<__mmask16>(keep_inner >> (16 * c)), quantize(_mm512_abs_ps(v[c]), in_s));
-    // 16 codes -> 16 bytes -> 8 bytes of nibble pairs (element 2i low, 2i+1 high)
-    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(code));
-    const __m128i pairs = _mm_or_si128(_mm_and_si128(bytes, _mm_set1_epi16(0x000F)),
-                                       _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi16(0x00F0)));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(dense + 8 * c), _mm_cvtepi16_epi8(pairs));
+    const vec::Mask nc = chunk(neg, c);
+    F16 code = quantize(w[c] - F16::set1(lo16), mid_s > 0.f ? mid_s : 1.f);
+    code = vec::select(nc, vec::min(code, first - F16::set1(1.f)), vec::max(code, first));
+    code = vec::select(chunk(keep_outer, c), quantize(m[c], out_s), code);
+    code = vec::select(chunk(keep_inner, c), quantize(vec::abs(v[c]), in_s), code);
+    alignas(64) float codes[16];
+    code.store(codes);
+    for (int i = 0; i < 8; ++i)  // element 2i in the low nibble
+      dense[8 * c + i] = static_cast<uint8_t>(static_cast<int>(codes[2 * i]) | (static_cast<int>(codes[2 * i + 1]) << 4));
   }
-  __m512i entry = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42,
-                                  41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
-                                  19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  entry = _mm512_mask_add_epi8(entry, keep_outer, entry, _mm512_set1_epi8(0x40));
-  entry = _mm512_mask_add_epi8(entry, neg & kept, entry, _mm512_set1_epi8(static_cast<char>(0x80)));
   list[0] = static_cast<uint8_t>(__builtin_popcountll(kept));
-  _mm512_mask_storeu_epi8(list + 1, low_bits(f.capacity), _mm512_maskz_compress_epi8(kept, entry));
+  uint8_t* entry = list + 1;
+  for (uint64_t rest = kept; rest != 0; rest &= rest - 1) {
+    const int i = __builtin_ctzll(rest);
+    *entry++ = static_cast<uint8_t>(i | (keep_outer >> i & 1) << 6 | (neg >> i & 1) << 7);
+  }
   write_half(header, lo16), write_half(header + 2, mid_s), write_half(header + 4, out_s), write_half(header + 6, in_s);
   return folded;
 }
-#endif
 
 int64_t encode_oaken_token(const float* x, const Format& f, const Thresholds& t, uint8_t* out,
                            std::vector<uint8_t>& group, std::vector<float>& code) {
   std::memset(out, 0, f.record);
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__) && defined(__BMI2__)
   if (f.d == 64) {
     int64_t folded = 0;
     for (int64_t h = 0; h < f.hk; ++h)
@@ -171,7 +184,6 @@ int64_t encode_oaken_token(const float* x, const Format& f, const Thresholds& t,
                                     out + f.sparse_offset + h * f.sparse_bytes);
     return folded;
   }
-#endif
   const int64_t n = f.hk * f.d;
   const int64_t folded = oaken_groups(x, f, t, group.data());
   for (int64_t h = 0; h < f.hk; ++h)

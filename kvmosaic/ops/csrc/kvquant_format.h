@@ -2,14 +2,16 @@
 // (kvmosaic/quant/format.py and kvmosaic/quant/oaken.py), the layer's Oaken thresholds, fp16
 // helpers with the PyTorch reference's rounding, and the extension's entry points. Shared by
 // kvquant_encode.cpp (quantize-and-write), kvquant_decode.cpp (dequantization, scalar decode
-// attention) and kvquant_decode_fast.cpp (AVX-512 decode attention).
+// attention) and kvquant_decode_fast.cpp (vector decode attention).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "simd.h"
+#include "vec.h"
 #include <c10/util/Half.h>
+#if defined(__F16C__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -21,7 +23,8 @@
 
 namespace kvquant {
 
-using namespace kvmosaic_simd;
+namespace vec = kvmosaic_vec;
+using kvmosaic_vec::exp_nonpositive;
 
 
 enum Mode : int64_t { kInt8 = 0, kInt4 = 1, kOaken = 2 };
@@ -143,8 +146,8 @@ DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_pool, const
           k_pool.data_ptr<uint8_t>(), v_pool.data_ptr<uint8_t>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
 }
 
-// AVX-512 decode attention (kvquant_decode_fast.cpp); false when it does not apply (no AVX-512,
-// a head_dim other than 64 / 128, or Oaken lists longer than 16 entries).
+// Vector decode attention (kvquant_decode_fast.cpp); false when it does not apply (a head_dim
+// other than 64 / 128, or Oaken head_dim 64 lists longer than 16 entries).
 template <typename T>
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,

@@ -1,7 +1,7 @@
 // Kernels for the quantized KV cache (int8, int4, Oaken): quantize-and-write of new K/V rows,
 // dequantization of whole blocks (prefill), and decode attention that reads the blocks in place
-// (AVX-512: 16-token tiles, codes widened in registers, for head_dim 64 / 128; else a scalar
-// kernel that dequantizes each head vector into a small buffer). The byte layout is the one documented in
+// (head_dim 64 / 128: 16-token tiles, codes widened in registers, on every ISA level; else a
+// scalar kernel that dequantizes each head vector into a small buffer). The byte layout is the one documented in
 // kvmosaic/quant/format.py and kvmosaic/quant/oaken.py; encoding matches the PyTorch reference bit
 // for bit (same float32 operation order, fp16 rounding to nearest even, ties-to-even codes).
 // This file binds the entry points; the kernels live in kvquant_encode.cpp, kvquant_decode.cpp and

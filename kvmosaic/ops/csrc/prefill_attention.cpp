@@ -1,9 +1,11 @@
 // Causal attention of a prefill chunk over its paged float KV context.
 #include "ops_common.h"
+#include "vec.h"
 
 namespace {
 
 using namespace kvops;
+namespace vec = kvmosaic_vec;
 
 // Work item -> (KV head, block of query rows). A causal row block costs in proportion to its
 // position and parallel_for gives each thread one contiguous range of items, so consecutive items
@@ -15,7 +17,6 @@ inline void balanced_item(int64_t item, int64_t hk, int64_t row_blocks, int64_t*
   *rb = i % 2 == 0 ? i / 2 : row_blocks - 1 - i / 2;
 }
 
-#if defined(__AVX512F__)
 // The gather both prefill kernels start with: pack(h, tile, j, k_row, v_row) for every context
 // token t = 16 * tile + j and KV head h, the rows read in place from their paged slots, in
 // parallel over 16-token tiles.
@@ -34,54 +35,113 @@ void for_each_context_row(const T* kc, const T* vc, const int64_t* table, int64_
   });
 }
 
+// Register tiles of prefill_attention_vec, from the level's vector registers: RB query rows x NT
+// key tiles of scores (plus NT K vectors), and RB rows x CB vectors of the head dimension of output
+// sums (plus one V vector); G register blocks of RB rows share each key block.
+template <int NC>
+struct PrefillTiles {
+  static constexpr bool kWide = vec::kVecRegisters >= 32;
+  static constexpr int RB = kWide ? 24 / NC : 2;
+  static constexpr int NT = kWide ? 4 : 2;
+  static constexpr int CB = kWide ? NC : 2;
+  static constexpr int G = kWide ? 2 : 4;
+};
+
 // Prefill attention for one sequence chunk in float arithmetic: n query tokens at positions
 // [start, start + n) over a context of start + n tokens held in paged blocks. The context's K is
 // first gathered per KV head into 16-key tiles transposed to [tile][dim][16] floats, and V into
-// [token][dim] floats. Keys then go in blocks of up to 64 (4 tiles): RB query rows x the block's
-// tiles of scores stay in registers while the head dimension streams (4 K loads and RB broadcasts
-// per 4 * RB FMAs), the online-softmax reference moves at most once per block, and the RB x D
+// [token][dim] floats. Keys then go in blocks of up to 64 (4 tiles): RB query rows x NT tiles of
+// scores stay in registers while the head dimension streams (NT K loads and RB broadcasts per
+// NT * RB FMAs), the online-softmax reference moves at most once per block, and the RB x D
 // output sums live in L1 between blocks (their load/store is small next to the block's FMAs).
 template <int NC, int RB, int NT>
-inline void block_scores(const float* qf, const float* kp, float* sc) {
+inline void block_scores(const float* qf, const float* kp, int64_t tiles, float* sc) {
   constexpr int64_t D = NC * 16;
-  __m512 s[RB][NT];
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < NT; ++t) s[r][t] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < D; ++i) {
-    __m512 kv[NT];
-    for (int t = 0; t < NT; ++t) kv[t] = _mm512_loadu_ps(kp + t * D * 16 + i * 16);
-    for (int r = 0; r < RB; ++r) {
-      const __m512 a = _mm512_set1_ps(qf[r * D + i]);
-      for (int t = 0; t < NT; ++t) s[r][t] = _mm512_fmadd_ps(a, kv[t], s[r][t]);
+  for (int64_t t0 = 0; t0 < tiles; t0 += NT) {
+    vec::F16 s[RB][NT];
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < NT; ++t) s[r][t] = vec::F16::zero();
+    const float* kb = kp + t0 * D * 16;
+    for (int64_t i = 0; i < D; ++i) {
+      vec::F16 kv[NT];
+      for (int t = 0; t < NT; ++t) kv[t] = vec::F16::load(kb + t * D * 16 + i * 16);
+      for (int r = 0; r < RB; ++r) {
+        const vec::F16 a = vec::F16::set1(qf[r * D + i]);
+        for (int t = 0; t < NT; ++t) s[r][t] = vec::fma(a, kv[t], s[r][t]);
+      }
     }
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < NT; ++t) s[r][t].store(sc + r * 64 + (t0 + t) * 16);
   }
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < NT; ++t) _mm512_store_ps(sc + r * 64 + t * 16, s[r][t]);
 }
 
-template <int NC, int RB>
+// The scores of `tiles` key tiles: NT at a time, the rest with a narrower register tile.
+template <int NC, int RB, int NT>
+inline void block_scores_tiles(const float* qf, const float* kp, int64_t tiles, float* sc) {
+  const int64_t full = tiles / NT * NT;
+  if (full > 0) block_scores<NC, RB, NT>(qf, kp, full, sc);
+  if constexpr (NT > 1)
+    if (tiles > full) block_scores_tiles<NC, RB, NT - 1>(qf, kp + full * NC * 16 * 16, tiles - full, sc + full * 16);
+}
+
+template <int NC, int RB, int CB>
 inline void block_pv(const float* probs, const float* vp, int64_t keys, float* oacc) {
   constexpr int64_t D = NC * 16;
-  __m512 acc[RB][NC];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_load_ps(oacc + r * D + c * 16);
-  for (int64_t j = 0; j < keys; ++j) {
-    __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vp + j * D + c * 16);
-    for (int r = 0; r < RB; ++r) {
-      const __m512 p = _mm512_set1_ps(probs[r * 64 + j]);
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+  for (int c0 = 0; c0 < NC; c0 += CB) {
+    vec::F16 acc[RB][CB];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < CB; ++c) acc[r][c] = vec::F16::load(oacc + r * D + (c0 + c) * 16);
+    for (int64_t j = 0; j < keys; ++j) {
+      vec::F16 vv[CB];
+      for (int c = 0; c < CB; ++c) vv[c] = vec::F16::load(vp + j * D + (c0 + c) * 16);
+      for (int r = 0; r < RB; ++r) {
+        const vec::F16 p = vec::F16::set1(probs[r * 64 + j]);
+        for (int c = 0; c < CB; ++c) acc[r][c] = vec::fma(p, vv[c], acc[r][c]);
+      }
     }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < CB; ++c) acc[r][c].store(oacc + r * D + (c0 + c) * 16);
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c) _mm512_store_ps(oacc + r * D + c * 16, acc[r][c]);
+}
+
+// One row's scores of a key block (nt tiles, `visible` keys causal) turned into probabilities in
+// place against the row's online-softmax reference; rescales the row's sums when it moves.
+template <int NC>
+inline void block_softmax(float* row, int64_t nt, int64_t visible, float* ref, vec::F16* sum, float* oacc) {
+  constexpr int64_t D = NC * 16;
+  if (visible <= 0) {
+    for (int64_t t = 0; t < nt; ++t) vec::F16::zero().store(row + t * 16);
+    return;
+  }
+  vec::Mask masks[4];
+  vec::F16 vmax = vec::F16::set1(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < nt; ++t) {
+    masks[t] = vec::first_lanes(static_cast<int>(std::min<int64_t>(16, visible - t * 16)));
+    vmax = vec::select(masks[t], vec::max(vmax, vec::F16::load(row + t * 16)), vmax);
+  }
+  // the reference moves (and the sums are rescaled) only when a score passes it by kSlack
+  if (vec::greater(vmax, vec::F16::set1(*ref + vec::OnlineSoftmax::kSlack))) {
+    const float block_max = vmax.reduce_max();
+    const float corr = *ref == -std::numeric_limits<float>::infinity() ? 0.f : vec::exp_nonpositive(*ref - block_max);
+    *ref = block_max;
+    const vec::F16 vcorr = vec::F16::set1(corr);
+    *sum = *sum * vcorr;
+    for (int c = 0; c < NC; ++c) (vec::F16::load(oacc + c * 16) * vcorr).store(oacc + c * 16);
+  }
+  const vec::F16 vref = vec::F16::set1(*ref);
+  for (int64_t t = 0; t < nt; ++t) {
+    const vec::F16 p = vec::maskz(masks[t], vec::exp(vec::F16::load(row + t * 16) - vref));
+    *sum = *sum + p;
+    p.store(row + t * 16);
+  }
 }
 
 template <typename T, int NC>
 void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
   constexpr int64_t D = NC * 16;
-  constexpr int RB = 24 / NC;  // RB x 4 score vectors, then RB x NC output sums, in the 32 registers
+  using Tiles = PrefillTiles<NC>;
+  constexpr int RB = Tiles::RB;
   const int64_t n = q.size(0), hq = q.size(1);
   const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
   const int64_t group = hq / hk;
@@ -110,7 +170,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
 
   // A work item is G register blocks of RB rows: each key block is read from L2 once and used by all
   // G x RB rows from L1 (QK for each register block, the softmax of all rows, then PV for each).
-  constexpr int G = 2;
+  constexpr int G = Tiles::G;
   constexpr int ROWS = G * RB;
   const int64_t rows_per_head = n * group;
   const int64_t row_blocks = (rows_per_head + ROWS - 1) / ROWS;
@@ -124,7 +184,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t r0 = rb * ROWS, rn = std::min<int64_t>(ROWS, rows_per_head - r0);
       int64_t last[ROWS];
       float ref[ROWS];
-      __m512 sum[ROWS];
+      vec::F16 sum[ROWS];
       for (int r = 0; r < ROWS; ++r) {
         const int64_t row = r0 + std::min<int64_t>(r, rn - 1);  // idle rows repeat the last real one
         const int64_t tok = row / group, g = row % group;
@@ -132,7 +192,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
         const T* src = q_ptr + (tok * hq + h * group + g) * D;
         for (int64_t i = 0; i < D; ++i) qf[r * D + i] = to_float(src[i]) * fscale;
         ref[r] = -std::numeric_limits<float>::infinity();
-        sum[r] = _mm512_setzero_ps();
+        sum[r] = vec::F16::zero();
       }
       std::memset(oacc, 0, sizeof(oacc));
       int64_t sub_last[G];  // rows are in token order: a register block's last row sees the most keys
@@ -147,62 +207,29 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
           if (sub_keys[b] == 0) continue;
           float* scb = sc + b * RB * 64;
           const float* qb = qf + b * RB * D;
-          switch ((sub_keys[b] + 15) / 16) {
-            case 1: block_scores<NC, RB, 1>(qb, kp, scb); break;
-            case 2: block_scores<NC, RB, 2>(qb, kp, scb); break;
-            case 3: block_scores<NC, RB, 3>(qb, kp, scb); break;
-            default: block_scores<NC, RB, 4>(qb, kp, scb); break;
-          }
+          block_scores_tiles<NC, RB, Tiles::NT>(qb, kp, (sub_keys[b] + 15) / 16, scb);
         }
         for (int r = 0; r < ROWS; ++r) {
           const int64_t nt = (sub_keys[r / RB] + 15) / 16;
           if (nt == 0) continue;
           const int64_t visible = std::min<int64_t>(nt * 16, last[r] - k0 + 1);
-          float* row = sc + r * 64;
-          if (visible <= 0) {
-            for (int t = 0; t < nt; ++t) _mm512_store_ps(row + t * 16, _mm512_setzero_ps());
-            continue;
-          }
-          __mmask16 masks[4];
-          __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-          for (int t = 0; t < nt; ++t) {
-            const int64_t v = std::min<int64_t>(16, visible - t * 16);
-            masks[t] = v <= 0 ? 0 : static_cast<__mmask16>(v >= 16 ? 0xFFFFu : (1u << v) - 1u);
-            vmax = _mm512_mask_max_ps(vmax, masks[t], vmax, _mm512_load_ps(row + t * 16));
-          }
-          // the reference moves (and the sums are rescaled) only when a score passes it by kSlack
-          if (_mm512_cmp_ps_mask(vmax, _mm512_set1_ps(ref[r] + OnlineSoftmax::kSlack), _CMP_GT_OQ)) {
-            const float block_max = _mm512_reduce_max_ps(vmax);
-            const float corr = ref[r] == -std::numeric_limits<float>::infinity() ? 0.f
-                                                                                    : exp_nonpositive(ref[r] - block_max);
-            ref[r] = block_max;
-            const __m512 vc = _mm512_set1_ps(corr);
-            sum[r] = _mm512_mul_ps(sum[r], vc);
-            for (int c = 0; c < NC; ++c)
-              _mm512_store_ps(oacc + r * D + c * 16, _mm512_mul_ps(_mm512_load_ps(oacc + r * D + c * 16), vc));
-          }
-          const __m512 vref = _mm512_set1_ps(ref[r]);
-          for (int t = 0; t < nt; ++t) {
-            const __m512 p = _mm512_maskz_mov_ps(masks[t], exp16(_mm512_sub_ps(_mm512_load_ps(row + t * 16), vref)));
-            sum[r] = _mm512_add_ps(sum[r], p);
-            _mm512_store_ps(row + t * 16, p);
-          }
+          block_softmax<NC>(sc + r * 64, nt, visible, ref + r, sum + r, oacc + r * D);
         }
         for (int b = 0; b < G; ++b)
-          if (sub_keys[b] > 0) block_pv<NC, RB>(sc + b * RB * 64, vhead + k0 * D, sub_keys[b], oacc + b * RB * D);
+          if (sub_keys[b] > 0)
+            block_pv<NC, RB, Tiles::CB>(sc + b * RB * 64, vhead + k0 * D, sub_keys[b], oacc + b * RB * D);
       }
       for (int r = 0; r < rn; ++r) {
         const int64_t row = r0 + r, tok = row / group, g = row % group;
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum[r]));
+        const vec::F16 inv = vec::F16::set1(1.f / sum[r].reduce_add());
         T* dst = o_ptr + (tok * hq + h * group + g) * D;
-        for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(oacc + r * D + c * 16), inv));
+        for (int c = 0; c < NC; ++c) (vec::F16::load(oacc + r * D + c * 16) * inv).store(dst + c * 16);
       }
     }
   });
 }
-#endif
 
-#if defined(__AVX512BF16__)
+#if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
 // Prefill attention on AVX512-BF16 dot products, one 16-key tile at a time with RB query rows per
 // register block (prefill_attention_vec's 64-key blocks are not ported here): K tiles are packed as
 // dimension pairs [tile][dim / 2][16 keys][2] so one instruction adds 2 dims x 16 keys of q . k;
@@ -249,7 +276,7 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
       int64_t last[RB];
       __m512 acc[RB][NC];
-      OnlineSoftmax softmax[RB];
+      vec::OnlineSoftmax softmax[RB];
       for (int r = 0; r < RB; ++r) {
         const int64_t row = r0 + std::min<int64_t>(r, rn - 1);
         const int64_t tok = row / group, g = row % group;
@@ -279,12 +306,12 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
         for (int r = 0; r < RB; ++r) {
           const int64_t visible = std::min<int64_t>(16, last[r] - tile * 16 + 1);
           tile_keys = std::max(tile_keys, visible);
-          const __mmask16 valid = visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1u);
+          const vec::Mask valid = vec::first_lanes(static_cast<int>(visible));
           __m512 p = _mm512_setzero_ps();
           if (valid) {
             const __m512 sc = _mm512_mul_ps(s[r], vscale);
             float corr;
-            p = softmax[r].update(sc, valid, &corr);
+            p = softmax[r].update(vec::F16{sc}, valid, &corr).v;
             if (corr != 1.f)
               for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(corr));
           }
@@ -307,7 +334,7 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
         const int64_t row = r0 + r, tok = row / group, g = row % group;
         const __m512 inv = _mm512_set1_ps(1.f / softmax[r].total());
         c10::BFloat16* dst = o_ptr + (tok * hq + h * group + g) * D;
-        for (int c = 0; c < NC; ++c) store16(dst + c * 16, _mm512_mul_ps(acc[r][c], inv));
+        for (int c = 0; c < NC; ++c) vec::F16{_mm512_mul_ps(acc[r][c], inv)}.store(dst + c * 16);
       }
     }
   });
@@ -339,29 +366,20 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     out = at::empty_like(q);
   }
   auto table = block_table.contiguous();
-  bool done = false;
-#if defined(__AVX512F__)
   const int64_t d = q.size(2);
-  if (q.scalar_type() == at::kFloat && d == 64) {
-    prefill_attention_vec<float, 4>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
-  } else if (q.scalar_type() == at::kFloat && d == 128) {
-    prefill_attention_vec<float, 8>(q, k_cache, v_cache, table, context_len, out, scale); done = true;
-  } else if (q.scalar_type() == at::kBFloat16 && d == 64) {
-#if defined(__AVX512BF16__)
-    prefill_attention_bf16<4>(q, k_cache, v_cache, table, context_len, out, scale);
-#else
-    prefill_attention_vec<c10::BFloat16, 4>(q, k_cache, v_cache, table, context_len, out, scale);
-#endif
-    done = true;
-  } else if (q.scalar_type() == at::kBFloat16 && d == 128) {
-#if defined(__AVX512BF16__)
-    prefill_attention_bf16<8>(q, k_cache, v_cache, table, context_len, out, scale);
-#else
-    prefill_attention_vec<c10::BFloat16, 8>(q, k_cache, v_cache, table, context_len, out, scale);
-#endif
-    done = true;
+  TORCH_CHECK(d == 64 || d == 128, "paged_prefill_attention supports head_dim 64 and 128");
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_prefill_attention supports float32 and bfloat16");
+#if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
+  if (bf16) {
+    if (d == 64) prefill_attention_bf16<4>(q, k_cache, v_cache, table, context_len, out, scale);
+    else prefill_attention_bf16<8>(q, k_cache, v_cache, table, context_len, out, scale);
+    return out;
   }
 #endif
-  TORCH_CHECK(done, "paged_prefill_attention supports head_dim 64/128 in float32/bfloat16 on AVX-512 CPUs");
+  if (bf16 && d == 64) prefill_attention_vec<c10::BFloat16, 4>(q, k_cache, v_cache, table, context_len, out, scale);
+  if (bf16 && d == 128) prefill_attention_vec<c10::BFloat16, 8>(q, k_cache, v_cache, table, context_len, out, scale);
+  if (!bf16 && d == 64) prefill_attention_vec<float, 4>(q, k_cache, v_cache, table, context_len, out, scale);
+  if (!bf16 && d == 128) prefill_attention_vec<float, 8>(q, k_cache, v_cache, table, context_len, out, scale);
   return out;
 }
