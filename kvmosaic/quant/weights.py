@@ -98,7 +98,7 @@ def _q4k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def from_gguf(raw: np.ndarray | torch.Tensor, qtype: Q) -> QuantizedWeight:
     """GGUF blocks, uint8 [N, row_bytes] as ``GGUFReader`` gives them, -> a QuantizedWeight."""
-    data = torch.as_tensor(np.ascontiguousarray(raw)) if isinstance(raw, np.ndarray) else raw.contiguous()
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw.contiguous()
     n = data.shape[0]
     if qtype == Q.Q8_0:
         blocks = data.view(n, -1, 34)
