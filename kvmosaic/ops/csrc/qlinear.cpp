@@ -8,6 +8,7 @@
 // so the weights stream once per 4 rows and are never widened to float. Many rows (prefill): panels
 // of the weight are dequantized to float and run on the float GEMM. Written once over vec.h / qdot.h.
 #include "ops_common.h"
+#include "gemm_kernel.h"
 #include "qdot.h"
 
 namespace {
@@ -19,6 +20,7 @@ using kvmosaic_qdot::V64;
 constexpr int64_t kCols = 16;
 constexpr int64_t kQBlock = 32;
 constexpr int kMaxRows = 4;  // activation rows sharing one pass over the weights
+constexpr int64_t kDecodeRows = 4;  // up to this many rows: int8 dot products (kvmosaic/quant/qmatmul.py)
 
 // One row's activations quantized per 32 values.
 struct QuantRow {
@@ -134,13 +136,82 @@ void decode_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   });
 }
 
+// One 16-column group, all K, dequantized into the packed float GEMM's block layout: float32
+// [K][16], bfloat16 [K/2][16][2].
+template <typename T, typename S, bool kQ4>
+void dequantize_group(const uint8_t* codes, const S* scale, const S* mins, int64_t k, T* dst) {
+  constexpr int kPerVector = kQ4 ? 8 : 4;  // k steps per 64 code bytes
+  for (int64_t b = 0; b < k / kQBlock; ++b) {
+    const F16 sc = kvmosaic_qdot::load_scale16(scale + b * kCols);
+    const F16 mn = kQ4 ? kvmosaic_qdot::load_scale16(mins + b * kCols) : F16::zero();
+    for (int64_t g = 0; g < kQBlock / kPerVector; ++g) {
+      const V64 w = V64::load(codes + (b * kQBlock / kPerVector + g) * 64);
+      F16 v[8];
+      if constexpr (kQ4) {
+        kvmosaic_qdot::widen_columns(w.low_nibbles(), v);
+        kvmosaic_qdot::widen_columns(w.high_nibbles(), v + 4);
+        for (int t = 0; t < 8; ++t) v[t] = kvmosaic_vec::fma(v[t], sc, mn);  // exact: scale * q fits a float
+      } else {
+        kvmosaic_qdot::widen_columns(w, v);
+        for (int t = 0; t < 4; ++t) v[t] = v[t] * sc;
+      }
+      const int64_t k0 = b * kQBlock + g * kPerVector;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int t = 0; t < kPerVector; ++t) v[t].store(dst + (k0 + t) * kCols);
+      } else {
+        for (int t = 0; t < kPerVector; t += 2) kvmosaic_qdot::store_bf16_pairs(dst + (k0 + t) * kCols, v[t], v[t + 1]);
+      }
+    }
+  }
+}
+
+// Many rows: a panel of groups dequantized into a per-thread buffer, then every row through the float
+// micro-kernel of gemm_kernel.h while the panel stays in cache.
+template <typename T, typename S, bool kQ4>
+void prefill_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const S* mins,
+                  const float* bias, at::Tensor& out) {
+  namespace gemm = kvops::gemm;
+  using Tile = gemm::Tiles<T, false>;
+  constexpr int64_t kPanel = Tile::kPanel;
+  const int64_t m = x.size(0), k = x.size(1), groups = scale.size(0), n = out.size(1);
+  const int64_t group_bytes = k * kCols / (kQ4 ? 2 : 1), group_scales = k / kQBlock * kCols;
+  const int64_t steps = k / gemm::Step<T>::kPack;
+  const T* xp = x.data_ptr<T>();
+  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const S* sp = reinterpret_cast<const S*>(scale.data_ptr());
+  T* op = out.data_ptr<T>();
+  const int64_t panels = (groups + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> panel(kPanel * k * kCols);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t g0 = p * kPanel, nb = std::min<int64_t>(kPanel, groups - g0);
+      for (int64_t i = 0; i < nb; ++i)
+        dequantize_group<T, S, kQ4>(cp + (g0 + i) * group_bytes, sp + (g0 + i) * group_scales,
+                                    mins != nullptr ? mins + (g0 + i) * group_scales : nullptr, k,
+                                    panel.data() + i * k * kCols);
+      for (int64_t r = 0; r < m; r += Tile::kRows) {
+        const int64_t mr = std::min<int64_t>(Tile::kRows, m - r);
+        gemm::plain_tile<T, kPanel>(nb, mr, xp + r * k, k, panel.data(), k * kCols, steps, op + r * n + g0 * kCols,
+                                    n, bias != nullptr ? bias + g0 * kCols : nullptr, nullptr);
+      }
+    }
+  });
+}
+
+template <typename T, typename S, bool kQ4>
+void product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const S* mins,
+             const float* bias, at::Tensor& out) {
+  if (x.size(0) <= kDecodeRows) decode_impl<T, S, kQ4>(x, codes, scale, mins, bias, out);
+  else prefill_impl<T, S, kQ4>(x, codes, scale, mins, bias, out);
+}
+
 template <typename T, typename S>
 void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
          const float* bias, at::Tensor& out) {
   if (mins.has_value()) {
-    decode_impl<T, S, true>(x, codes, scale, reinterpret_cast<const S*>(mins->data_ptr()), bias, out);
+    product<T, S, true>(x, codes, scale, reinterpret_cast<const S*>(mins->data_ptr()), bias, out);
   } else {
-    decode_impl<T, S, false>(x, codes, scale, nullptr, bias, out);
+    product<T, S, false>(x, codes, scale, nullptr, bias, out);
   }
 }
 
