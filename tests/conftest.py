@@ -13,12 +13,21 @@ from hypothesis import settings
 
 from kvmosaic.model import loader
 from kvmosaic.model.loader import LoadedModel, load_model
+from kvmosaic.ops import Kernels, available_levels
 
 # CI (the CI environment variable set) replays the same generated examples on every run, so a
 # result does not depend on the draw; local runs keep exploring new examples.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session", params=available_levels())
+def level_kernels(request) -> Kernels:
+    """The C++ kernels of each ISA level built on this host (AVX-512, AVX2, portable, ...): a kernel
+    test taking this fixture runs once per level, so an AVX-512 host also checks the AVX2 build. No
+    level built: the tests are skipped (empty parameter set)."""
+    return Kernels.load(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -45,10 +45,10 @@ def _write_random_checkpoint(out_dir, arch: str, tokenizer_json: str, **override
     return model
 
 
-def _worker(loaded, block_size: int = 4, num_blocks: int = 64) -> Worker:
-    """The engine's own assembly (kernels as built, backend chosen by the worker) over ``loaded``."""
+def _worker(loaded, block_size: int = 4, num_blocks: int = 64, kernels=None) -> Worker:
+    """The engine's own assembly (kernels as built unless given, backend chosen by the worker) over ``loaded``."""
     config = EngineConfig(dtype="float32", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
-    return Worker(config, loader=lambda path, dtype: loaded)
+    return Worker(config, loader=lambda path, dtype: loaded, kernels=kernels)
 
 
 def _runner(loaded, block_size: int = 4, num_blocks: int = 64) -> ModelRunner:
@@ -131,15 +131,14 @@ def test_last_layer_skips_rows_without_logits(tmp_path, smollm_tokenizer_json):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_decode_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch):
+def test_decode_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, level_kernels):
     """Pure-decode steps run all layers in one kernel call (ops.decode_layers) when every product is
     packed; its logits equal the per-layer path's bit for bit, over a batch of three sequences with
-    different context lengths (and q/k/v biases for qwen2)."""
+    different context lengths (and q/k/v biases for qwen2), on every ISA level built."""
     _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json)
     loaded = load_model(str(tmp_path), torch.float32)
-    worker = _worker(loaded)
-    if worker.model._packed_weights is None or worker.attention.decode_stack() is None:
-        pytest.skip("decode stack needs the C++ kernels with packed weights")
+    worker = _worker(loaded, kernels=level_kernels)
+    assert worker.model._packed_weights is not None and worker.attention.decode_stack() is not None
     calls = []
 
     class Counted(KernelAttention):
@@ -148,7 +147,7 @@ def test_decode_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch):
             return lambda *args: calls.append(1) or stack(*args)
 
     stacked = ModelRunner(worker.model, Counted(loaded.config, worker.kv_cache, worker.kernels.ops), ())
-    other = _worker(loaded)
+    other = _worker(loaded, kernels=level_kernels)
     looped = ModelRunner(other.model, LayerByLayer(loaded.config, other.kv_cache, other.kernels.ops), ())
     gen = torch.Generator().manual_seed(3)
     seqs = {name: [int(t) for t in torch.randint(3, 49152, (n,), generator=gen)]

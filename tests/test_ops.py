@@ -7,48 +7,50 @@ import pytest
 import torch
 
 from kvmosaic.model.layers import norm
-from kvmosaic.ops import Kernels, get_ops
+from kvmosaic.ops import Kernels
 
-pytestmark = pytest.mark.skipif(get_ops() is None, reason="C++ kernels not built (python -m kvmosaic.ops.build)")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm_matches_reference(dtype, with_delta):
+def test_add_rms_norm_matches_reference(ops, dtype, with_delta):
     gen = torch.Generator().manual_seed(0)
     residual = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
     delta = torch.randn(37, 576, generator=gen).to(dtype) if with_delta else None
     weight = torch.rand(576, generator=gen).to(dtype)
     kernel_residual = residual.clone()
-    out = norm.add_rms_norm(kernel_residual, delta, weight, 1e-5, get_ops())
+    out = norm.add_rms_norm(kernel_residual, delta, weight, 1e-5, ops)
     ref_residual = residual.clone()
     ref = norm.add_rms_norm(ref_residual, delta, weight, 1e-5, None)
     torch.testing.assert_close(kernel_residual, ref_residual, atol=0, rtol=0)  # the add rounds identically
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_kernels_reject_bad_input():
-    ops = get_ops()
+def test_kernels_reject_bad_input(ops):
     with pytest.raises(RuntimeError, match="residual"):
         ops.add_rms_norm(torch.randn(3, 5, 2), None, torch.ones(2), 1e-5)
     with pytest.raises(RuntimeError, match="float32 and bfloat16"):
         ops.add_rms_norm(torch.randn(3, 4, dtype=torch.float64), None, torch.ones(4, dtype=torch.float64), 1e-5)
 
 
-def _packing_ops(dtype):
-    ops = get_ops()
-    if ops is None or not ops.packed_linear_supports(dtype, 16, 2):
-        pytest.skip("no packed linear kernel for this dtype on this CPU")
+@pytest.fixture
+def ops(level_kernels: Kernels):
+    """The float kernels of one ISA level (every built level in turn)."""
+    return level_kernels.ops
+
+
+def _packing_ops(ops, dtype):
+    assert ops.packed_linear_supports(dtype, 16, 2), f"every level packs {dtype}"
     return ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 64, 131, 300])
-def test_packed_linear_matches_dense_linear(rows, dtype):
+def test_packed_linear_matches_dense_linear(ops, rows, dtype):
     """Every row count (micro-kernel tails of 1-7 rows, several 128-row slabs) and a last panel of
     fewer than 48 columns (1008 = 21 panels of 48) against a float64 product."""
-    ops = _packing_ops(dtype)
+    ops = _packing_ops(ops, dtype)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     w = torch.randn(1008 + 32, 576, generator=gen).to(dtype)
@@ -69,8 +71,8 @@ def test_packed_linear_matches_dense_linear(rows, dtype):
                                rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_packed_linear_layout_and_bad_input():
-    ops = _packing_ops(torch.float32)
+def test_packed_linear_layout_and_bad_input(ops):
+    ops = _packing_ops(ops, torch.float32)
     w = torch.arange(32 * 3, dtype=torch.float32).view(32, 3)  # w[n, k] = 3n + k
     packed = ops.pack_linear_weight(w).view(2, 3, 16)  # [block, k, column]
     assert torch.equal(packed[1, 2], w[16:32, 2])
@@ -86,14 +88,14 @@ def test_packed_linear_layout_and_bad_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_packs_supported_weights_and_falls_back_otherwise(dtype):
+def test_linear_packs_supported_weights_and_falls_back_otherwise(level_kernels, ops, dtype):
     from kvmosaic.model.layers.linear import Linear
 
-    _packing_ops(dtype)
+    _packing_ops(ops, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for out_features, packed in ((64, True), (40, False)):  # 40: not a multiple of 16 -> dense path
         w = torch.randn(out_features, 96).to(dtype)
-        layer = Linear(w, torch.randn(out_features).to(dtype), Kernels.load())
+        layer = Linear(w, torch.randn(out_features).to(dtype), level_kernels)
         assert (layer.packed is not None) == packed and (layer.weight is None) == packed
         for shape in ((0, 96), (1, 96), (5, 96), (3, 7, 96)):  # 0 rows: a step that samples nothing
             x = torch.randn(*shape).to(dtype)
@@ -105,12 +107,12 @@ def test_linear_packs_supported_weights_and_falls_back_otherwise(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 3072), (37, 3072), (5, 40)])  # width 40: a scalar tail
-def test_silu_and_mul_matches_reference(dtype, rows, width):
+def test_silu_and_mul_matches_reference(ops, dtype, rows, width):
     from kvmosaic.model.layers.activation import silu_and_mul_reference
 
     gate_up = (torch.randn(rows, width, generator=torch.Generator().manual_seed(5)) * 6).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp overflow / underflow edges
-    out = get_ops().silu_and_mul(gate_up)
+    out = ops.silu_and_mul(gate_up)
     ref = silu_and_mul_reference(gate_up)
     assert out.shape == ref.shape and out.dtype == dtype
     if dtype == torch.bfloat16:  # the same roundings in the same order: bit-exact
@@ -121,11 +123,11 @@ def test_silu_and_mul_matches_reference(dtype, rows, width):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 130, 300])
-def test_packed_swiglu_equals_projection_then_silu(dtype, rows):
+def test_packed_swiglu_equals_projection_then_silu(ops, dtype, rows):
     """The fused gate/up product with SwiGLU in its epilogue gives bit for bit what the packed
     projection followed by silu_and_mul gives (same sums, same roundings), for every row tail of the
     6-row tile and several slabs; large gate values reach the exp overflow/underflow edges."""
-    ops = _packing_ops(dtype)
+    ops = _packing_ops(ops, dtype)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     gate_up = (torch.randn(2 * 96, 96, generator=gen) * 2).to(dtype)  # F = 96: 3 panels of 32 outputs
@@ -138,8 +140,8 @@ def test_packed_swiglu_equals_projection_then_silu(dtype, rows):
                                rtol=TOL[dtype])
 
 
-def test_packed_swiglu_layout_and_bad_input():
-    ops = _packing_ops(torch.float32)
+def test_packed_swiglu_layout_and_bad_input(ops):
+    ops = _packing_ops(ops, torch.float32)
     gate_up = torch.arange(128 * 2, dtype=torch.float32).view(128, 2)  # 64 gate rows, then 64 up rows
     packed = ops.pack_swiglu_weight(gate_up).view(8, 2, 16)  # [block, k, column]
     # blocks: gate 0-15, gate 16-31, up 0-15, up 16-31, gate 32-47, ...
@@ -155,13 +157,13 @@ def test_packed_swiglu_layout_and_bad_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_projection_fuses_supported_widths_and_falls_back_otherwise(dtype):
+def test_gated_projection_fuses_supported_widths_and_falls_back_otherwise(level_kernels, ops, dtype):
     from kvmosaic.model.layers.linear import GatedProjection
 
-    _packing_ops(dtype)
+    _packing_ops(ops, dtype)
     for width, fused in ((64, True), (48, False)):  # 48: not a multiple of 32 -> projection, then SwiGLU
         gate, up = torch.randn(width, 96).to(dtype), torch.randn(width, 96).to(dtype)
-        layer = GatedProjection(gate, up, Kernels.load())
+        layer = GatedProjection(gate, up, level_kernels)
         assert (layer.kernel is not None) == fused and (layer.proj is None) == fused
         for shape in ((0, 96), (1, 96), (7, 96), (2, 3, 96)):
             x = torch.randn(*shape).to(dtype)

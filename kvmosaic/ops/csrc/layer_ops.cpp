@@ -1,23 +1,24 @@
 // Per-layer kernels around attention: rotary + KV-cache write, residual add + RMSNorm,
 // SiLU-and-mul. Float32 and bfloat16; arithmetic in float32.
 #include "ops_common.h"
+#include "vec.h"
 
 namespace {
 
 using namespace kvops;
+namespace vec = kvmosaic_vec;
+using vec::F16;
 
 // Rotate one head vector (HF "rotate half" layout) into dst.
 template <typename T>
 inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin, int64_t half) {
   int64_t i = 0;
-#if defined(__AVX512F__)
   for (; i + 16 <= half; i += 16) {
-    const __m512 x1 = load16(src + i), x2 = load16(src + i + half);
-    const __m512 c = _mm512_loadu_ps(cos + i), s = _mm512_loadu_ps(sin + i);
-    store16(dst + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
-    store16(dst + i + half, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+    const F16 x1 = F16::load(src + i), x2 = F16::load(src + i + half);
+    const F16 c = F16::load(cos + i), s = F16::load(sin + i);
+    (x1 * c - x2 * s).store(dst + i);
+    (x2 * c + x1 * s).store(dst + i + half);
   }
-#endif
   for (; i < half; ++i) {
     const float x1 = to_float(src[i]);
     const float x2 = to_float(src[i + half]);
@@ -71,27 +72,25 @@ void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::
     std::vector<float> row(h);
     for (int64_t t = begin; t < end; ++t) {
       T* r = res + t * h;
-#if defined(__AVX512F__)
       if (h % 16 == 0) {  // the same roundings as below, 16 lanes at a time
-        __m512 sq16 = _mm512_setzero_ps();
+        F16 sq16 = F16::zero();
         for (int64_t i = 0; i < h; i += 16) {
-          __m512 x = load16(r + i);
+          F16 x = F16::load(r + i);
           if (dl) {
-            x = round_to<T>(_mm512_add_ps(x, load16(dl + t * h + i)));
-            store16(r + i, x);
+            x = vec::round_to<T>(x + F16::load(dl + t * h + i));
+            x.store(r + i);
           }
-          _mm512_storeu_ps(row.data() + i, x);
-          sq16 = _mm512_fmadd_ps(x, x, sq16);
+          x.store(row.data() + i);
+          sq16 = vec::fma(x, x, sq16);
         }
-        const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq16) / static_cast<float>(h) + static_cast<float>(eps));
-        const __m512 vinv = _mm512_set1_ps(inv);
+        const float inv = 1.f / std::sqrt(sq16.reduce_add() / static_cast<float>(h) + static_cast<float>(eps));
+        const F16 vinv = F16::set1(inv);
         for (int64_t i = 0; i < h; i += 16) {
-          const __m512 normed = round_to<T>(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), vinv));
-          store16(o + t * h + i, _mm512_mul_ps(load16(w + i), normed));
+          const F16 normed = vec::round_to<T>(F16::load(row.data() + i) * vinv);
+          (F16::load(w + i) * normed).store(o + t * h + i);
         }
         continue;
       }
-#endif
       float sq = 0.f;
       for (int64_t i = 0; i < h; ++i) {
         float x = to_float(r[i]);
@@ -127,15 +126,11 @@ void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       const T* up = gate + f;
       T* o = dst + t * f;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= f; i += 16) {
-        const __m512 g = load16(gate + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-        store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+        const F16 g = F16::load(gate + i);
+        const F16 silu = vec::round_to<T>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g)));
+        (silu * F16::load(up + i)).store(o + i);
       }
-#endif
       for (; i < f; ++i) {
         const float g = to_float(gate[i]);
         const float silu = to_float(static_cast<T>(g / (1.f + std::exp(-g))));

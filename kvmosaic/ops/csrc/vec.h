@@ -436,4 +436,35 @@ inline F16 dot_bf16_pair(F16 acc, const bf16* activation_pair, const bf16* weigh
 #endif
 }
 
+// Software prefetch into L1 / L2 (__builtin_prefetch: prefetcht0 / prefetcht1 on x86, the nearest
+// equivalent or nothing elsewhere, so the portable level still compiles on any architecture).
+inline void prefetch_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+// Sixteen columns' bf16 weights at k and k + 1, stored as pairs [16 columns][2], widened to float:
+// even holds the k values, odd the k + 1 values (for levels without native bf16 dot products).
+struct BF16Pairs {
+  F16 even, odd;
+};
+inline BF16Pairs load_bf16_pairs(const bf16* pairs) {
+#if defined(KVM_VEC_AVX512)
+  const __m512i w = _mm512_loadu_si512(reinterpret_cast<const void*>(pairs));
+  return {{_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))},
+          {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))}};
+#elif defined(KVM_VEC_AVX2)
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 16));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  return {{_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))},
+          {_mm256_castsi256_ps(_mm256_and_si256(lo, high)), _mm256_castsi256_ps(_mm256_and_si256(hi, high))}};
+#else
+  BF16Pairs r;
+  for (int j = 0; j < 16; ++j) {
+    r.even.v[j] = static_cast<float>(pairs[2 * j]);
+    r.odd.v[j] = static_cast<float>(pairs[2 * j + 1]);
+  }
+  return r;
+#endif
+}
+
 }  // namespace kvmosaic_vec
