@@ -4,7 +4,13 @@ It follows the kernel's arithmetic. Up to ``DECODE_ROWS`` rows, the activations 
 int8 per 32 values (d = max|x| / 127, codes rounded half to even) and each weight block is an integer
 dot product (exact in float32: |sum| < 2^24), scaled per block:
     out[m, n] = sum_b scale[n, b] d[m, b] isum[m, n, b] + min[n, b] d[m, b] xsum[m, b]
-More rows take the weight dequantized to float (the kernel dequantizes panels into its float GEMM).
+summed block after block with one rounding per multiply-add, as the kernel's fused multiply-adds
+do, so the two agree bit for bit (float64 carries each product exactly; rounding it and the sum to
+float32 differs from a single rounding only in double-rounding ties, vanishingly rare). That matters:
+rounding activations to int8 makes the model chaotic (one code flipped by a 1-ulp difference
+upstream moves later logits by ~0.5), so a reference that is merely close would not give the same
+greedy tokens. More rows take the weight dequantized to float (the kernel dequantizes panels into
+its float GEMM; float summation order differs there, without chaos).
 """
 
 from __future__ import annotations
@@ -31,11 +37,19 @@ def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight) -> torch.Ten
     xq, d, xsum = quantize_activations(x)
     wq = codes_of(weight).float().view(n, -1, BLOCK)
     isum = torch.einsum("mbk,nbk->mnb", xq, wq)  # integers below 2^24: exact
-    scale = weight.scale.float().unsqueeze(0) * d.unsqueeze(1)  # [M, N, B]
-    terms = isum * scale
-    if weight.min is not None:
-        terms = terms + weight.min.float().unsqueeze(0) * xsum.unsqueeze(1)
-    return terms.sum(-1)
+    scale = weight.scale.float().unsqueeze(0) * d.unsqueeze(1)  # [M, N, B], float32 products as the kernel's
+    mins = None if weight.min is None else weight.min.float()
+    acc = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    for b in range(isum.shape[-1]):
+        acc = _fma(isum[..., b], scale[..., b], acc)
+        if mins is not None:
+            acc = _fma(mins[:, b].unsqueeze(0), xsum[:, b].unsqueeze(1), acc)
+    return acc.float()
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a * b + c with one rounding (emulated in float64, where a * b is exact)."""
+    return (a.double() * b.double() + c).float().double()
 
 
 def quantized_linear_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,

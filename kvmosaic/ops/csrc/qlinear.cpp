@@ -7,6 +7,10 @@
 //   out[r, n] += scale[n, b] * d[r, b] * sum_k q[n, k] x[r, k] + min[n, b] * d[r, b] * sum_k x[r, k]
 // so the weights stream once per 4 rows and are never widened to float. Many rows (prefill): panels
 // of the weight are dequantized to float and run on the float GEMM. Written once over vec.h / qdot.h.
+//
+// The int8 decode path measured 2-5x faster than widening the codes to float in registers and
+// multiplying float activations (AVX-512 VNNI, 2 threads, the default model's shapes, 1-4 rows: a
+// decode step's linears 1.0 ms vs 4.4 ms for Q4_1, 1.5 ms vs 4.2 ms for Q8_0), so it is the one kept.
 #include "ops_common.h"
 #include "gemm_kernel.h"
 #include "qdot.h"
