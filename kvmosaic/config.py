@@ -23,6 +23,7 @@ _SIZE_UNITS = {
 }
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+WEIGHT_QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q4_k")  # kvmosaic.model.loader.QUANTIZATIONS
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -189,6 +190,8 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"
+    # weight format: "auto" (a GGUF's quantized matrices kept), None / "none" (all float), q8_0, q4_0, q4_1, q4_k
+    quantization: str | None = "auto"
     seed: int = 0
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -196,6 +199,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        if self.quantization is not None and str(self.quantization).lower() not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of "
+                             f"{', '.join(WEIGHT_QUANTIZATIONS)} or None")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -38,8 +38,9 @@ def default_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def default_model(default_model_path: str) -> LoadedModel:
-    """The default model loaded by our loader in float32. Shared: do not mutate its weights."""
-    return load_model(default_model_path, torch.float32)
+    """The default model loaded by our loader in float32, every weight dequantized (the float path
+    HF parity is checked on). Shared: do not mutate its weights."""
+    return load_model(default_model_path, torch.float32, quantization=None)
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +61,7 @@ def cached_loader(default_model: LoadedModel):
     def load(path, dtype=torch.float32):
         key = (path, dtype)
         if key not in cache:
-            cache[key] = load_model(path, dtype)
+            cache[key] = load_model(path, dtype, quantization=None)
         return cache[key]
 
     return load

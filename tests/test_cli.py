@@ -19,7 +19,8 @@ def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProce
 @pytest.mark.slow
 def test_generate_streams_the_greedy_completion(cached_loader):
     prompt = "The capital of France is"
-    proc = _run(["generate", prompt, "--max-tokens", "16", "--temperature", "0", "--dtype", "float32"])
+    proc = _run(["generate", prompt, "--max-tokens", "16", "--temperature", "0", "--dtype", "float32",
+                 "--quantization", "none"])
     assert proc.returncode == 0, proc.stderr
     llm = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB")
     expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
@@ -28,7 +29,7 @@ def test_generate_streams_the_greedy_completion(cached_loader):
 
 @pytest.mark.slow
 def test_chat_answers_and_exits(cached_loader):
-    proc = _run(["chat", "--max-tokens", "24", "--temperature", "0", "--dtype", "float32"],
+    proc = _run(["chat", "--max-tokens", "24", "--temperature", "0", "--dtype", "float32", "--quantization", "none"],
                 stdin="Name three colors.\n/exit\n")
     assert proc.returncode == 0, proc.stderr
     llm = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB")

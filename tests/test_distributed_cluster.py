@@ -201,8 +201,8 @@ def test_killed_instance_is_noticed_and_nothing_hangs(cluster: Cluster, referenc
 def test_llm_with_instances_routes_to_the_least_loaded(ray_runtime, reference) -> None:
     from kvmosaic import LLM
 
-    llm = LLM(dtype="float32", num_blocks=BLOCKS, block_size=16, max_num_batched_tokens=64, max_model_len=512,
-              num_host_blocks=0, instances=2)
+    llm = LLM(dtype="float32", quantization=None, num_blocks=BLOCKS, block_size=16, max_num_batched_tokens=64,
+              max_model_len=512, num_host_blocks=0, instances=2)
     try:
         prompts = [prompt(20 + i, 30 + 10 * i) for i in range(4)]
         outs = llm.generate(prompts, params(6))

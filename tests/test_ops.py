@@ -89,17 +89,18 @@ def test_packed_linear_layout_and_bad_input(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_packs_supported_weights_and_falls_back_otherwise(level_kernels, ops, dtype):
-    from kvmosaic.model.layers.linear import Linear
+    from kvmosaic.model.layers.linear import make_linear
 
     _packing_ops(ops, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for out_features, packed in ((64, True), (40, False)):  # 40: not a multiple of 16 -> dense path
         w = torch.randn(out_features, 96).to(dtype)
-        layer = Linear(w, torch.randn(out_features).to(dtype), level_kernels)
-        assert (layer.packed is not None) == packed and (layer.weight is None) == packed
+        bias = torch.randn(out_features).to(dtype)
+        layer = make_linear(w, bias, level_kernels)
+        assert layer.method.name == ("packed" if packed else "dense")
         for shape in ((0, 96), (1, 96), (5, 96), (3, 7, 96)):  # 0 rows: a step that samples nothing
             x = torch.randn(*shape).to(dtype)
-            ref = torch.nn.functional.linear(x.double(), w.double(), layer.bias.double())
+            ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
             out = layer(x)
             assert out.shape == (*shape[:-1], out_features) and out.dtype == dtype
             torch.testing.assert_close(out.double(), ref, atol=tol * 5, rtol=tol)
@@ -158,13 +159,13 @@ def test_packed_swiglu_layout_and_bad_input(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_projection_fuses_supported_widths_and_falls_back_otherwise(level_kernels, ops, dtype):
-    from kvmosaic.model.layers.linear import GatedProjection
+    from kvmosaic.model.layers.linear import make_gated
 
     _packing_ops(ops, dtype)
     for width, fused in ((64, True), (48, False)):  # 48: not a multiple of 32 -> projection, then SwiGLU
         gate, up = torch.randn(width, 96).to(dtype), torch.randn(width, 96).to(dtype)
-        layer = GatedProjection(gate, up, level_kernels)
-        assert (layer.kernel is not None) == fused and (layer.proj is None) == fused
+        layer = make_gated(gate, up, level_kernels, dtype)
+        assert layer.method.fuses_swiglu == fused
         for shape in ((0, 96), (1, 96), (7, 96), (2, 3, 96)):
             x = torch.randn(*shape).to(dtype)
             ref = torch.nn.functional.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
@@ -172,4 +173,4 @@ def test_gated_projection_fuses_supported_widths_and_falls_back_otherwise(level_
             assert out.shape == (*shape[:-1], width) and out.dtype == dtype
             torch.testing.assert_close(out.double(), ref, atol=TOL[dtype] * 20, rtol=TOL[dtype] * 5)
     with pytest.raises(ValueError, match="differ in shape"):
-        GatedProjection(torch.zeros(64, 8), torch.zeros(64, 9))
+        make_gated(torch.zeros(64, 8), torch.zeros(64, 9))

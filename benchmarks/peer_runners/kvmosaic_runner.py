@@ -16,7 +16,7 @@ from kvmosaic import LLM, SamplingParams
 class KvmosaicEngine:
     def __init__(self, model_path: str | None, dtype: str, threads: int) -> None:
         torch.set_num_threads(threads)
-        weights = {}
+        weights = {"quantization": None}  # float rows: every weight in the float dtype
         if dtype in WEIGHT_FORMATS:  # a GGUF weight format, float32 activations
             gguf = model_path is None or model_path.endswith(".gguf")  # None: the embedded Q4_1 file
             weights = {"quantization": "auto" if dtype == "q4_1" and gguf else dtype}

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from kvmosaic.config import DistributedConfig, EngineConfig
 from kvmosaic.engine.protocol import EngineClient
-from kvmosaic.model.loader import load_model
 from kvmosaic.worker.worker import ModelLoader
 
 
 def build_engine(config: EngineConfig, distributed: DistributedConfig | None = None,
-                 loader: ModelLoader = load_model) -> EngineClient:
-    """``loader`` reads the weights for an in-process engine (instances on Ray load their own)."""
+                 loader: ModelLoader | None = None) -> EngineClient:
+    """``loader`` reads the weights for an in-process engine (default: ``load_model`` in the config's
+    weight format; instances on Ray load their own)."""
     if distributed is not None:
         from kvmosaic.distributed.cluster import Cluster  # ray is imported only for a cluster
 

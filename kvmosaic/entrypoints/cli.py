@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
+from kvmosaic.config import WEIGHT_QUANTIZATIONS
 from kvmosaic.entrypoints.llm import LLM
 from kvmosaic.eval import cli as eval_cli
 from kvmosaic.planner import cli as plan_cli
@@ -18,6 +19,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype; auto = bfloat16 on CPUs with AVX512-BF16, else float32")
+    p.add_argument("--quantization", default="auto", choices=WEIGHT_QUANTIZATIONS,
+                   help="weight format: auto (a GGUF's Q8_0/Q4_0/Q4_1/Q4_K matrices run natively, an HF "
+                        "directory stays float), none (every weight dequantized to --dtype), or q8_0 / q4_0 / "
+                        "q4_1 / q4_k (quantized at load)")
     p.add_argument("--kv-cache-memory", default="auto",
                    help="KV pool size such as 2GiB; auto: profile, then take a share of the RAM still available")
     p.add_argument("--memory-utilization", type=float, default=0.5,
@@ -51,7 +56,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _make_llm(args: argparse.Namespace, **engine_kwargs) -> LLM:
-    return LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+    return LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
                memory_utilization=args.memory_utilization, block_size=args.block_size, max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                kv_cache_dtype=args.kv_cache_dtype, kv_thresholds=args.kv_thresholds, **engine_kwargs)

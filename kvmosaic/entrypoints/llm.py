@@ -10,7 +10,6 @@ from tqdm.auto import tqdm
 from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
 from kvmosaic.engine.factory import build_engine
 from kvmosaic.engine.protocol import EngineClient
-from kvmosaic.model.loader import load_model
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
 
@@ -42,18 +41,23 @@ class LLM:
         instances: int = 1,
         ray_address: str | None = None,
         enable_borrowing: bool = True,
-        model_loader=load_model,
+        quantization: str | None = "auto",
+        model_loader=None,
     ) -> None:
         """``instances > 1`` (or a ``ray_address``) runs that many engine instances as Ray actors that
         lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``.
         ``kv_cache_memory="auto"`` sizes the pool from a profiling run (``memory_utilization`` of the
-        RAM still available). ``model_loader(path, dtype)`` reads the weights of an in-process engine."""
+        RAM still available). ``quantization``: the weight format (``auto``: a GGUF's Q8_0 / Q4_x matrices run
+        natively, an HF directory stays float; None: every weight dequantized to ``dtype``; ``q8_0``,
+        ``q4_0``, ``q4_1``, ``q4_k``: quantized at load). ``model_loader(path, dtype)`` reads the
+        weights of an in-process engine instead (its own weight format)."""
         distributed = instances > 1 or bool(ray_address)
         if distributed and num_threads is None:  # the instances share the cores
             num_threads = max(1, (os.cpu_count() or 1) // instances)
         config = EngineConfig(
             model=model,
             dtype=dtype,
+            quantization=quantization,
             seed=seed,
             num_threads=num_threads,
             cache=CacheConfig(

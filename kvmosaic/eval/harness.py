@@ -7,7 +7,6 @@ attention backend), with the sequence in blocks 0, 1, 2, ... of a pool sized for
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -43,17 +42,8 @@ def load_eval_model(path: str | None, dtype: str = "float32", max_len: int = 409
     """``quantization``: None dequantizes every weight to ``dtype`` (the exact float path), "auto"
     keeps a GGUF's quantized linears, "q8_0" / "q4_0" / ... quantizes them at load."""
     torch_dtype = resolve_dtype(dtype)
-    loaded = load_model(path, torch_dtype, **_quantization_kwargs(quantization))
+    loaded = load_model(path, torch_dtype, quantization=quantization)
     return EvalModel(loaded, torch_dtype, path, max_len, quantization)
-
-
-def _quantization_kwargs(quantization: str | None) -> dict:
-    # A loader without weight formats (before quantized linears) dequantizes everything: None only.
-    if "quantization" in inspect.signature(load_model).parameters:
-        return {"quantization": quantization}
-    if quantization is not None:
-        raise ValueError(f"this kvmosaic's loader has no weight formats (asked for {quantization!r})")
-    return {}
 
 
 def eval_worker(em: EvalModel, kv_cache_dtype: str, max_tokens: int, block_size: int = 16,

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from kvmosaic.config import EngineConfig
 from kvmosaic.executor.base import Executor
-from kvmosaic.model.loader import load_model
 from kvmosaic.ops import Kernels
 from kvmosaic.outputs import ModelOutput, SchedulerOutput
 from kvmosaic.worker.worker import AttentionWrapper, ModelLoader, Worker
 
 
 class LocalExecutor(Executor):
-    def __init__(self, config: EngineConfig, loader: ModelLoader = load_model, kernels: Kernels | None = None,
+    def __init__(self, config: EngineConfig, loader: ModelLoader | None = None, kernels: Kernels | None = None,
                  attention_wrapper: AttentionWrapper | None = None) -> None:
         self.worker = Worker(config, loader, kernels, attention_wrapper)
         self.config = self.worker.config

@@ -15,6 +15,7 @@ import torch
 from kvmosaic.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvmosaic.model.gguf_tokenizer import gguf_eos_token_ids, gguf_field
 from kvmosaic.model.tokenizer import Tokenizer
+from kvmosaic.quant import weights as qw
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,10 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | qw.QuantizedWeight], Tokenizer]:
+    """``keep_quantized``: matrices of a type the kernels run natively (Q8_0, Q4_0, Q4_1, Q4_K) stay
+    quantized (``QuantizedWeight``); everything else is dequantized to ``dtype``."""
     reader = gguf.GGUFReader(path)
     fields = reader.fields
     if gguf_field(fields, "split.count", 1) > 1:
@@ -59,13 +63,26 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
             if name not in _IGNORED:
                 logger.warning("ignoring unexpected GGUF tensor %s", name)
             continue
-        weight = dequantize_tensor(tensor)
-        if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_qk(weight, config.num_attention_heads)
-        elif config.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_qk(weight, config.num_key_value_heads)
-        weights[hf_name] = weight.to(dtype)
+        native = keep_quantized and Q(tensor.tensor_type) in qw.NATIVE_TYPES and len(tensor.shape) == 2
+        weight = qw.from_gguf(tensor.data, Q(tensor.tensor_type)) if native else dequantize_tensor(tensor)
+        heads = _permuted_heads(config, hf_name)
+        if heads and native:  # rows move whole: permute the quantized rows
+            weight = weight.rows(unpermute_qk(torch.arange(weight.shape[0]), heads))
+        elif heads:
+            weight = unpermute_qk(weight, heads)
+        weights[hf_name] = weight if native else weight.to(dtype)
     return config, weights, tokenizer
+
+
+def _permuted_heads(config: ModelConfig, hf_name: str) -> int:
+    """Heads of a q/k tensor llama.cpp's converter permuted (0: not permuted)."""
+    if config.architecture != "llama":
+        return 0
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return config.num_attention_heads
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return config.num_key_value_heads
+    return 0
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -12,7 +12,9 @@ from torch import nn
 from kvmosaic.config import ModelConfig
 from kvmosaic.model.layers.attention import AttentionMetadata
 from kvmosaic.model.layers.backend import AttentionBackend
-from kvmosaic.model.layers.linear import GatedProjection, Linear
+from kvmosaic.model.layers.embedding import TokenEmbedding
+from kvmosaic.model.layers.linear import make_gated, make_linear
+from kvmosaic.model.layers.linear_methods import PackedFloat, fuse_rows
 from kvmosaic.model.layers.norm import RMSNorm
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.ops import Kernels
@@ -24,15 +26,16 @@ class DecoderLayer(nn.Module):
         prefix = f"model.layers.{index}."
         att = prefix + "self_attn."
         self.index = index
-        qkv_weight = torch.cat([w[att + f"{p}_proj.weight"] for p in "qkv"])
+        dtype = w[prefix + "input_layernorm.weight"].dtype  # the model's float dtype
+        qkv_weight = fuse_rows([w[att + f"{p}_proj.weight"] for p in "qkv"], dtype)
         qkv_bias = None
         if att + "q_proj.bias" in w:
             qkv_bias = torch.cat([w[att + f"{p}_proj.bias"] for p in "qkv"])
-        self.qkv_proj = Linear(qkv_weight, qkv_bias, kernels)
-        self.o_proj = Linear(w[att + "o_proj.weight"], kernels=kernels)
+        self.qkv_proj = make_linear(qkv_weight, qkv_bias, kernels)
+        self.o_proj = make_linear(w[att + "o_proj.weight"], kernels=kernels)
         mlp = prefix + "mlp."
-        self.gate_up_proj = GatedProjection(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"], kernels)
-        self.down_proj = Linear(w[mlp + "down_proj.weight"], kernels=kernels)
+        self.gate_up_proj = make_gated(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"], kernels, dtype)
+        self.down_proj = make_linear(w[mlp + "down_proj.weight"], kernels=kernels)
         self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps,
                                                 kernels)
@@ -43,15 +46,16 @@ class DecoderLayer(nn.Module):
                        self.post_attention_layernorm.forward, self.gate_up_proj.forward, self.down_proj.forward)
 
     def packed_weights(self) -> list[torch.Tensor] | None:
-        """This layer's weights in the order ``ops.decode_layers`` takes them, or None when one of
-        its products does not run on the packed kernels."""
-        linears = (self.qkv_proj, self.o_proj, self.down_proj)
-        if any(lin.kernel is None for lin in linears) or self.gate_up_proj.kernel is None:
+        """This layer's weights in the order ``ops.decode_layers`` takes them (a linear as weight,
+        scales, mins), or None when one of its products does not run inside it."""
+        stacks = [lin.method.stack_weights() for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)]
+        unfused = isinstance(self.gate_up_proj.method, PackedFloat) and not self.gate_up_proj.method.fuses_swiglu
+        if unfused or any(s is None for s in stacks):  # decode_layers takes float gate/up with SwiGLU fused
             return None
-        qkv_bias = self.qkv_proj.packed_bias
-        return [self.input_layernorm.weight.data, self.qkv_proj.packed,
-                torch.empty(0) if qkv_bias is None else qkv_bias, self.o_proj.packed,
-                self.post_attention_layernorm.weight.data, self.gate_up_proj.packed, self.down_proj.packed]
+        qkv, o, gate_up, down = stacks
+        qkv_bias = self.qkv_proj.method.bias
+        return [self.input_layernorm.weight.data, *qkv, torch.empty(0) if qkv_bias is None else qkv_bias, *o,
+                self.post_attention_layernorm.weight.data, *gate_up, *down]
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotary: RotaryEmbedding,
                 attention: AttentionBackend, meta: AttentionMetadata,
@@ -78,11 +82,14 @@ class LlamaForCausalLM(nn.Module):
                  max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding.from_pretrained(weights["model.embed_tokens.weight"], freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, kernels) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, kernels)
-        head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = Linear(head, kernels=kernels)
+        table = weights["model.embed_tokens.weight"]
+        head = table if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = make_linear(head, kernels=kernels)
+        # a quantized table tied to the head is read through the head's weight (no second copy)
+        tied = cfg.tie_word_embeddings and not isinstance(table, torch.Tensor)
+        self.embed_tokens = TokenEmbedding(self.lm_head.method if tied else table, self.norm.weight.dtype)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )

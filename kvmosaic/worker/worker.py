@@ -4,6 +4,7 @@ workers; the engine never sees a tensor."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -43,14 +44,16 @@ def make_attention_backend(model: ModelConfig, kv_cache: KVCache, kernels: Kerne
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, loader: ModelLoader = load_model, kernels: Kernels | None = None,
+    def __init__(self, config: EngineConfig, loader: ModelLoader | None = None, kernels: Kernels | None = None,
                  attention_wrapper: AttentionWrapper | None = None,
                  thresholds: kv_thresholds.KVThresholds | None = None) -> None:
-        """``thresholds``: Oaken thresholds already in memory (a fresh calibration), instead of the
+        """``loader``: reads the weights (default: ``load_model`` in the config's weight format).
+        ``thresholds``: Oaken thresholds already in memory (a fresh calibration), instead of the
         file the cache config names."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.kernels = kernels if kernels is not None else Kernels.load()
+        loader = loader or functools.partial(load_model, quantization=config.quantization)
         loaded = loader(config.model, config.torch_dtype)
         self.config = config.for_model(loaded.config)
         self.model_config = loaded.config

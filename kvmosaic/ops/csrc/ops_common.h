@@ -95,3 +95,6 @@ std::vector<at::Tensor> decode_layers(at::Tensor residual, const std::vector<at:
                                       const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
                                       int64_t hk, double eps, double scale);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+// qlinear.cpp: linears on quantized (q8 / q4) weights in the interleaved layout of kvmosaic/quant/weights.py.
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias);

@@ -1,0 +1,173 @@
+"""Weight formats of a linear layer: how it stores its weight and multiplies by it.
+
+A method is chosen once, at load, from the weight (a float tensor or a ``QuantizedWeight``) and the
+kernels at hand (``linear_method`` / ``gated_method``), and handed to ``Linear`` / ``GatedProjection``:
+
+* ``DenseFloat``: the weight as is, oneDNN or ``F.linear`` (no kernels, or a shape they do not take).
+* ``PackedFloat``: 16-column blocks for ``ops.packed_linear`` (``ops.packed_swiglu`` with SwiGLU fused).
+* ``QuantizedKernel``: a q8 / q4 weight in the interleaved layout for ``ops.quantized_linear``.
+* ``QuantizedReference``: the same weight through the PyTorch reference of that kernel.
+
+``stack_weights`` gives what ``ops.decode_layers`` takes for the method (weight, scales, mins; empty
+tensors where a format has none), or None when the method does not run inside it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvmosaic.ops import Kernels
+from kvmosaic.ops.memory import to_huge
+from kvmosaic.quant import weights as qw
+from kvmosaic.quant.qmatmul import quantized_linear_reference
+
+_NONE = torch.empty(0)
+
+
+class LinearMethod(Protocol):
+    out_features: int  # width of apply's output (F, not 2F, for a method that fuses SwiGLU)
+    in_features: int
+    fuses_swiglu: bool
+    name: str
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] in x's dtype."""
+
+    def stack_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
+
+
+def _has_onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class DenseFloat:
+    name = "dense"
+    fuses_swiglu = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.onednn = weight.dtype == torch.float32 and weight.device.type == "cpu" and _has_onednn_linear()
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def stack_weights(self) -> None:
+        return None
+
+
+class PackedFloat:
+    name = "packed"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType, swiglu: bool = False) -> None:
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0] // 2 if swiglu else weight.shape[0]
+        self.fuses_swiglu = swiglu
+        pack = ops.pack_swiglu_weight if swiglu else ops.pack_linear_weight
+        self.packed = to_huge(pack(weight))  # streamed whole every decode step
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._kernel = ops.packed_swiglu if swiglu else ops.packed_linear
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.packed) if self.fuses_swiglu else self._kernel(x, self.packed, self.bias)
+
+    def stack_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.packed, _NONE, _NONE
+
+
+class QuantizedKernel:
+    fuses_swiglu = False
+
+    def __init__(self, weight: qw.QuantizedWeight, bias: torch.Tensor | None, ops: ModuleType) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.name = weight.source.lower()
+        self.weight = qw.interleave(weight)
+        self.codes = to_huge(self.weight.codes)
+        self.scale, self.min = self.weight.scale, self.weight.min
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._kernel = ops.quantized_linear
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.codes, self.scale, self.min, self.bias)
+
+    def stack_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, _NONE if self.min is None else self.min
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return qw.dequantize_rows(self.weight, index, dtype)
+
+
+class QuantizedReference:
+    fuses_swiglu = False
+
+    def __init__(self, weight: qw.QuantizedWeight, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.name = weight.source.lower()
+        self.weight = weight
+        self.bias = bias
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear_reference(x, self.weight, self.bias)
+
+    def stack_weights(self) -> None:
+        return None
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return qw.dequantize(self.weight.rows(index), dtype)
+
+
+Weight = torch.Tensor | qw.QuantizedWeight
+
+
+def _float_ops(weight: torch.Tensor, kernels: Kernels) -> ModuleType | None:
+    ops = kernels.ops
+    if weight.device.type != "cpu" or not kernels.has("packed_linear"):
+        return None
+    return ops if ops.packed_linear_supports(weight.dtype, weight.shape[0], weight.shape[1]) else None
+
+
+def _quantized_kernel_ok(weight: qw.QuantizedWeight, kernels: Kernels) -> bool:
+    return kernels.has("quantized_linear") and weight.shape[0] % qw.COLUMNS == 0
+
+
+def linear_method(weight: Weight, bias: torch.Tensor | None, kernels: Kernels) -> LinearMethod:
+    """The format a [N, K] weight runs in with these kernels."""
+    if isinstance(weight, qw.QuantizedWeight):
+        if _quantized_kernel_ok(weight, kernels):
+            return QuantizedKernel(weight, bias, kernels.ops)
+        return QuantizedReference(weight, bias)
+    ops = _float_ops(weight, kernels)
+    return PackedFloat(weight, bias, ops) if ops is not None else DenseFloat(weight, bias)
+
+
+def gated_method(gate: Weight, up: Weight, kernels: Kernels, dtype: torch.dtype = torch.float32) -> LinearMethod:
+    """The format of a fused [2F, K] gate/up projection; ``fuses_swiglu`` says whether its output is
+    already silu(gate) * up or still (gate | up)."""
+    if tuple(gate.shape) != tuple(up.shape):
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} projections differ in shape")
+    fused = fuse_rows([gate, up], dtype)
+    if isinstance(fused, torch.Tensor):
+        ops = _float_ops(fused, kernels)
+        if ops is not None and kernels.has("packed_swiglu") and ops.packed_swiglu_supports(
+                fused.dtype, gate.shape[0], gate.shape[1]):
+            return PackedFloat(fused, None, ops, swiglu=True)
+    return linear_method(fused, None, kernels)
+
+
+def fuse_rows(weights: list[Weight], dtype: torch.dtype = torch.float32) -> Weight:
+    """Weights stacked along out_features; quantized ones of different kinds (or quantized and float)
+    meet as ``dtype``, the model's float dtype."""
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return torch.cat(weights)
+    if all(isinstance(w, qw.QuantizedWeight) for w in weights):
+        fused = qw.concat_rows(weights)
+        if fused is not None:
+            return fused
+    return torch.cat([w.to(dtype) if isinstance(w, torch.Tensor) else qw.dequantize(w, dtype) for w in weights])

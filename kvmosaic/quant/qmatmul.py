@@ -1,0 +1,65 @@
+"""The product of activations and a quantized weight, in PyTorch: the reference of ``ops.quantized_linear``.
+
+It follows the kernel's arithmetic. Up to ``DECODE_ROWS`` rows, the activations are quantized to
+int8 per 32 values (d = max|x| / 127, codes rounded half to even) and each weight block is an integer
+dot product (exact in float32: |sum| < 2^24), scaled per block:
+    out[m, n] = sum_b scale[n, b] d[m, b] isum[m, n, b] + min[n, b] d[m, b] xsum[m, b]
+summed block after block with one rounding per multiply-add, as the kernel's fused multiply-adds
+do, so the two agree bit for bit (float64 carries each product exactly; rounding it and the sum to
+float32 differs from a single rounding only in double-rounding ties, vanishingly rare). That matters:
+rounding activations to int8 makes the model chaotic (one code flipped by a 1-ulp difference
+upstream moves later logits by ~0.5), so a reference that is merely close would not give the same
+greedy tokens. More rows take the weight dequantized to float (the kernel dequantizes panels into
+its float GEMM; float summation order differs there, without chaos).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmosaic.quant.weights import BLOCK, QuantizedWeight, codes_of, dequantize
+
+DECODE_ROWS = 4  # up to this many rows the kernel takes the int8 path (qlinear.cpp: kDecodeRows)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> codes [M, K / 32, 32] (integral float32), d [M, K / 32], d * sum(codes) [M, K / 32]."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+    codes = torch.round(blocks * inverse.unsqueeze(-1))
+    return codes, d, d * codes.sum(-1)
+
+
+def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The int8 path in float32 [M, N]."""
+    n, k = weight.shape
+    xq, d, xsum = quantize_activations(x)
+    wq = codes_of(weight).float().view(n, -1, BLOCK)
+    isum = torch.einsum("mbk,nbk->mnb", xq, wq)  # integers below 2^24: exact
+    scale = weight.scale.float().unsqueeze(0) * d.unsqueeze(1)  # [M, N, B], float32 products as the kernel's
+    mins = None if weight.min is None else weight.min.float()
+    acc = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    for b in range(isum.shape[-1]):
+        acc = _fma(isum[..., b], scale[..., b], acc)
+        if mins is not None:
+            acc = _fma(mins[:, b].unsqueeze(0), xsum[:, b].unsqueeze(1), acc)
+    return acc.float()
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a * b + c with one rounding (emulated in float64, where a * b is exact)."""
+    return (a.double() * b.double() + c).float().double()
+
+
+def quantized_linear_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                               dense: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ weight^T (+ bias) in x's dtype. ``dense``: the dequantized
+    weight in x's dtype when the caller keeps it (the many-rows path), else it is rebuilt."""
+    if x.shape[0] <= DECODE_ROWS:
+        out = quantized_matmul_int8(x, weight)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
+    w = dense if dense is not None else dequantize(weight, x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))

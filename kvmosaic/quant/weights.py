@@ -1,0 +1,294 @@
+"""Quantized linear weights: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K as pure tensor functions.
+
+Two in-memory kinds, whatever the GGUF type they came from:
+
+* ``q8``: int8 codes [N, K] and one scale per 32 weights: w = scale * q.
+* ``q4``: uint8 [N, K / 2], 16 bytes per 32 weights (byte j: weight j in the low nibble, weight
+  j + 16 in the high one, GGUF's Q4_0 order) and a scale and a min per 32 weights: w = scale * q + min.
+  Q4_0 is min = -8 d; Q4_K's sub-block scale d * sc and min -dmin * m.
+
+Scales and mins keep the narrowest dtype that is exact: float16 for Q8_0, Q4_0 and Q4_1 (their d and
+m are float16 in the file and -8 d is exact), float32 for Q4_K, whose d * sc needs up to 17 mantissa
+bits. So every dequantized value equals ``gguf.quants.dequantize`` bit for bit, and the default
+model's Q4_1 stays at 20 bytes per 32 weights instead of the 24 a float32 scale and min would take.
+
+``interleave`` turns either kind into the kernels' layout: 16 output columns side by side per 4
+(q8) or 8 (q4) k steps, so one 64-byte load feeds an int8 dot product into 16 column sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+BLOCK = 32  # weights per scale
+SUPER = 256  # Q4_K super-block
+COLUMNS = 16  # output columns side by side in the interleaved layout
+Q = gguf.GGMLQuantizationType
+NATIVE_TYPES = frozenset((Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K))
+QUANTIZATIONS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """A [N, K] linear weight in the q8 or q4 kind (see the module doc); ``source`` is its GGUF type."""
+
+    codes: torch.Tensor  # int8 [N, K] (q8) or uint8 [N, K / 2] (q4)
+    scale: torch.Tensor  # [N, K / 32] float16 or float32
+    min: torch.Tensor | None  # q4: like scale; q8: None
+    source: str
+
+    def __post_init__(self) -> None:
+        n, blocks = self.scale.shape
+        width = blocks * (BLOCK if self.min is None else BLOCK // 2)
+        expected = torch.int8 if self.min is None else torch.uint8
+        if self.codes.dtype != expected or tuple(self.codes.shape) != (n, width):
+            raise ValueError(f"{self.kind} codes must be {expected} [{n}, {width}], got "
+                             f"{self.codes.dtype} {tuple(self.codes.shape)}")
+        if self.scale.dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"scales must be float16 or float32, got {self.scale.dtype}")
+        if self.min is not None and (self.min.shape != self.scale.shape or self.min.dtype != self.scale.dtype):
+            raise ValueError("mins must match the scales in shape and dtype")
+
+    @property
+    def kind(self) -> str:
+        return "q8" if self.min is None else "q4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scale.shape[0], self.scale.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.min is None else self.min.nbytes
+        return self.codes.nbytes + self.scale.nbytes + extra
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The rows ``index`` (a row permutation, or a lookup)."""
+        pick = lambda t: None if t is None else t[index].contiguous()
+        return QuantizedWeight(pick(self.codes), pick(self.scale), pick(self.min), self.source)
+
+
+# ---------------------------------------------------------------------------------------- GGUF bytes
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian float16 from byte pairs [..., 2] as float32 [..., 1]."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibble_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 16] in Q4_0 order -> the 32 codes [..., 32] in weight order."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., 32] (0..15) -> uint8 [..., 16] in Q4_0 order."""
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def _q4k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 packed bytes [..., 12] -> the eight 6-bit scales and mins [..., 8]."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def from_gguf(raw: np.ndarray | torch.Tensor, qtype: Q) -> QuantizedWeight:
+    """GGUF blocks, uint8 [N, row_bytes] as ``GGUFReader`` gives them, -> a QuantizedWeight."""
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw.contiguous()
+    n = data.shape[0]
+    if qtype == Q.Q8_0:
+        blocks = data.view(n, -1, 34)
+        return QuantizedWeight(blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1),
+                               blocks[..., :2].contiguous().view(torch.float16).reshape(n, -1), None, qtype.name)
+    if qtype in (Q.Q4_0, Q.Q4_1):
+        size = 18 if qtype == Q.Q4_0 else 20
+        blocks = data.view(n, -1, size)
+        d = blocks[..., :2].contiguous().view(torch.float16).reshape(n, -1)
+        m = -8 * d if qtype == Q.Q4_0 else blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
+        return QuantizedWeight(blocks[..., size - 16:].reshape(n, -1).contiguous(), d, m, qtype.name)
+    if qtype == Q.Q4_K:
+        blocks = data.view(n, -1, 144)
+        sc, mn = _q4k_scales(blocks[..., 4:16])
+        scale = _f16(blocks[..., 0:2]) * sc.float()  # [n, supers, 1] * [n, supers, 8]
+        low = -(_f16(blocks[..., 2:4]) * mn.float())
+        qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
+        codes = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 32)  # [n, sub-blocks, 32]
+        return QuantizedWeight(_pack_nibbles(codes).reshape(n, -1), scale.reshape(n, -1).contiguous(),
+                               low.reshape(n, -1).contiguous(), qtype.name)
+    raise ValueError(f"GGUF type {qtype.name} has no native kernel format; supported: "
+                     f"{', '.join(t.name for t in sorted(NATIVE_TYPES))}")
+
+
+def codes_of(w: QuantizedWeight) -> torch.Tensor:
+    """The integer codes [N, K] (int8 for q8, 0..15 as uint8 for q4)."""
+    if w.kind == "q8":
+        return w.codes
+    n = w.codes.shape[0]
+    return _nibble_codes(w.codes.view(n, -1, 16)).reshape(n, -1)
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float [N, K]; in float32 equal bit for bit to ``gguf.quants.dequantize`` of the source blocks."""
+    n, k = w.shape
+    codes = codes_of(w).float().view(n, -1, BLOCK)
+    values = codes * w.scale.float().unsqueeze(-1)
+    if w.min is not None:
+        values = values + w.min.float().unsqueeze(-1)
+    return values.view(n, k).to(dtype)
+
+
+# ----------------------------------------------------------------------- quantizing float weights
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero, as ggml's roundf (and gguf.quants' np_roundf) does."""
+    a = x.abs()
+    floored = a.floor()
+    return torch.sign(x) * (floored + torch.floor(2 * (a - floored)))
+
+
+def _safe_inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def _halves(x: torch.Tensor) -> torch.Tensor:
+    """float32 [...] -> its float16 bytes [..., 2]."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).view(*x.shape, 2)
+
+
+def quantize_gguf(weight: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """float [N, K] -> GGUF blocks uint8 [N, row_bytes]; Q8_0, Q4_0 and Q4_1 byte-exact with
+    ``gguf.quants.quantize`` (ggml's reference quantizers), Q4_K a plain min/max fit."""
+    x = weight.detach().float().contiguous()
+    n = x.shape[0]
+    if qtype == Q.Q4_K:
+        return _quantize_q4k(x)
+    blocks = x.view(n, -1, BLOCK)
+    if qtype == Q.Q8_0:
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        qs = _roundf(blocks * _safe_inverse(d)).to(torch.int8).view(torch.uint8)
+        return torch.cat([_halves(d.squeeze(-1)), qs], -1).view(n, -1)
+    if qtype == Q.Q4_0:
+        peak = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))
+        d = peak / -8
+        qs = torch.trunc(blocks * _safe_inverse(d) + 8.5).clamp(0, 15).to(torch.uint8)
+        return torch.cat([_halves(d.squeeze(-1)), _pack_nibbles(qs)], -1).view(n, -1)
+    if qtype == Q.Q4_1:
+        hi, lo = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)
+        d = (hi - lo) / 15
+        qs = torch.trunc((blocks - lo) * _safe_inverse(d) + 0.5).clamp(0, 15).to(torch.uint8)
+        return torch.cat([_halves(d.squeeze(-1)), _halves(lo.squeeze(-1)), _pack_nibbles(qs)], -1).view(n, -1)
+    raise ValueError(f"cannot quantize to GGUF type {qtype.name}")
+
+
+def _quantize_q4k(x: torch.Tensor) -> torch.Tensor:
+    n, k = x.shape
+    if k % SUPER:
+        raise ValueError(f"Q4_K needs in_features divisible by {SUPER}, got {k}")
+    sub = x.view(n, -1, 8, BLOCK)  # [n, supers, 8, 32]
+    low = sub.amin(-1).clamp(max=0)
+    scale = (sub.amax(-1) - low) / 15
+    d = (scale.amax(-1) / 63).to(torch.float16).float()  # [n, supers]
+    dmin = ((-low).amax(-1) / 63).to(torch.float16).float()
+    sc = _roundf(scale * _safe_inverse(d).unsqueeze(-1)).clamp(0, 63)
+    mn = _roundf(-low * _safe_inverse(dmin).unsqueeze(-1)).clamp(0, 63)
+    eff_scale = (d.unsqueeze(-1) * sc).unsqueeze(-1)
+    eff_min = (dmin.unsqueeze(-1) * mn).unsqueeze(-1)
+    qs = _roundf((sub + eff_min) * _safe_inverse(eff_scale)).clamp(0, 15).to(torch.uint8)
+    sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
+    packed_scales = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                               (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)], -1)
+    pairs = qs.view(n, -1, 4, 2, BLOCK)  # sub-blocks 2c and 2c + 1 share chunk c's bytes
+    nibbles = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(n, -1, 128)
+    return torch.cat([_halves(d), _halves(dmin), packed_scales, nibbles], -1).view(n, -1)
+
+
+def quantize(weight: torch.Tensor, quantization: str) -> QuantizedWeight:
+    """A float weight quantized at load: ``quantization`` is one of QUANTIZATIONS. Q4_K needs
+    in_features % 256 == 0; narrower weights take Q4_1 (the q4 kind either way), as llama.cpp's
+    quantizer falls back for rows that do not fill a super-block."""
+    qtype = QUANTIZATIONS[quantization]
+    if qtype == Q.Q4_K and weight.shape[1] % SUPER:
+        qtype = Q.Q4_1
+    return from_gguf(quantize_gguf(weight, qtype), qtype)
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Weights stacked along out_features (q/k/v, gate/up), or None when their kinds or scale dtypes differ."""
+    first = weights[0]
+    if any(w.kind != first.kind or w.scale.dtype != first.scale.dtype for w in weights):
+        return None
+    cat = lambda ts: torch.cat(ts) if ts[0] is not None else None
+    sources = "+".join(dict.fromkeys(w.source for w in weights))
+    return QuantizedWeight(cat([w.codes for w in weights]), cat([w.scale for w in weights]),
+                           cat([w.min for w in weights]), sources)
+
+
+# ---------------------------------------------------------------------------- the kernels' layout
+@dataclass(frozen=True, slots=True)
+class InterleavedWeight:
+    """The kernels' layout of a QuantizedWeight with N % 16 == 0.
+
+    q8 codes: int8 [N/16, K/4, 16, 4] (column j's k..k+3 at [.., k/4, j, :]).
+    q4 codes: uint8 [N/16, K/8, 16, 4] (byte t of column j holds k = 8g + t low, 8g + 4 + t high).
+    scale / min: [N/16, K/32, 16], the source's dtype; min of q8 is None."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+    source: str
+
+    @property
+    def kind(self) -> str:
+        return "q8" if self.min is None else "q4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scale.shape[0] * COLUMNS, self.scale.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + (0 if self.min is None else self.min.nbytes)
+
+
+def interleave(w: QuantizedWeight) -> InterleavedWeight:
+    n, k = w.shape
+    if n % COLUMNS:
+        raise ValueError(f"the interleaved layout needs out_features % {COLUMNS} == 0, got {n}")
+    by_columns = lambda t: None if t is None else t.view(n // COLUMNS, COLUMNS, -1).transpose(1, 2).contiguous()
+    if w.kind == "q8":
+        codes = w.codes.view(n // COLUMNS, COLUMNS, k // 4, 4).transpose(1, 2).contiguous()
+    else:
+        split = codes_of(w).view(n // COLUMNS, COLUMNS, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
+        codes = (split[..., 0] | (split[..., 1] << 4)).contiguous()
+    return InterleavedWeight(codes, by_columns(w.scale), by_columns(w.min), w.source)
+
+
+def deinterleave(w: InterleavedWeight) -> QuantizedWeight:
+    """The inverse of ``interleave``."""
+    n, k = w.shape
+    rows = lambda t: None if t is None else t.transpose(1, 2).reshape(n, -1).contiguous()
+    if w.kind == "q8":
+        return QuantizedWeight(w.codes.transpose(1, 2).reshape(n, k).contiguous(), rows(w.scale), None, w.source)
+    return QuantizedWeight(_rows_of_q4(w.codes, n, k), rows(w.scale), rows(w.min), w.source)
+
+
+def _rows_of_q4(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    split = torch.stack([codes & 0x0F, codes >> 4], dim=-1)  # [N/16, K/8, 16, 4(t), 2(h)]
+    plain = split.permute(0, 2, 1, 4, 3).reshape(n, k // BLOCK, BLOCK)
+    return _pack_nibbles(plain).reshape(n, -1).contiguous()
+
+
+def dequantize_rows(w: InterleavedWeight, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``index`` of the float weight [len(index), K] (an embedding lookup of a tied head)."""
+    group, lane = index // COLUMNS, index % COLUMNS
+    scale = w.scale[group, :, lane].float().unsqueeze(-1)  # [n, K/32, 1]
+    if w.kind == "q8":
+        codes = w.codes[group, :, lane].float()  # [n, K/4, 4]
+        return (codes.view(len(index), -1, BLOCK) * scale).view(len(index), -1).to(dtype)
+    raw = w.codes[group, :, lane]  # [n, K/8, 4]
+    codes = torch.stack([raw & 0x0F, raw >> 4], dim=-2).float()  # [n, K/8, 2, 4]: k = 8g + 4h + t
+    values = codes.view(len(index), -1, BLOCK) * scale + w.min[group, :, lane].float().unsqueeze(-1)
+    return values.view(len(index), -1).to(dtype)

@@ -1,0 +1,99 @@
+"""Linears on quantized weights: the C++ kernel at every built ISA level against its PyTorch
+reference, the layer formats the loader picks, and the model on them."""
+
+import pytest
+import torch
+
+from kvmosaic.model.layers.linear import make_gated, make_linear
+from kvmosaic.model.layers.linear_methods import QuantizedKernel, QuantizedReference
+from kvmosaic.ops import Kernels
+from kvmosaic.quant import weights as qw
+from kvmosaic.quant.qmatmul import DECODE_ROWS, quantize_activations, quantized_linear_reference
+
+FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k"]
+
+
+def _weight(quantization: str, n: int = 48, k: int = 256, seed: int = 0) -> qw.QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    return qw.quantize(torch.randn(n, k, generator=g) * 0.05, quantization)
+
+
+def _tolerance(dtype: torch.dtype, ref: torch.Tensor) -> dict:
+    scale = ref.float().abs().max().item() + 1e-6
+    return {"atol": 2e-6 * scale, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2 * scale, "rtol": 1e-2}
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference_every_row_tail(level_kernels, quantization, dtype):
+    """Every row count of the 4-row decode groups and beyond, with a bias, against the reference
+    (which follows the same arithmetic: int8 dot products up to DECODE_ROWS rows, bit for bit, the
+    dequantized weight beyond, where only float summation order differs), at every ISA level built."""
+    ops = level_kernels.ops
+    w = _weight(quantization)
+    packed = qw.interleave(w)
+    bias = torch.randn(48)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (*range(1, 10), 13, 37):
+        x = torch.randn(rows, 256, generator=gen).to(dtype)
+        x[0, :32] = 0.0  # an all-zero activation block
+        out = ops.quantized_linear(x, packed.codes, packed.scale, packed.min, bias)
+        ref = quantized_linear_reference(x, w, bias)
+        assert out.shape == (rows, 48) and out.dtype == dtype
+        if rows <= DECODE_ROWS:  # the int8 path: the same roundings in the same order
+            assert torch.equal(out, ref), f"{rows} rows: max diff {(out.float() - ref.float()).abs().max()}"
+        else:
+            torch.testing.assert_close(out.float(), ref.float(), **_tolerance(dtype, ref))
+
+
+def test_reference_is_close_to_float_product():
+    w = _weight("q8_0")
+    x = torch.randn(3, 256)
+    dense = x @ qw.dequantize(w).T
+    out = quantized_linear_reference(x, w)
+    assert ((out - dense).norm() / dense.norm()).item() < 0.01  # int8 activations: ~0.4% error
+
+
+def test_activation_quantization_rounds_half_to_even():
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 0.5, 2.5  # d = 1
+    codes, d, total = quantize_activations(x)
+    assert d.item() == 1.0 and codes[0, 0, :3].tolist() == [127.0, 0.0, 2.0] and total.item() == 129.0
+
+
+def test_kernel_rejects_bad_input(level_kernels):
+    ops = level_kernels.ops
+    packed = qw.interleave(_weight("q4_1"))
+    with pytest.raises(RuntimeError, match="features"):
+        ops.quantized_linear(torch.zeros(1, 128), packed.codes, packed.scale, packed.min)
+    with pytest.raises(RuntimeError, match="mins"):
+        ops.quantized_linear(torch.zeros(1, 256), packed.codes, packed.scale)
+    assert ops.quantized_linear(torch.zeros(0, 256), packed.codes, packed.scale, packed.min).shape == (0, 48)
+
+
+def test_layers_pick_the_quantized_formats(level_kernels):
+    kernels = level_kernels
+    w = _weight("q4_1")
+    layer = make_linear(w, None, kernels)
+    assert isinstance(layer.method, QuantizedKernel) and layer.method.name == "q4_1"
+    assert isinstance(make_linear(w, None, Kernels.reference()).method, QuantizedReference)
+    assert isinstance(make_linear(_weight("q4_1", n=40), None, kernels).method, QuantizedReference)  # N % 16
+    x = torch.randn(2, 3, 256)
+    torch.testing.assert_close(layer(x), quantized_linear_reference(x.view(6, 256), w).view(2, 3, 48))
+    gate, up = _weight("q8_0", n=64), _weight("q8_0", n=64, seed=1)
+    gated = make_gated(gate, up, kernels)
+    h = torch.randn(3, 256)
+    fused = quantized_linear_reference(h, qw.concat_rows([gate, up]))
+    expected = torch.nn.functional.silu(fused[:, :64]) * fused[:, 64:]
+    torch.testing.assert_close(gated(h), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_kinds_fuse_as_float():
+    gate, up = _weight("q8_0", n=32), _weight("q4_1", n=32)
+    gated = make_gated(gate, up, Kernels.reference(), torch.bfloat16)
+    assert gated.method.name == "dense" and gated.method.weight.dtype == torch.bfloat16
+
+
+def test_decode_rows_constant_matches_kernel():
+    # rows up to DECODE_ROWS take the int8 path in both; the test above covers both sides of it
+    assert DECODE_ROWS == 4
