@@ -41,10 +41,10 @@ void for_each_context_row(const T* kc, const T* vc, const int64_t* table, int64_
 template <int NC>
 struct PrefillTiles {
   static constexpr bool kWide = vec::kVecRegisters >= 32;
-  static constexpr int RB = kWide ? 24 / NC : 2;
+  static constexpr int RB = kWide ? 24 / NC : 3;  // AVX2: 3 x 2 score F16s = 12 of the 16 ymm (1.5x 2 x 2, measured)
   static constexpr int NT = kWide ? 4 : 2;
   static constexpr int CB = kWide ? NC : 2;
-  static constexpr int G = kWide ? 2 : 4;
+  static constexpr int G = kWide ? 2 : 3;
 };
 
 // Prefill attention for one sequence chunk in float arithmetic: n query tokens at positions
