@@ -58,7 +58,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < ctx; ++t) {
-          sc[t] = exp_nonpositive(sc[t] - mx);
+          sc[t] = vec::exp_nonpositive(sc[t] - mx);
           sum += sc[t];
         }
         const float inv = 1.f / sum;
