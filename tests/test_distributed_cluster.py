@@ -26,8 +26,10 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 def engine_config(num_blocks: int) -> EngineConfig:
+    # the float path: a recomputed request must give the tokens of an uninterrupted run, and quantized
+    # linears run decode rows (int8 activations) and prefill rows (dequantized panels) differently
     return EngineConfig(
-        dtype="float32", num_threads=1,
+        dtype="float32", quantization=None, num_threads=1,
         cache=CacheConfig(block_size=16, num_blocks=num_blocks, num_host_blocks=0),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=512),
     )

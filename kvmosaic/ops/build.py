@@ -18,6 +18,7 @@ def build_level(level: Level, verbose: bool = False) -> bool:
 
     out = level_dir(level)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "lock").unlink(missing_ok=True)  # left by an interrupted build, it would make this one wait forever
     for extension, sources in extension_sources().items():
         try:
             load(name=module_name(extension, level), sources=[str(source) for source in sources],
@@ -26,6 +27,10 @@ def build_level(level: Level, verbose: bool = False) -> bool:
         except Exception as exc:  # a missing compiler must not break installation: the PyTorch path still works
             print(f"kvmosaic: C++ kernels {extension} ({level.name}) not built ({exc})", file=sys.stderr)
             return False
+    # ninja relinks only what a changed source or header reaches; the load-time staleness check
+    # compares with every header, so mark the libraries current once ninja says they are
+    for library in out.glob("*.so"):
+        library.touch()
     print(f"kvmosaic: C++ kernels ({level.name}) built in {out}")
     return True
 

@@ -3,10 +3,9 @@
 // prefill_attention.cpp define them).
 #pragma once
 #include <torch/extension.h>
-#include <immintrin.h>
 #include <ATen/Parallel.h>
 
-#include "simd.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -17,33 +16,11 @@
 
 namespace kvops {
 
-using namespace kvmosaic_simd;
-
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 template <typename T>
 inline void store(T* dst, float x) { *dst = static_cast<T>(x); }
-
-#if defined(__AVX512F__)
-// Rounds float lanes to the precision of T (a no-op for float).
-template <typename T>
-inline __m512 round_to(__m512 v);
-template <>
-inline __m512 round_to<float>(__m512 v) { return v; }
-template <>
-inline __m512 round_to<c10::BFloat16>(__m512 v) {
-#if defined(__AVX512BF16__)
-  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-#else
-  alignas(64) c10::BFloat16 tmp[16];
-  store16(tmp, v);
-  return load16(tmp);
-#endif
-}
-
-#endif
 
 inline void check_cache(const at::Tensor& cache, const at::Tensor& like) {
   TORCH_CHECK(cache.is_contiguous(), "KV cache must be contiguous");
