@@ -49,7 +49,7 @@ def prepare_hf_dir() -> None:
     if (HF_DIR / "config.json").is_file():
         return
     code = ("import torch; from kvmosaic.model.loader import export_hf, load_model; "
-            f"export_hf(load_model(None, torch.float32), {str(HF_DIR)!r})")
+            f"export_hf(load_model(None, torch.float32, quantization=None), {str(HF_DIR)!r})")
     _run_tool([sys.executable, "-c", code], f"HF directory {HF_DIR.relative_to(ROOT)}")
 
 

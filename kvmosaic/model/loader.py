@@ -95,6 +95,8 @@ def quantize_matrices(weights: dict[str, torch.Tensor], quantization: str, dtype
 
 def export_hf(loaded: LoadedModel, out_dir: str | Path) -> Path:
     """Write ``loaded`` as an HF directory so other engines (transformers, vLLM) run the same weights."""
+    if not all(isinstance(w, torch.Tensor) for w in loaded.weights.values()):
+        raise ValueError("export_hf writes float weights: load the model with quantization=None")
     out = Path(out_dir)
     write_hf_dir(loaded.config, loaded.weights, loaded.tokenizer, out)
     return out
