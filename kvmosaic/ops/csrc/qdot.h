@@ -168,6 +168,17 @@ inline void widen_columns(V64 w, F16 out[4]) {
 }
 #endif
 
+#if defined(KVM_VEC_AVX512)
+inline I16 add(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
+#elif defined(KVM_VEC_AVX2)
+inline I16 add(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+#else
+inline I16 add(I16 a, I16 b) {
+  for (int j = 0; j < 16; ++j) a.v[j] += b.v[j];
+  return a;
+}
+#endif
+
 // Signed q8 weights times signed activations: |w| times x carrying w's sign (u8 x s8 needs one unsigned side).
 inline I16 dot_s8s8(I16 acc, V64 w, V64 x) { return dot_u8s8(acc, w.abs_s8(), w.sign_of(x)); }
 

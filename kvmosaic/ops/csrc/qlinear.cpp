@@ -62,36 +62,47 @@ inline int32_t load4(const int8_t* p) {
 }
 
 // R rows x one group of 16 columns. codes: the group's bytes; S: the scale dtype; kQ4: nibbles.
+// A block's integer dots go to kChains independent accumulators per row, summed at the block's end: one
+// chain would serialize the block's 8 dot instructions on their latency, which bounds a decode row
+// (one accumulator in flight) below the memory bandwidth.
 template <typename T, typename S, bool kQ4, int R>
 void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* scale, const S* mins,
                 const float* bias, T* out, int64_t ldo) {
   constexpr int64_t kGroups = kQ4 ? 4 : 8;  // 64-byte vectors per 32-k block
+  constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
   F16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = F16::zero();
   const int64_t blocks = k / kQBlock;
   for (int64_t b = 0; b < blocks; ++b) {
-    I16 dots[R];
-    for (int r = 0; r < R; ++r) dots[r] = I16::zero();
+    I16 dots[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains; ++c) dots[r][c] = I16::zero();
     const uint8_t* wb = codes + b * kGroups * 64;
 #pragma GCC unroll 8
     for (int64_t g = 0; g < kGroups; ++g) {
       const V64 w = V64::load(wb + g * 64);
       if constexpr (kQ4) {
         const V64 lo = w.low_nibbles(), hi = w.high_nibbles();
+        const int c0 = static_cast<int>((2 * g) % kChains), c1 = static_cast<int>((2 * g + 1) % kChains);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = rows[r].codes + b * kQBlock + g * 8;
-          dots[r] = kvmosaic_qdot::dot_u8s8(dots[r], lo, V64::broadcast4(load4(x)));
-          dots[r] = kvmosaic_qdot::dot_u8s8(dots[r], hi, V64::broadcast4(load4(x + 4)));
+          dots[r][c0] = kvmosaic_qdot::dot_u8s8(dots[r][c0], lo, V64::broadcast4(load4(x)));
+          dots[r][c1] = kvmosaic_qdot::dot_u8s8(dots[r][c1], hi, V64::broadcast4(load4(x + 4)));
         }
       } else {
+        const int c = static_cast<int>(g % kChains);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = rows[r].codes + b * kQBlock + g * 4;
-          dots[r] = kvmosaic_qdot::dot_s8s8(dots[r], w, V64::broadcast4(load4(x)));
+          dots[r][c] = kvmosaic_qdot::dot_s8s8(dots[r][c], w, V64::broadcast4(load4(x)));
         }
       }
     }
     const F16 sc = kvmosaic_qdot::load_scale16(scale + b * kCols);
-    for (int r = 0; r < R; ++r) acc[r] = kvmosaic_vec::fma(dots[r].to_float(), sc * F16::set1(rows[r].scale[b]), acc[r]);
+    for (int r = 0; r < R; ++r) {
+      I16 total = dots[r][0];
+      for (int c = 1; c < kChains; ++c) total = kvmosaic_qdot::add(total, dots[r][c]);
+      acc[r] = kvmosaic_vec::fma(total.to_float(), sc * F16::set1(rows[r].scale[b]), acc[r]);
+    }
     if constexpr (kQ4) {
       const F16 mn = kvmosaic_qdot::load_scale16(mins + b * kCols);
       for (int r = 0; r < R; ++r) acc[r] = kvmosaic_vec::fma(mn, F16::set1(rows[r].sum[b]), acc[r]);
