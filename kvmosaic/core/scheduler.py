@@ -176,7 +176,8 @@ class Scheduler:
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
             proposal = proposals.get(request.request_id)
-            if proposal is not None and self._schedule_with_proposal(request, proposal, plan):
+            num_later = len(self.running) - index - 1
+            if proposal is not None and self._schedule_with_proposal(request, proposal, plan, num_later):
                 index += 1
                 continue
             num_new_tokens = self._num_new_tokens(request, plan.budget)
@@ -194,10 +195,11 @@ class Scheduler:
                       and (limit := max_speculative_tokens(r, self.config.max_model_len)) > 0]
         return self.speculator.propose(candidates, len(self.running)) if candidates else {}
 
-    def _schedule_with_proposal(self, request: Request, proposal: Proposal, plan: _StepPlan) -> bool:
-        """Schedule the next token and as many proposals as the budget leaves, if free blocks hold
-        them; False (nothing changed) otherwise."""
-        num_spec = min(len(proposal.token_ids), plan.budget - 1)
+    def _schedule_with_proposal(self, request: Request, proposal: Proposal, plan: _StepPlan, num_later: int) -> bool:
+        """Schedule the next token and as many proposals as the budget leaves after one token for
+        each of the ``num_later`` sequences behind it, if free blocks hold them; False (nothing
+        changed) otherwise."""
+        num_spec = min(len(proposal.token_ids), plan.budget - 1 - num_later)
         if num_spec < 1 or self.kv_manager.allocate_slots(request, 1 + num_spec) is None:
             return False
         if num_spec < len(proposal.token_ids):
