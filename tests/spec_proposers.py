@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvmosaic.config import SpeculativeConfig
 from kvmosaic.executor.mock import next_token
@@ -12,12 +12,14 @@ from kvmosaic.spec.speculator import Speculator
 
 
 class OracleProposer(Proposer):
-    """Proposes the mock model's true continuation (seed 0: greedy or the first sequence of a
-    group), wrong from a random position on (``wrong_from(k)`` returns that position; k: all right)."""
+    """Proposes the mock model's true continuation (under ``seed_of(request id)``, 0 by default),
+    wrong from a random position on (``wrong_from(k)`` returns that position; k: all right)."""
 
-    def __init__(self, vocab_size: int, rng: random.Random | None = None) -> None:
+    def __init__(self, vocab_size: int, rng: random.Random | None = None,
+                 seed_of: Callable[[str], int | None] = lambda request_id: 0) -> None:
         self.vocab_size = vocab_size
         self.rng = rng
+        self.seed_of = seed_of
         self.freed: list[str] = []
 
     def wrong_from(self, k: int) -> int:
@@ -30,7 +32,7 @@ class OracleProposer(Proposer):
             tokens = []
             wrong = self.wrong_from(r.max_tokens)
             for i in range(r.max_tokens):
-                token = next_token(context, 0, self.vocab_size)
+                token = next_token(context, self.seed_of(r.request_id), self.vocab_size)
                 if i >= wrong:
                     token = (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
                 tokens.append(token)
