@@ -4,13 +4,13 @@ counts what was proposed and accepted. The scheduler asks it for proposals and r
 Adaptive k. A step verifying B sequences with k_i proposals each costs about
 ``T = T_weights + (B + sum k_i) * T_token``: the weights are read once, every token adds compute.
 Proposal j of a sequence whose proposals are accepted with probability ``a`` adds an expected
-``a ** j`` tokens; it pays when that beats the rate the step already produces per token of compute,
-``B * r / (1 + B * r)`` with ``r = T_token / T_weights`` (``token_cost``). So k is the largest j
-with ``a ** j`` above that threshold: long runs for predictable text at batch 1, none at all for
-sequences whose proposals keep failing or once the batch is compute-bound. ``a`` is estimated per
-sequence from decayed counts (a truncated geometric: accepted tokens over accepted tokens plus
-rejections), starting from 1/2; steps without speculation decay the evidence too, so a sequence
-that stopped speculating probes again now and then.
+``a ** j`` tokens for ``T_token`` more time; it pays when ``a ** j / T_token`` beats the step's rate
+``B / T``, i.e. ``a ** j > B * r / (1 + B * r)`` with ``r = T_token / T_weights`` (``token_cost``).
+So k is the largest j with ``a ** j`` above that threshold: long runs for predictable text at
+batch 1, none for sequences whose proposals keep failing or once the batch is compute-bound. ``a``
+is estimated per sequence from decayed counts (a truncated geometric: accepted tokens over accepted
+tokens plus rejections, half a count of prior each, so 1/2 at first); steps without speculation
+decay the evidence too, so a sequence that stopped speculating probes again now and then.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class _Acceptance:
 
     @property
     def rate(self) -> float:
-        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+        return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
 
     def decay(self) -> None:
         self.accepted *= _DECAY
