@@ -11,6 +11,7 @@ from spec_proposers import OracleProposer, fixed_k_speculator
 from kvmosaic.core.sequence_rules import fork_seed
 from kvmosaic.engine.engine import Engine
 from kvmosaic.executor.mock import MockExecutor
+from kvmosaic.metrics import ServerMetrics
 from kvmosaic.sampling_params import SamplingParams
 
 PROMPTS = ["t1 t2 t3", "t5 t5 t5 t5 t5 t5", "t9 t8 t7 t6 t5 t4 t3 t2 t1", "t1 t2 t3 t4"]
@@ -73,3 +74,19 @@ def test_speculation_with_preemption_and_prefix_hits(mode):
     for _ in range(2):
         assert _run(spec, params, PROMPTS[2:3]) == expected[2:3]
     assert spec.stats()["prefix_cache_hits"] >= 8
+
+
+def test_metrics_show_the_speculation_counters():
+    _, spec = _engines()
+    _run(spec, _greedy())
+    metrics = ServerMetrics()
+    metrics.set_engine_stats(spec.stats())
+    text = metrics.render()[0].decode()
+    accepted = spec.stats()["spec_num_accepted_tokens"]
+    assert f"\nkvmosaic_spec_decode_num_accepted_tokens_total {float(accepted)}" in text
+    for name in ["spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_mean_accepted_length"]:
+        assert f"\nkvmosaic_{name} " in text, name
+    plain = ServerMetrics()
+    plain.set_engine_stats(_engines()[0].stats())
+    assert "spec_decode" not in plain.render()[0].decode()
