@@ -131,7 +131,9 @@ class ModelRunner:
             offset += s.num_logits_rows
         out = ModelOutput()
         if rows:
-            tokens = sample(logits if len(row_index) == logits.shape[0] else logits[row_index], rows)
+            # one row per request and no verification rows: the logits are already in row order
+            identity = not verifications and len(row_index) == logits.shape[0]
+            tokens = sample(logits if identity else logits[row_index], rows)
             out.sampled = dict(zip(seq_ids, tokens, strict=True))
         if verifications:
             spec_requests = [s for s in requests if s.spec_token_ids]
