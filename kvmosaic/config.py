@@ -203,7 +203,8 @@ class SpeculativeConfig:
     ``ngram``: prompt lookup, the longest suffix of ``prompt_lookup_min`` .. ``prompt_lookup_max``
     tokens found earlier in the sequence proposes what followed it. ``adaptive``: each sequence's k
     follows its measured acceptance (down to 0) and shrinks as the batch grows; ``token_cost`` is
-    what one more verified token costs relative to one sequence's decode step (weights read once).
+    what one more verified token costs relative to one sequence's decode step (weights read once),
+    ``step_overhead`` what a step with proposals costs on top (it leaves the one-token decode path).
     """
 
     method: str = "ngram"
@@ -212,6 +213,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     adaptive: bool = True
     token_cost: float = 0.1
+    step_overhead: float = 0.15
 
     def __post_init__(self) -> None:
         if self.method in _PLANNED_METHODS:
@@ -229,6 +231,8 @@ class SpeculativeConfig:
             (isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}"),
             (isinstance(self.token_cost, (int, float)) and not isinstance(self.token_cost, bool)
              and 0.0 <= self.token_cost <= 1.0, f"token_cost must be in [0, 1], got {self.token_cost!r}"),
+            (isinstance(self.step_overhead, (int, float)) and not isinstance(self.step_overhead, bool)
+             and 0.0 <= self.step_overhead <= 1.0, f"step_overhead must be in [0, 1], got {self.step_overhead!r}"),
         ]
         for ok, message in checks:
             if not ok:

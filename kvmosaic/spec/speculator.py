@@ -11,6 +11,10 @@ batch 1, none for sequences whose proposals keep failing or once the batch is co
 is estimated per sequence from decayed counts (a truncated geometric: accepted tokens over accepted
 tokens plus rejections, half a count of prior each, so 1/2 at first); steps without speculation
 decay the evidence too, so a sequence that stopped speculating probes again now and then.
+
+A step with any proposal also leaves the one-token decode path, ``c = step_overhead`` of a decode
+step more. The step's proposals are kept only if their expected tokens beyond what their compute
+would have bought, ``sum a ** j - K * threshold`` over its K proposals, exceed ``B * c / (1 + B * r)``.
 """
 
 from __future__ import annotations
@@ -77,7 +81,10 @@ class Speculator:
         if not asks:
             return {}
         proposals = self.proposer.propose(asks)
-        return {ask.request_id: p for ask, p in zip(asks, proposals, strict=True) if p.token_ids}
+        kept = {ask.request_id: p for ask, p in zip(asks, proposals, strict=True) if p.token_ids}
+        if self.config.adaptive and not self._worth_the_step(kept, threshold, batch_size):
+            return {}
+        return kept
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.num_drafts += 1
@@ -92,6 +99,18 @@ class Speculator:
         self._acceptance.pop(request_id, None)
         self.proposer.free(request_id)
 
+    def _worth_the_step(self, proposals: dict[str, Proposal], threshold: float, batch_size: int) -> bool:
+        surplus = 0.0
+        for request_id, proposal in proposals.items():
+            rate = self._rate(request_id)
+            surplus += sum(rate ** j - threshold for j in range(1, len(proposal.token_ids) + 1))
+        cost = batch_size * self.config.token_cost
+        return surplus > batch_size * self.config.step_overhead / (1.0 + cost)
+
+    def _rate(self, request_id: str) -> float:
+        acceptance = self._acceptance.get(request_id)
+        return acceptance.rate if acceptance is not None else 0.5
+
     def _threshold(self, batch_size: int) -> float:
         cost = batch_size * self.config.token_cost
         return cost / (1.0 + cost)
@@ -101,7 +120,7 @@ class Speculator:
         if not self.config.adaptive:
             return k_max
         acceptance = self._acceptance.get(request_id)
-        rate = acceptance.rate if acceptance is not None else 0.5
+        rate = self._rate(request_id)
         k, reach = 0, rate
         while k < k_max and reach > threshold:
             k, reach = k + 1, reach * rate
