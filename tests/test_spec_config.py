@@ -87,8 +87,11 @@ def test_fixed_k_when_not_adaptive():
 
 def test_a_step_is_speculated_only_when_its_proposals_repay_leaving_the_decode_path():
     config = SpeculativeConfig(num_speculative_tokens=8, token_cost=0.1, step_overhead=0.15)
+    # a sequence never verified: always tried, its acceptance is yet to be measured
+    speculator = Speculator(config, ScriptedProposer([[5, 6, 7], [5, 6, 7]]))
+    assert speculator.propose([(_request("a"), 8)], 1).keys() == {"a"}
     # acceptance 1/2 at batch 1: 3 proposals expect 0.875 tokens, 0.27 of which their compute would buy
-    speculator = Speculator(config, ScriptedProposer([[5, 6, 7]]))
+    speculator.record("a", 2, 1)
     assert speculator.propose([(_request("a"), 8)], 1).keys() == {"a"}
     # one proposal of a sequence accepted about 1 time in 5: 0.19 - 0.09 is not worth 0.15 / 1.1
     speculator = Speculator(config, ScriptedProposer([[5]]))

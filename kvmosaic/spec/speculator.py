@@ -14,7 +14,8 @@ decay the evidence too, so a sequence that stopped speculating probes again now 
 
 A step with any proposal also leaves the one-token decode path, ``c = step_overhead`` of a decode
 step more. The step's proposals are kept only if their expected tokens beyond what their compute
-would have bought, ``sum a ** j - K * threshold`` over its K proposals, exceed ``B * c / (1 + B * r)``.
+would have bought, ``sum a ** j - K * threshold`` over its K proposals, exceed ``B * c / (1 + B * r)``,
+or if one of them comes from a sequence never verified before (its rate is only the prior: measure it).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class Speculator:
         self.proposer.free(request_id)
 
     def _worth_the_step(self, proposals: dict[str, Proposal], threshold: float, batch_size: int) -> bool:
+        if any(request_id not in self._acceptance for request_id in proposals):
+            return True
         surplus = 0.0
         for request_id, proposal in proposals.items():
             rate = self._rate(request_id)
