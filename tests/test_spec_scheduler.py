@@ -105,15 +105,17 @@ def test_proposals_stop_at_max_tokens():
     assert proposer.freed == ["a"]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_random_rejections_leak_no_block_and_change_no_token(mode):
+@pytest.mark.parametrize("mode, budget", [("recompute", 2048), ("swap", 2048), ("recompute", 10)],
+                         ids=["recompute", "swap", "chunked"])
+def test_random_rejections_leak_no_block_and_change_no_token(mode, budget):
     """About 1,000 steps of random accept/reject in a pool too small for everyone (preemption),
-    prefix hits from repeated prompts: after every step each running table holds exactly the blocks
-    its computed tokens need, the pool's used blocks are exactly those in tables, and outputs equal
-    plain decoding's."""
+    prefix hits from repeated prompts, chunked prefills sharing a small budget with proposals: after
+    every step each running table holds exactly the blocks its computed tokens need, the pool's used
+    blocks are exactly those in tables, and outputs equal plain decoding's."""
     rng = random.Random(0)
     scheduler, executor = _scheduler(OracleProposer(VOCAB, rng), num_blocks=14, block_size=4,
-                                     num_host_blocks=32 if mode == "swap" else 0, preemption_mode=mode, k=6)
+                                     num_host_blocks=32 if mode == "swap" else 0, preemption_mode=mode, k=6,
+                                     max_num_batched_tokens=budget, long_prefill_token_threshold=min(budget, 6))
     kv = scheduler.kv_manager
     num_steps, requests = 0, []
     while num_steps < 1000:
