@@ -7,7 +7,9 @@ is created, not deep inside a forward pass.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -186,6 +188,80 @@ class SchedulerConfig:
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
 
+SPECULATIVE_METHODS = ("ngram",)
+_PLANNED_METHODS = ("draft", "self")
+
+
+class SpeculativeConfigError(ValueError):
+    """A speculative-decoding configuration that cannot be used (unknown key, method or bad value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: proposals of ``method`` verified by the target, lossless.
+
+    ``ngram``: prompt lookup, the longest suffix of ``prompt_lookup_min`` .. ``prompt_lookup_max``
+    tokens found earlier in the sequence proposes what followed it. ``adaptive``: each sequence's k
+    follows its measured acceptance (down to 0) and shrinks as the batch grows; ``token_cost`` is
+    what one more verified token costs relative to one sequence's decode step (weights read once),
+    ``step_overhead`` what a step with proposals costs on top (it leaves the one-token decode path).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    adaptive: bool = True
+    token_cost: float = 0.1
+    step_overhead: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.method in _PLANNED_METHODS:
+            raise SpeculativeConfigError(f"speculative method {self.method!r} is not available yet; "
+                                         f"use one of {SPECULATIVE_METHODS}")
+        checks = [
+            (self.method in SPECULATIVE_METHODS, f"speculative method must be one of {SPECULATIVE_METHODS}, "
+                                                 f"got {self.method!r}"),
+            (_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 32,
+             f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}"),
+            (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
+             and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "
+             f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}"),
+            (isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}"),
+            (isinstance(self.token_cost, (int, float)) and not isinstance(self.token_cost, bool)
+             and 0.0 <= self.token_cost <= 1.0, f"token_cost must be in [0, 1], got {self.token_cost!r}"),
+            (isinstance(self.step_overhead, (int, float)) and not isinstance(self.step_overhead, bool)
+             and 0.0 <= self.step_overhead <= 1.0, f"step_overhead must be in [0, 1], got {self.step_overhead!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SpeculativeConfigError(message)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:
+        """From a config, a dict or a JSON object string (the CLI's); None or {} means off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise SpeculativeConfigError(f"speculative config is not valid JSON: {exc}") from exc
+        if not isinstance(value, Mapping):
+            raise SpeculativeConfigError(f"speculative config must be an object, got {type(value).__name__}")
+        if not value:
+            return None
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise SpeculativeConfigError(f"unknown speculative config keys: {sorted(unknown)}")
+        return cls(**value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
@@ -196,9 +272,11 @@ class EngineConfig:
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         if self.quantization is not None and str(self.quantization).lower() not in WEIGHT_QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of "
                              f"{', '.join(WEIGHT_QUANTIZATIONS)} or None")

@@ -39,6 +39,17 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
 }
 
 
+# Speculative decoding (``--speculative-config``): shown only when the engine reports them.
+_SPEC_SERIES: dict[str, tuple[str, str, str]] = {
+    "spec_num_drafts": ("spec_decode_num_drafts", "Verifications of a sequence's proposed tokens", "counter"),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Proposed tokens verified by the target", "counter"),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Proposed tokens the target accepted",
+                                 "counter"),
+    "spec_mean_accepted_length": ("spec_decode_mean_accepted_length",
+                                  "Tokens emitted per verification (accepted proposals plus the target's own)",
+                                  "gauge"),
+}
+
 # Distributed KV cache (``kvmosaic serve --instances N``): shown only when the engine reports them.
 _DIST_SERIES: dict[str, tuple[str, str, str]] = {
     "dist_instances_alive": ("dist_instances_alive", "Engine instances the gManager considers alive", "gauge"),
@@ -70,7 +81,7 @@ class EngineStatsCollector(Collector):
         for key, (name, doc, kind) in _ENGINE_SERIES.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(f"{PREFIX}_{name}", doc, value=float(snapshot.get(key, 0)))
-        for key, (name, doc, kind) in _DIST_SERIES.items():
+        for key, (name, doc, kind) in (_SPEC_SERIES | _DIST_SERIES).items():
             if key in snapshot:
                 family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                 yield family(f"{PREFIX}_{name}", doc, value=float(snapshot[key]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmosaic.sampling_params import SamplingParams
 
@@ -22,10 +23,18 @@ class ScheduledRequest:
     sample_seeds: list[int | None] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalty
     output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency penalties
+    # Proposed tokens to verify: the last len(spec_token_ids) of token_ids (kvmosaic.spec).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # a draft model's q for them ([k, vocab] tensor); None: one-hot proposals
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of logits the step needs: the last token's, and one per proposed token."""
+        return 1 + len(self.spec_token_ids) if self.sample_ids else 0
 
 
 @dataclass(slots=True)
@@ -56,9 +65,16 @@ class SampledToken:
 
 @dataclass(slots=True)
 class ModelOutput:
-    """One sampled token per sequence id (every sample id of the step's ScheduledRequests)."""
+    """One sampled token per sequence id (every sample id of the step's ScheduledRequests), and for
+    sequences that verified proposals the ones accepted, which come before the sampled token."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+
+    def new_tokens(self, seq_id: str) -> list[SampledToken]:
+        """What the sequence gained this step, in order."""
+        sampled = self.sampled.get(seq_id)
+        return [*self.accepted.get(seq_id, ()), sampled] if sampled is not None else []
 
 
 @dataclass(slots=True)

@@ -216,6 +216,21 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         self._free_host_blocks.extend(self._host_tables.pop(request_id, ()))
 
+    def free_uncomputed_blocks(self, request: Request) -> None:
+        """Free the table's blocks past the request's computed tokens (after a rollback they hold
+        only rejected speculative tokens). None of them is registered in the prefix cache: block
+        hashes cover ``all_token_ids``, and a rollback never goes below the tokens known then."""
+        table = self._block_tables.get(request.request_id)
+        num_kept = _cdiv(request.num_computed_tokens, self.block_size)
+        if not table or len(table) <= num_kept:
+            return
+        tail = table[num_kept:]
+        del table[num_kept:]
+        self._allocator.release([block_id for block_id in tail if not self.is_local(block_id)])
+        self._pool.free(reversed([block_id for block_id in tail if self.is_local(block_id)]))
+        registered = self._num_registered.get(request.request_id, 0)
+        self._num_registered[request.request_id] = min(registered, num_kept)
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; writes into shared blocks copy first."""
         table = self._block_tables.get(parent.request_id, [])

@@ -5,6 +5,12 @@ them out within a token budget: running sequences first, then swapped ones comin
 back, then waiting ones in arrival order. Prefills longer than the chunk limit or
 the remaining budget run in chunks. When the KV cache is full the newest running
 sequence is preempted (recompute or swap). Preemption policy lives only here.
+
+Speculative decoding (a ``Speculator`` handed in) adds proposed tokens after a decoding
+sequence's next token: they are more tokens to compute, inside the same budget, and get blocks
+only if free ones are left (proposals never preempt). After the step the rejected ones are
+rolled back: ``num_computed_tokens`` drops by their count and the KV manager frees the blocks
+only they occupied. Block hashes cover ``all_token_ids``, which only ever holds accepted tokens.
 """
 
 from __future__ import annotations
@@ -14,13 +20,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvmosaic.core.sequence_rules import check_stop, fork_seed
+from kvmosaic.core.sequence_rules import check_stop, fork_seed, max_speculative_tokens
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvmosaic.config import SchedulerConfig
     from kvmosaic.core.kv_cache_manager import KVCacheManager
+    from kvmosaic.spec.proposer import Proposal
+    from kvmosaic.spec.speculator import Speculator
 
 @dataclass(slots=True)
 class _StepPlan:
@@ -29,6 +37,7 @@ class _StepPlan:
     preempted: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    proposals: dict[str, Proposal] = field(default_factory=dict)  # request id -> proposals it verifies
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled.append((request, num_tokens))
@@ -37,10 +46,13 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, eos_token_ids: Iterable[int] = ()
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, eos_token_ids: Iterable[int] = (),
+        speculator: Speculator | None = None,
     ) -> None:
+        """``speculator``: proposes tokens for decoding sequences to verify (None: no speculation)."""
         self.config = config
         self.kv_manager = kv_manager
+        self.speculator = speculator
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # every unfinished sequence
         self.waiting: deque[Request] = deque()
@@ -116,7 +128,8 @@ class Scheduler:
                 self._schedule_waiting(plan)
         finished_ids, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
-            scheduled=[self._scheduled_request(request, n) for request, n in plan.scheduled],
+            scheduled=[self._scheduled_request(request, n, plan.proposals.get(request.request_id))
+                       for request, n in plan.scheduled],
             blocks_to_swap_out=plan.swap_out,
             blocks_to_swap_in=plan.swap_in,
             blocks_to_copy=self.kv_manager.take_pending_copies(),
@@ -139,10 +152,18 @@ class Scheduler:
             request.num_computed_tokens += scheduled.num_tokens
             if not scheduled.sample_ids:
                 continue
-            request.append_output_token(model_output.sampled[request.request_id].token_id)
+            tokens = [t.token_id for t in model_output.new_tokens(request.request_id)]
+            if scheduled.spec_token_ids:
+                self._roll_back(request, len(scheduled.spec_token_ids), len(tokens) - 1)
+            request.append_output_token(tokens[0])
             sequences = [request, *self._fork_children(request, scheduled, model_output)]
             for sequence in sequences:
                 self._apply_stop(sequence)
+            for token in tokens[1:]:  # accepted proposals came first; stop at the first token that ends it
+                if request.is_finished:
+                    break
+                request.append_output_token(token)
+                self._apply_stop(request)
             updated.extend(sequences)
         updated.extend(self._finished_by_scheduler)
         self._finished_by_scheduler = []
@@ -150,14 +171,50 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the queues
     def _schedule_running(self, plan: _StepPlan) -> None:
+        proposals = self._propose()
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
+            proposal = proposals.get(request.request_id)
+            num_later = len(self.running) - index - 1
+            if proposal is not None and self._schedule_with_proposal(request, proposal, plan, num_later):
+                index += 1
+                continue
             num_new_tokens = self._num_new_tokens(request, plan.budget)
             if not self._allocate_or_preempt(request, num_new_tokens, plan):
                 return
             plan.add(request, num_new_tokens)
             index += 1
+
+    def _propose(self) -> dict[str, Proposal]:
+        """Proposals for the running sequences whose next step is one token (decoding, no forks pending)."""
+        if self.speculator is None:
+            return {}
+        candidates = [(r, limit) for r in self.running
+                      if r.num_computed_tokens == r.num_tokens - 1 and not r.num_forks
+                      and (limit := max_speculative_tokens(r, self.config.max_model_len)) > 0]
+        return self.speculator.propose(candidates, len(self.running)) if candidates else {}
+
+    def _schedule_with_proposal(self, request: Request, proposal: Proposal, plan: _StepPlan, num_later: int) -> bool:
+        """Schedule the next token and as many proposals as the budget leaves after one token for
+        each of the ``num_later`` sequences behind it, if free blocks hold them; False (nothing
+        changed) otherwise."""
+        num_spec = min(len(proposal.token_ids), plan.budget - 1 - num_later)
+        if num_spec < 1 or self.kv_manager.allocate_slots(request, 1 + num_spec) is None:
+            return False
+        if num_spec < len(proposal.token_ids):
+            draft = proposal.draft_probs
+            proposal = type(proposal)(proposal.token_ids[:num_spec], None if draft is None else draft[:num_spec])
+        plan.proposals[request.request_id] = proposal
+        plan.add(request, 1 + num_spec)
+        return True
+
+    def _roll_back(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """Forget the K/V of rejected proposals: they are recomputed as whatever tokens come next."""
+        request.num_computed_tokens -= num_proposed - num_accepted
+        self.kv_manager.free_uncomputed_blocks(request)
+        if self.speculator is not None:
+            self.speculator.record(request.request_id, num_proposed, num_accepted)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Make room by preempting the newest sequences; False if ``request`` itself had to go."""
@@ -282,6 +339,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_manager.free(request)
+        if self.speculator is not None:
+            self.speculator.free(request.request_id)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
@@ -293,11 +352,13 @@ class Scheduler:
         else:
             self.waiting.remove(request)
 
-    def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
+    def _scheduled_request(self, request: Request, num_tokens: int, proposal: Proposal | None) -> ScheduledRequest:
         start = request.num_computed_tokens
+        spec = proposal.token_ids if proposal is not None else []
+        end = start + num_tokens - len(spec)
         sample_ids: list[str] = []
         sample_seeds: list[int | None] = []
-        if start + num_tokens == request.num_tokens:
+        if end == request.num_tokens:
             sample_ids = [request.request_id]
             sample_seeds = [request.seed]
             for sample_index in range(1, request.num_forks + 1):
@@ -305,7 +366,7 @@ class Scheduler:
                 sample_seeds.append(fork_seed(request.seed, sample_index))
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_tokens],
+            token_ids=request.all_token_ids[start:end] + spec,
             start_pos=start,
             block_table=self.kv_manager.get_block_table(request.request_id),
             sampling_params=request.sampling_params,
@@ -313,4 +374,6 @@ class Scheduler:
             sample_seeds=sample_seeds,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
+            spec_token_ids=list(spec),
+            draft_probs=proposal.draft_probs if proposal is not None else None,
         )

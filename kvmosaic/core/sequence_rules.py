@@ -28,3 +28,13 @@ def check_stop(
     if request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH, None
     return None
+
+
+def max_speculative_tokens(request: Request, max_model_len: int) -> int:
+    """Proposals a decoding sequence may verify this step: accepting all of them and the token after
+    them must stay within max_tokens and the context length."""
+    limit = max_model_len - request.num_tokens - 1
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None:
+        limit = min(limit, max_tokens - request.num_output_tokens - 1)
+    return max(0, limit)

@@ -20,6 +20,7 @@ from kvmosaic.executor.base import Executor
 from kvmosaic.outputs import RequestOutput, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.spec.speculator import Speculator, build_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +28,12 @@ logger = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None, *,
                  allocator: BlockAllocator | None = None,
-                 kv_lock: contextlib.AbstractContextManager | None = None) -> None:
+                 kv_lock: contextlib.AbstractContextManager | None = None,
+                 speculator: Speculator | None = None) -> None:
         """``executor``: where steps run (default: a local worker built from ``config``);
         ``allocator``: blocks beyond the local pool; ``kv_lock``: held around scheduling and
-        bookkeeping, not the forward pass (other threads may then lend this pool's blocks)."""
+        bookkeeping, not the forward pass (other threads may then lend this pool's blocks);
+        ``speculator``: proposes tokens to verify (default: the one ``config.speculative`` asks for)."""
         if executor is None:
             from kvmosaic.executor.local import LocalExecutor  # the model stack loads only when needed
 
@@ -42,7 +45,8 @@ class Engine:
         cache = self.config.cache
         self.kv_manager = KVCacheManager(executor.num_blocks, cache.block_size, executor.num_host_blocks,
                                          cache.enable_prefix_caching, allocator)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, executor.eos_token_ids)
+        self.speculator = speculator if speculator is not None else build_speculator(self.config.speculative)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, executor.eos_token_ids, self.speculator)
         self.processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -215,6 +219,18 @@ class Engine:
             "prefix_cache_queries": cache["queries"],
             "prefix_cache_hits": cache["hits"],
             "prefix_cache_hit_rate": cache["hit_rate"],
+            **self._spec_stats(),
+        }
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        spec = self.speculator.stats
+        return {
+            "spec_num_drafts": spec.num_drafts,
+            "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_mean_accepted_length": spec.mean_accepted_length,
         }
 
     def shutdown(self) -> None:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvmosaic.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvmosaic.outputs import CompletionOutput, ModelOutput, RequestMetrics, RequestOutput
+from kvmosaic.outputs import CompletionOutput, ModelOutput, RequestMetrics, RequestOutput, SampledToken
 from kvmosaic.request import Request
 from kvmosaic.sample.stop import find_stop, trim_for_streaming
 from kvmosaic.sampling_params import SamplingParams
@@ -99,31 +99,35 @@ class OutputProcessor:
         return [self._make_output(g, now) for g in touched.values()], stopped, failed
 
     def _append(self, seq: SequenceState, req: Request, model_output: ModelOutput, params: SamplingParams) -> bool:
-        if not req.output_token_ids:  # finished by the scheduler before its first token
+        """Take the tokens the sequence gained this step (several after accepted proposals), one at a
+        time, so a stop string ends it at the token that completes the stop."""
+        new_tokens = req.output_token_ids[len(seq.token_ids):]
+        sampled = model_output.new_tokens(req.request_id)
+        for i, token in enumerate(new_tokens):
+            seq.token_ids.append(token)
+            if i < len(sampled) and sampled[i].logprob is not None:
+                self._add_logprob(seq, token, sampled[i])
+            delta = seq.detokenizer.add_tokens([token])
+            seq.text += delta
+            if i == len(new_tokens) - 1 and req.status.finished:
+                break
+            hit = find_stop(seq.text, len(delta), params.stop) if params.stop else None
+            if hit is not None:
+                pos, stop = hit
+                seq.text = seq.text[: pos + len(stop)] if params.include_stop_str_in_output else seq.text[:pos]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        if req.status.finished:  # by the scheduler: EOS, a stop token, max_tokens, or never fitting the cache
             seq.finish_reason, seq.stop_reason = req.status.finish_reason, req.stop_reason
-            return False
-        token = req.output_token_ids[-1]
-        seq.token_ids.append(token)
-        sampled = model_output.sampled.get(req.request_id)
-        if sampled is not None and sampled.logprob is not None:
-            seq.cumulative_logprob += sampled.logprob
-            if seq.logprobs is not None:
-                top = dict(sampled.top_logprobs or {})
-                top[token] = sampled.logprob
-                seq.logprobs.append(top)
-        delta = seq.detokenizer.add_tokens([token])
-        seq.text += delta
-        if req.status.finished:
-            seq.finish_reason = req.status.finish_reason
-            seq.stop_reason = req.stop_reason
-            return False
-        hit = find_stop(seq.text, len(delta), params.stop) if params.stop else None
-        if hit is None:
-            return False
-        pos, stop = hit
-        seq.text = seq.text[: pos + len(stop)] if params.include_stop_str_in_output else seq.text[:pos]
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        return True
+        return False
+
+    @staticmethod
+    def _add_logprob(seq: SequenceState, token: int, sampled: SampledToken) -> None:
+        seq.cumulative_logprob += sampled.logprob
+        if seq.logprobs is not None:
+            top = dict(sampled.top_logprobs or {})
+            top[token] = sampled.logprob
+            seq.logprobs.append(top)
 
     def finish_aborted(self, request_id: str, message: str | None = None) -> RequestOutput | None:
         """End a group with finish reason "abort" (``message``, when given, as the stop reason)."""

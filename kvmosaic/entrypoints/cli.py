@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from kvmosaic.config import WEIGHT_QUANTIZATIONS
+from kvmosaic.config import WEIGHT_QUANTIZATIONS, SpeculativeConfig, SpeculativeConfigError
 from kvmosaic.entrypoints.llm import LLM
 from kvmosaic.eval import cli as eval_cli
 from kvmosaic.planner import cli as plan_cli
@@ -35,6 +35,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (compute dtype), int8, int4 or oaken")
     p.add_argument("--kv-thresholds", default=None,
                    help="Oaken thresholds from `kvmosaic calibrate-kv` (default: shipped for the default model)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (adaptive k unless "adaptive": false)')
+
+
+def _speculative_config(value: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(value)
+    except SpeculativeConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -59,7 +69,8 @@ def _make_llm(args: argparse.Namespace, **engine_kwargs) -> LLM:
     return LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
                memory_utilization=args.memory_utilization, block_size=args.block_size, max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
-               kv_cache_dtype=args.kv_cache_dtype, kv_thresholds=args.kv_thresholds, **engine_kwargs)
+               kv_cache_dtype=args.kv_cache_dtype, kv_thresholds=args.kv_thresholds,
+               speculative=args.speculative_config, **engine_kwargs)
 
 
 def stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
+from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvmosaic.engine.factory import build_engine
 from kvmosaic.engine.protocol import EngineClient
 from kvmosaic.outputs import RequestOutput
@@ -42,6 +42,7 @@ class LLM:
         ray_address: str | None = None,
         enable_borrowing: bool = True,
         quantization: str | None = "auto",
+        speculative: SpeculativeConfig | dict | str | None = None,
         model_loader=None,
     ) -> None:
         """``instances > 1`` (or a ``ray_address``) runs that many engine instances as Ray actors that
@@ -49,7 +50,9 @@ class LLM:
         ``kv_cache_memory="auto"`` sizes the pool from a profiling run (``memory_utilization`` of the
         RAM still available). ``quantization``: the weight format (``auto``: a GGUF's Q8_0 / Q4_x matrices run
         natively, an HF directory stays float; None: every weight dequantized to ``dtype``; ``q8_0``,
-        ``q4_0``, ``q4_1``, ``q4_k``: quantized at load). ``model_loader(path, dtype)`` reads the
+        ``q4_0``, ``q4_1``, ``q4_k``: quantized at load). ``speculative``: speculative decoding, e.g.
+        ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``
+        (``SpeculativeConfig``; a bad one raises ``SpeculativeConfigError``). ``model_loader(path, dtype)`` reads the
         weights of an in-process engine instead (its own weight format)."""
         distributed = instances > 1 or bool(ray_address)
         if distributed and num_threads is None:  # the instances share the cores
@@ -71,6 +74,7 @@ class LLM:
                 max_model_len=max_model_len, preemption_mode=preemption_mode,
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
+            speculative=SpeculativeConfig.parse(speculative),
         )
         dist = DistributedConfig(num_instances=instances, ray_address=ray_address,
                                  enable_borrowing=enable_borrowing) if distributed else None

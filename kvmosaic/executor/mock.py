@@ -8,8 +8,10 @@ sampled sequence's context back through its block table, checks it against the s
     next token = (sum of the context's token ids + seed) % vocab_size
 
 with the sample's seed (0 when unseeded; forked siblings of an n > 1 request get distinct seeds
-from the scheduler). Outputs therefore do not depend on how the work was batched, chunked,
-preempted or served from the prefix cache, and engine tests can assert exact tokens. Prompts are
+from the scheduler). Proposed tokens are verified greedily: the context up to each proposal is
+read back, and proposals are accepted while they equal what the mock model samples there.
+Outputs therefore do not depend on how the work was batched, chunked, preempted, served from the
+prefix cache or speculated, and engine tests can assert exact tokens. Prompts are
 text of the form "t3 t17 t5" (a word-level tokenizer over ``t0 .. t{V-1}``).
 """
 
@@ -89,17 +91,32 @@ class MockExecutor(Executor):
             for offset, token in enumerate(s.token_ids):
                 p = s.start_pos + offset
                 self.device[s.block_table[p // self.block_size]][p % self.block_size] = token
-        sampled: dict[str, SampledToken] = {}
+        out = ModelOutput()
         for s in sched.scheduled:
             if not s.sample_ids:
                 continue
             length = s.start_pos + s.num_tokens
             context = self.read_context(s.block_table, length)
-            if context != (s.prompt_token_ids + s.output_token_ids)[:length]:
+            if context != (s.prompt_token_ids + s.output_token_ids + s.spec_token_ids)[:length]:
                 raise KVMismatch(f"{s.request_id}: the cache holds {context}")
+            if s.spec_token_ids:
+                emitted = self._verify(context, s.spec_token_ids, s.sample_seeds[0])
+                out.accepted[s.request_id] = [SampledToken(t, 0.0) for t in emitted[:-1]]
+                out.sampled[s.request_id] = SampledToken(emitted[-1], 0.0)
+                continue
             for seq_id, seed in zip(s.sample_ids, s.sample_seeds, strict=True):
-                sampled[seq_id] = SampledToken(next_token(context, seed, self.vocab_size), 0.0)
-        return ModelOutput(sampled=sampled)
+                out.sampled[seq_id] = SampledToken(next_token(context, seed, self.vocab_size), 0.0)
+        return out
+
+    def _verify(self, context: list[int], proposals: list[int], seed: int | None) -> list[int]:
+        """The tokens a verification emits: accepted proposals, then the model's own next token."""
+        base = len(context) - len(proposals)
+        emitted = []
+        for i in range(len(proposals) + 1):
+            emitted.append(next_token(context[:base + i], seed, self.vocab_size))
+            if i == len(proposals) or emitted[-1] != proposals[i]:
+                return emitted
+        raise AssertionError("unreachable")
 
     def read_context(self, block_table: list[int], length: int) -> list[int]:
         """The tokens in the first ``length`` slots of a block table."""

@@ -32,9 +32,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
     logits = logits.float()
-    processed = _penalize_and_ban(logits, rows)
+    processed = penalize_and_ban(logits, rows)
     token_ids = _choose_tokens(processed, rows)
-    return _sampled_tokens(logits, token_ids, rows)
+    return sampled_tokens(logits, token_ids, rows)
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.
     return (probs / q).argmax()
 
 
-def _penalize_and_ban(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def penalize_and_ban(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Penalties, then banned ids to -inf, on a copy made only when some row needs either."""
     penalized = [_has_penalty(r.params) for r in rows]
     banned = any(r.banned_token_ids for r in rows)
@@ -125,15 +125,20 @@ def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    return random_sample(target_probs(logits, rows), [r.generator for r in rows])
+
+
+def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: temperature, then top-k, top-p and min-p."""
     device = logits.device
     logits = logits / _param_tensor(rows, "temperature", device)[:, None]  # a copy the masks may overwrite
     top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
     top_p = _param_tensor(rows, "top_p", device)
     mask_top_k_top_p_min_p_(logits, top_k, top_p, _param_tensor(rows, "min_p", device))
-    return random_sample(logits.softmax(dim=-1), [r.generator for r in rows])
+    return logits.softmax(dim=-1)
 
 
-def _sampled_tokens(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+def sampled_tokens(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     # chosen tokens' logprobs only for rows that track them (a full-vocab pass per row otherwise)
     chosen: list[float | None] = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.params.tracks_logprobs]

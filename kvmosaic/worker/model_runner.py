@@ -8,6 +8,8 @@ from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.sample.sampler import SamplingRow, sample
+from kvmosaic.sample.verify import Verification, verify
+from kvmosaic.sampling_params import SamplingParams
 
 
 class ModelRunner:
@@ -33,14 +35,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """Run one forward; logits rows follow the returned requests (those with sample ids)."""
+        """Run one forward; logits rows follow the returned requests (those with sample ids),
+        ``num_logits_rows`` each (the last token's, after one per proposal being verified)."""
         # Decodes first so they form one batched block; prefills follow in order. Sequences whose KV
         # the backend reaches elsewhere go last: the local tables never see their rows.
         spanning = self.attention.spanning(scheduled)
         batch = sorted(scheduled, key=lambda s: (s.request_id in spanning, s.num_tokens > 1))
         input_ids, positions, meta, last_rows = self._prepare(batch, spanning)
         sampled = [(i, s) for i, s in enumerate(batch) if s.sample_ids]
-        logits_indices = torch.tensor([last_rows[i] for i, _ in sampled], dtype=torch.long)
+        logits_indices = torch.tensor([row for i, s in sampled
+                                       for row in range(last_rows[i] - s.num_logits_rows + 1, last_rows[i] + 1)],
+                                      dtype=torch.long)
         attention = self.attention.bind(batch, meta)
         logits = self.model(input_ids, positions, attention, meta, logits_indices)
         return [s for _, s in sampled], logits
@@ -111,30 +116,53 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         row_index: list[int] = []
         seq_ids: list[str] = []
-        for i, s in enumerate(requests):
-            for seq_id, seed in zip(s.sample_ids, s.sample_seeds, strict=True):
-                rows.append(SamplingRow(
-                    params=s.sampling_params,
-                    generator=self._generator(seq_id, seed),
-                    prompt_token_ids=s.prompt_token_ids,
-                    output_token_ids=s.output_token_ids,
-                    banned_token_ids=self._banned(s),
-                ))
-                row_index.append(i)
-                seq_ids.append(seq_id)
-        if len(row_index) != logits.shape[0]:
-            logits = logits[torch.tensor(row_index, dtype=torch.long)]
-        tokens = sample(logits, rows)
-        return ModelOutput(sampled=dict(zip(seq_ids, tokens, strict=True)))
+        verifications: list[Verification] = []
+        verify_index: list[int] = []
+        offset = 0
+        for s in requests:
+            if s.spec_token_ids:
+                verifications.append(self._verification(s))
+                verify_index.extend(range(offset, offset + s.num_logits_rows))
+            else:
+                for seq_id, seed in zip(s.sample_ids, s.sample_seeds, strict=True):
+                    rows.append(self._sampling_row(s, self._generator(seq_id, seed)))
+                    row_index.append(offset)
+                    seq_ids.append(seq_id)
+            offset += s.num_logits_rows
+        out = ModelOutput()
+        if rows:
+            # one row per request and no verification rows: the logits are already in row order
+            identity = not verifications and len(row_index) == logits.shape[0]
+            tokens = sample(logits if identity else logits[row_index], rows)
+            out.sampled = dict(zip(seq_ids, tokens, strict=True))
+        if verifications:
+            spec_requests = [s for s in requests if s.spec_token_ids]
+            for s, emitted in zip(spec_requests, verify(logits[verify_index], verifications), strict=True):
+                out.accepted[s.request_id] = emitted[:-1]
+                out.sampled[s.request_id] = emitted[-1]
+        return out
+
+    def _sampling_row(self, s: ScheduledRequest, generator: torch.Generator | None,
+                      num_proposed: int = 0) -> SamplingRow:
+        """The row that samples after the sequence's tokens and its first ``num_proposed`` proposals."""
+        outputs = s.output_token_ids + s.spec_token_ids[:num_proposed] if num_proposed else s.output_token_ids
+        return SamplingRow(params=s.sampling_params, generator=generator, prompt_token_ids=s.prompt_token_ids,
+                           output_token_ids=outputs, banned_token_ids=self._banned(s.sampling_params, len(outputs)))
+
+    def _verification(self, s: ScheduledRequest) -> Verification:
+        if len(s.sample_ids) != 1:
+            raise ValueError(f"{s.request_id}: proposals are verified for one sequence, not {len(s.sample_ids)}")
+        generator = self._generator(s.sample_ids[0], s.sample_seeds[0])
+        rows = [self._sampling_row(s, generator, i) for i in range(len(s.spec_token_ids) + 1)]
+        return Verification(rows, s.spec_token_ids, s.draft_probs)
 
     def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
         if seq_id not in self.generators:
             self.generators[seq_id] = None if seed is None else torch.Generator().manual_seed(seed)
         return self.generators[seq_id]
 
-    def _banned(self, s: ScheduledRequest) -> tuple[int, ...]:
-        params = s.sampling_params
-        if len(s.output_token_ids) >= params.min_tokens:
+    def _banned(self, params: SamplingParams, num_outputs: int) -> tuple[int, ...]:
+        if num_outputs >= params.min_tokens:
             return ()
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(eos) + tuple(params.stop_token_ids)

@@ -1,0 +1,139 @@
+"""The engine's side of speculative decoding: it owns the proposer, picks each sequence's k and
+counts what was proposed and accepted. The scheduler asks it for proposals and reports outcomes.
+
+Adaptive k. A step verifying B sequences with k_i proposals each costs about
+``T = T_weights + (B + sum k_i) * T_token``: the weights are read once, every token adds compute.
+Proposal j of a sequence whose proposals are accepted with probability ``a`` adds an expected
+``a ** j`` tokens for ``T_token`` more time; it pays when ``a ** j / T_token`` beats the step's rate
+``B / T``, i.e. ``a ** j > B * r / (1 + B * r)`` with ``r = T_token / T_weights`` (``token_cost``).
+So k is the largest j with ``a ** j`` above that threshold: long runs for predictable text at
+batch 1, none for sequences whose proposals keep failing or once the batch is compute-bound. ``a``
+is estimated per sequence from decayed counts (a truncated geometric: accepted tokens over accepted
+tokens plus rejections, half a count of prior each, so 1/2 at first); steps without speculation
+decay the evidence too, so a sequence that stopped speculating probes again now and then.
+
+A step with any proposal also leaves the one-token decode path, ``c = step_overhead`` of a decode
+step more. The step's proposals are kept only if their expected tokens beyond what their compute
+would have bought, ``sum a ** j - K * threshold`` over its K proposals, exceed ``B * c / (1 + B * r)``,
+or if one of them comes from a sequence never verified before (its rate is only the prior: measure it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from kvmosaic.spec.ngram import NgramProposer
+from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
+
+if TYPE_CHECKING:
+    from kvmosaic.config import SpeculativeConfig
+    from kvmosaic.request import Request
+
+_DECAY = 0.9  # weight of the evidence one step older
+
+
+@dataclasses.dataclass(slots=True)
+class _Acceptance:
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
+
+    def decay(self) -> None:
+        self.accepted *= _DECAY
+        self.rejected *= _DECAY
+
+
+@dataclasses.dataclass(slots=True)
+class SpecStats:
+    num_drafts: int = 0  # verification steps of a sequence with at least one proposal
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification emits on average: accepted proposals plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.stats = SpecStats()
+        self._acceptance: dict[str, _Acceptance] = {}
+
+    def propose(self, candidates: list[tuple[Request, int]], batch_size: int) -> dict[str, Proposal]:
+        """Proposals for decoding sequences, each (request, most tokens it may take), in a batch of
+        ``batch_size`` sequences; sequences that get none are left out."""
+        threshold = self._threshold(batch_size)
+        asks = []
+        for request, limit in candidates:
+            k = min(limit, self._num_tokens(request.request_id, threshold))
+            if k > 0:
+                asks.append(ProposalRequest(request.request_id, request.all_token_ids, k))
+        if not asks:
+            return {}
+        proposals = self.proposer.propose(asks)
+        kept = {ask.request_id: p for ask, p in zip(asks, proposals, strict=True) if p.token_ids}
+        if self.config.adaptive and not self._worth_the_step(kept, threshold, batch_size):
+            return {}
+        return kept
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += num_proposed
+        self.stats.num_accepted_tokens += num_accepted
+        acceptance = self._acceptance.setdefault(request_id, _Acceptance())
+        acceptance.decay()
+        acceptance.accepted += num_accepted
+        acceptance.rejected += num_accepted < num_proposed
+
+    def free(self, request_id: str) -> None:
+        self._acceptance.pop(request_id, None)
+        self.proposer.free(request_id)
+
+    def _worth_the_step(self, proposals: dict[str, Proposal], threshold: float, batch_size: int) -> bool:
+        if any(request_id not in self._acceptance for request_id in proposals):
+            return True
+        surplus = 0.0
+        for request_id, proposal in proposals.items():
+            rate = self._rate(request_id)
+            surplus += sum(rate ** j - threshold for j in range(1, len(proposal.token_ids) + 1))
+        cost = batch_size * self.config.token_cost
+        return surplus > batch_size * self.config.step_overhead / (1.0 + cost)
+
+    def _rate(self, request_id: str) -> float:
+        acceptance = self._acceptance.get(request_id)
+        return acceptance.rate if acceptance is not None else 0.5
+
+    def _threshold(self, batch_size: int) -> float:
+        cost = batch_size * self.config.token_cost
+        return cost / (1.0 + cost)
+
+    def _num_tokens(self, request_id: str, threshold: float) -> int:
+        k_max = self.config.num_speculative_tokens
+        if not self.config.adaptive:
+            return k_max
+        acceptance = self._acceptance.get(request_id)
+        rate = self._rate(request_id)
+        k, reach = 0, rate
+        while k < k_max and reach > threshold:
+            k, reach = k + 1, reach * rate
+        if k == 0 and acceptance is not None:
+            acceptance.decay()  # not speculating: let old failures fade so the sequence probes again
+        return k
+
+
+def build_speculator(config: SpeculativeConfig | None) -> Speculator | None:
+    """The speculator a configuration asks for (None: speculation off)."""
+    if config is None:
+        return None
+    return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
