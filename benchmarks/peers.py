@@ -25,7 +25,8 @@ benchmarks/results/peers.json.
 
     make peers
     python benchmarks/peers.py [--engines kvmosaic,hf,vllm,llamacpp,ct2] [--dtypes float32,bfloat16,q8_0,q4_1]
-                               [--workloads A,B,C] [--rounds 1] [--timeout 1500] [--json out.json]
+                               [--workloads A,B,C] [--rounds 1] [--timeout 1500] [--isa-cap avx2]
+                               [--json out.json]
 """
 
 from __future__ import annotations
@@ -88,6 +89,23 @@ def _vllm_preload() -> str:
     """tcmalloc and Intel OpenMP preloaded, as vLLM's CPU guide asks (about 1.5x faster decode here)."""
     libs = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), PEERS / "vllm-venv" / "lib" / "libiomp5.so"]
     return ":".join(str(lib) for lib in libs if lib.is_file())
+
+
+# --isa-cap avx2: every engine on its AVX2 code paths, so an AVX-512 host also measures what an
+# AVX2+FMA host runs (same CPU otherwise: an approximation of an AVX2 host, not a substitute).
+# torch (kvmosaic, HF) caps ATen and oneDNN; kvmosaic loads its avx2 kernels; llama.cpp runs a
+# build without AVX-512 (bash scripts/setup_peers.sh llamacpp-avx2); CTranslate2 forces its ISA.
+# vLLM picks its kernels from the CPU's flags, so it cannot be capped and is left out.
+AVX2_CAP_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2", "KVMOSAIC_ISA": "avx2", "CT2_FORCE_CPU_ISA": "AVX2"}
+
+
+def capped(engine: Engine) -> Engine | None:
+    """The engine with its AVX2 code paths forced, or None when it cannot be capped."""
+    if engine.key == "vllm":
+        return None
+    venv = PEERS / "llamacpp-avx2-venv" if engine.key == "llamacpp" else engine.venv
+    return Engine(engine.key, engine.label, venv, {**engine.env, **AVX2_CAP_ENV})
 
 
 ENGINES = [
@@ -196,8 +214,7 @@ def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], t
     return list(best.values())
 
 
-def run_startup(dtypes: list[str], timeout: float, quiet_wait: float) -> list[dict]:
-    kvmosaic = ENGINES[0]
+def run_startup(kvmosaic: Engine, dtypes: list[str], timeout: float, quiet_wait: float) -> list[dict]:
     rows = []
     for dtype in dtypes:
         if dtype == "q8_0":  # start-up is of the embedded default model, a Q4_1 file
@@ -232,6 +249,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the whole matrix this many times and keep each entry's best round")
     parser.add_argument("--no-startup", action="store_true", help="skip kvmosaic's start-up measurement")
+    parser.add_argument("--isa-cap", choices=["avx2"], default=None,
+                        help="run every engine on its AVX2 code paths (an AVX-512 host measuring AVX2 kernels)")
     parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
     return parser.parse_args()
 
@@ -242,6 +261,12 @@ def main() -> None:
     if unknown := set(dtypes) - set(DTYPES):
         raise SystemExit(f"unknown dtypes {sorted(unknown)}; choose from {', '.join(DTYPES)}")
     engines = [e for e in ENGINES if e.key in keys]
+    if args.isa_cap:
+        os.environ.update(AVX2_CAP_ENV)  # this process reports the kernel level kvmosaic loads
+        uncapped = [e.key for e in engines if capped(e) is None]
+        engines = [c for e in engines if (c := capped(e)) is not None]
+        for key in uncapped:
+            print(f"note: {key} skipped: cannot be capped at {args.isa_cap}")
     skipped = {e.key: why for e in engines if (why := e.missing())}
     skipped.update(prepare_models([e for e in engines if e.key not in skipped], dtypes))
     for key, why in skipped.items():
@@ -251,9 +276,13 @@ def main() -> None:
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     results = run_matrix(running, dtypes, workloads, args.timeout, args.quiet_wait, args.rounds)
-    startup = [] if args.no_startup or "kvmosaic" in skipped else run_startup(dtypes, args.timeout, args.quiet_wait)
+    kvmosaic = next((e for e in running if e.key == "kvmosaic"), None)
+    startup = [] if args.no_startup or kvmosaic is None else run_startup(kvmosaic, dtypes, args.timeout,
+                                                                          args.quiet_wait)
 
     isa, kernels = host_isa()
+    if args.isa_cap:
+        isa += f", every engine capped at {args.isa_cap.upper()} code paths"
     print(f"\nhost ISA {isa}, kvmosaic kernels {kernels}; SmolLM2-135M-Instruct, greedy, EOS ignored, {THREADS} "
           "threads; A: 1 x 128 prompt + 128 output tokens, B: 64 x 128 + 128, C: 16 x 512 + 1; q8_0 / q4_1: GGUF "
           "weight formats with float32 activations\n")
@@ -285,7 +314,7 @@ def main() -> None:
     meta = {"machine": platform.machine(), "processor": platform.processor(), "isa": isa, "kernel_level": kernels,
             "threads": THREADS,
             "dtypes": dtypes, "workloads": {w: asdict(WORKLOADS[w]) for w in workloads},
-            "first_tokens_kept": FIRST_TOKENS, "rounds": args.rounds}
+            "first_tokens_kept": FIRST_TOKENS, "rounds": args.rounds, "isa_cap": args.isa_cap}
     out.write_text(json.dumps({"config": meta, "skipped": skipped, "results": results, "startup": startup,
                                "float32_tokens_match": same, "roofline": roofline, "table": lines}, indent=2))
     print(f"wrote {out}")

@@ -2,7 +2,7 @@
 # Sets up the peer engines for benchmarks/peers.py, each in its own venv under .peers/ (git-ignored).
 #
 #   bash scripts/setup_peers.sh            # all peers
-#   bash scripts/setup_peers.sh vllm ct2   # some of them (vllm, llamacpp, ct2)
+#   bash scripts/setup_peers.sh vllm ct2   # some of them (vllm, llamacpp, ct2; llamacpp-avx2 on request)
 #
 # Idempotent: a peer whose venv carries a .installed stamp is left alone (delete the venv to redo it).
 # Every peer is optional: a failure prints a note and the script goes on with the next one.
@@ -50,10 +50,10 @@ setup_vllm() {
     VLLM_TARGET_DEVICE=cpu "$PEERS/vllm-venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 }
 
-llama_cpp_sdist() {  # downloads (once) and unpacks the source package; prints its directory
+llama_cpp_sdist() {  # [VENV] downloads (once) and unpacks the source package; prints its directory
     local tarball=$PEERS/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz
     if [ ! -f "$tarball" ]; then
-        "$PEERS/llamacpp-venv/bin/pip" download -q --no-deps --no-binary :all: \
+        "$PEERS/${1:-llamacpp}-venv/bin/pip" download -q --no-deps --no-binary :all: \
             "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$PEERS/src" >&2 || return 1
     fi
     local dir=$PEERS/src/llama_cpp_python-$LLAMA_CPP_VERSION
@@ -76,6 +76,17 @@ setup_llamacpp() {
     "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 }
 
+# llama.cpp built for AVX2+FMA only (no AVX-512), for `peers.py --isa-cap avx2` on an AVX-512 host.
+setup_llamacpp-avx2() {
+    new_venv llamacpp-avx2 || return 1
+    llama_cpp_sdist llamacpp-avx2 > /dev/null || return 1
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+-DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DLLAMA_CURL=OFF" \
+        CMAKE_BUILD_PARALLEL_LEVEL=2 pip_in llamacpp-avx2 -q "$PEERS/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" \
+        || return 1
+    "$PEERS/llamacpp-avx2-venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+}
+
 setup_ct2() {
     new_venv ct2 || return 1
     # torch + transformers only for ct2's HF -> CTranslate2 model converter.
@@ -92,7 +103,7 @@ for peer in "${peers[@]}"; do
         continue
     fi
     if ! declare -F "setup_$peer" > /dev/null; then
-        note "$peer: unknown peer (choose from vllm, llamacpp, ct2)"
+        note "$peer: unknown peer (choose from vllm, llamacpp, llamacpp-avx2, ct2)"
         continue
     fi
     note "$peer: setting up (log: $PEERS/logs/$peer.log)"
