@@ -14,7 +14,9 @@ Only then it drafts: it runs the target's new token and its own guesses, which t
 computed; slots past the sequence's blocks go to the draft's scratch blocks, slots inside them are
 rewritten by the next mirror. Greedy sequences take the draft's argmax; sampled ones draw from the
 draft's distribution q under the request's temperature / top-k / top-p / min-p, and q is returned
-so the target's verification applies min(1, p/q).
+so the target's verification applies min(1, p/q). Seeded sampled sequences take the argmax too,
+without q: they are verified by the target's own seeded draw (the one-hot rule), so they draw once
+per emitted token as plain decoding does and reproduce whatever their batch and its proposals.
 """
 
 from __future__ import annotations
@@ -27,14 +29,11 @@ from pathlib import Path
 import torch
 
 from kvmosaic.config import SpeculativeConfig, SpeculativeConfigError
-from kvmosaic.core.sequence_rules import fork_seed
 from kvmosaic.model.loader import LoadedModel, is_matrix, load_model
 from kvmosaic.outputs import ModelOutput, ScheduledRequest
 from kvmosaic.quant import weights as qw
 from kvmosaic.sample.sampler import SamplingRow, random_sample, target_probs
 from kvmosaic.spec.proposer import Proposal
-
-_DRAFT_SEED_INDEX = 0x5EED  # a seeded request's draft draws from its own stream, apart from the target's
 
 
 def load_draft(spec: SpeculativeConfig | None, target: LoadedModel, dtype: torch.dtype) -> LoadedModel | None:
@@ -89,8 +88,7 @@ def num_scratch_blocks(spec: SpeculativeConfig, max_num_seqs: int, block_size: i
 class _Draft:
     request: ScheduledRequest  # the sequence's current draft pass
     k: int
-    greedy: bool
-    generator: torch.Generator | None
+    greedy: bool  # propose the argmax (one-hot); else draw from q, unseeded
     token_ids: list[int]
     probs: list[torch.Tensor]
 
@@ -104,11 +102,6 @@ class Drafter:
         self.num_blocks = num_blocks
         self.num_scratch_blocks = num_scratch_blocks
         self.max_positions = max_positions
-        self.generators: dict[str, torch.Generator | None] = {}
-
-    def free(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self.generators.pop(seq_id, None)
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], out: ModelOutput) -> dict[str, Proposal]:
@@ -128,8 +121,8 @@ class Drafter:
             first = ScheduledRequest(s.request_id, [*kept, sampled.token_id], s.start_pos, table, s.sampling_params,
                                      sample_ids=[s.request_id])
             mirror.append(first)
-            drafts[s.request_id] = _Draft(first, k, s.sampling_params.greedy,
-                                          self._generator(s.request_id, s.sample_seeds[0]), [], [])
+            greedy = s.sampling_params.greedy or s.sample_seeds[0] is not None
+            drafts[s.request_id] = _Draft(first, k, greedy, [], [])
         pending = mirror
         while pending:
             requests, logits = self.runner.compute_logits(pending)
@@ -149,8 +142,8 @@ class Drafter:
         if draft.greedy:
             draft.token_ids.append(int(logits.argmax()))
             return
-        q = target_probs(logits.float(), [SamplingRow(draft.request.sampling_params, draft.generator, [], [])])
-        draft.token_ids.append(int(random_sample(q, [draft.generator])[0]))
+        q = target_probs(logits.float(), [SamplingRow(draft.request.sampling_params, None, [], [])])
+        draft.token_ids.append(int(random_sample(q, [None])[0]))
         draft.probs.append(q)
 
     def _with_scratch(self, table: list[int], num_positions: int, scratch) -> list[int]:
@@ -162,9 +155,3 @@ class Drafter:
         if extra[-1] >= self.num_blocks + self.num_scratch_blocks:
             raise RuntimeError("the draft ran out of scratch blocks")
         return table + extra
-
-    def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
-        if seq_id not in self.generators:
-            draft_seed = fork_seed(seed, _DRAFT_SEED_INDEX)
-            self.generators[seq_id] = None if draft_seed is None else torch.Generator().manual_seed(draft_seed)
-        return self.generators[seq_id]

@@ -33,8 +33,6 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         for seq_id in sched.finished_request_ids:
             self.generators.pop(seq_id, None)
-        if self.drafter is not None:
-            self.drafter.free(sched.finished_request_ids)
         self.kv_cache.swap_out(sched.blocks_to_swap_out)
         self.kv_cache.swap_in(sched.blocks_to_swap_in)
         self.kv_cache.copy(sched.blocks_to_copy)
