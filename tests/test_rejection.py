@@ -44,9 +44,9 @@ def test_dense_by_hand():
     same = torch.tensor([[[0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]])
     assert _emitted(*verify_dense(same, torch.tensor([[1, 0]]), same[:, :2])) == [[1, 0, 2]]
     # p(x) = 0 rejects x; the residual max(0, p - q) leaves only token 2
-    p = torch.tensor([[[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]]])
-    q = torch.tensor([[[1.0, 0.0, 0.0]]])
-    assert _emitted(*verify_dense(p, torch.tensor([[0]]), q)) == [[2]]
+    p = torch.tensor([[[0.4, 0.0, 0.6], [1.0, 0.0, 0.0]]])
+    q = torch.tensor([[[0.9, 0.1, 0.0]]])
+    assert _emitted(*verify_dense(p, torch.tensor([[1]]), q)) == [[2]]
 
 
 def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
