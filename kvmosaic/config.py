@@ -188,8 +188,8 @@ class SchedulerConfig:
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
 
-SPECULATIVE_METHODS = ("ngram",)
-_PLANNED_METHODS = ("draft", "self")
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
+DRAFT_MODEL_METHODS = ("draft", "self")  # proposals come from a model the worker runs
 
 
 class SpeculativeConfigError(ValueError):
@@ -201,7 +201,10 @@ class SpeculativeConfig:
     """Speculative decoding: proposals of ``method`` verified by the target, lossless.
 
     ``ngram``: prompt lookup, the longest suffix of ``prompt_lookup_min`` .. ``prompt_lookup_max``
-    tokens found earlier in the sequence proposes what followed it. ``adaptive``: each sequence's k
+    tokens found earlier in the sequence proposes what followed it. ``draft``: a small model with
+    the target's tokenizer (``model``: any path kvmosaic loads) proposes autoregressively; ``self``:
+    the target's own weights in ``quantization`` (default q4_0) do. ``quantization`` is the draft's
+    weight format (WEIGHT_QUANTIZATIONS; default "auto" for ``draft``: the file's own). ``adaptive``: each sequence's k
     follows its measured acceptance (down to 0) and shrinks as the batch grows; ``token_cost`` is
     what one more verified token costs relative to one sequence's decode step (weights read once),
     ``step_overhead`` what a step with proposals costs on top (it leaves the one-token decode path).
@@ -214,11 +217,10 @@ class SpeculativeConfig:
     adaptive: bool = True
     token_cost: float = 0.1
     step_overhead: float = 0.15
+    model: str | None = None  # the draft model's path (method "draft")
+    quantization: str | None = None  # the draft's weight format; None: q4_0 for "self", auto for "draft"
 
     def __post_init__(self) -> None:
-        if self.method in _PLANNED_METHODS:
-            raise SpeculativeConfigError(f"speculative method {self.method!r} is not available yet; "
-                                         f"use one of {SPECULATIVE_METHODS}")
         checks = [
             (self.method in SPECULATIVE_METHODS, f"speculative method must be one of {SPECULATIVE_METHODS}, "
                                                  f"got {self.method!r}"),
@@ -233,10 +235,29 @@ class SpeculativeConfig:
              and 0.0 <= self.token_cost <= 1.0, f"token_cost must be in [0, 1], got {self.token_cost!r}"),
             (isinstance(self.step_overhead, (int, float)) and not isinstance(self.step_overhead, bool)
              and 0.0 <= self.step_overhead <= 1.0, f"step_overhead must be in [0, 1], got {self.step_overhead!r}"),
+            ((self.method == "draft") == (self.model is not None),
+             f"method 'draft' takes the draft's path as 'model' (other methods none), got method={self.method!r}, "
+             f"model={self.model!r}"),
+            (self.model is None or isinstance(self.model, str), f"model must be a path, got {self.model!r}"),
+            (self.quantization is None or (self.method in DRAFT_MODEL_METHODS
+                                           and str(self.quantization).lower() in WEIGHT_QUANTIZATIONS),
+             f"quantization is the draft's weight format (methods draft/self), one of {WEIGHT_QUANTIZATIONS}; "
+             f"got {self.quantization!r} for method {self.method!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise SpeculativeConfigError(message)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method in DRAFT_MODEL_METHODS
+
+    @property
+    def draft_quantization(self) -> str:
+        """The draft's weight format, defaults resolved."""
+        if self.quantization is not None:
+            return str(self.quantization).lower()
+        return "q4_0" if self.method == "self" else "auto"
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:

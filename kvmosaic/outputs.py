@@ -26,6 +26,9 @@ class ScheduledRequest:
     # Proposed tokens to verify: the last len(spec_token_ids) of token_ids (kvmosaic.spec).
     spec_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None  # a draft model's q for them ([k, vocab] tensor); None: one-hot proposals
+    # Tokens the worker's draft model should propose after this step, for the sequence's next one
+    # (kvmosaic.spec.draft_model; 0: none, or proposals that need no model work).
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +73,8 @@ class ModelOutput:
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # What a draft model in the worker proposes each sequence verify next step (kvmosaic.spec.Proposal).
+    proposals: dict[str, Any] = field(default_factory=dict)
 
     def new_tokens(self, seq_id: str) -> list[SampledToken]:
         """What the sequence gained this step, in order."""

@@ -26,7 +26,10 @@ def test_parse_dict_json_and_off():
 
 @pytest.mark.parametrize("value, message", [
     ({"method": "medusa"}, "method must be one of"),
-    ({"method": "draft"}, "not available yet"),
+    ({"method": "draft"}, "takes the draft's path"),
+    ({"method": "self", "model": "x.gguf"}, "takes the draft's path"),
+    ({"method": "self", "quantization": "q3_k"}, "quantization is the draft's weight format"),
+    ({"method": "ngram", "quantization": "q4_0"}, "quantization is the draft's weight format"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "prompt_lookup_min"),

@@ -127,9 +127,11 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(plan)
         finished_ids, self._finished_ids = self._finished_ids, set()
+        scheduled = [self._scheduled_request(request, n, plan.proposals.get(request.request_id))
+                     for request, n in plan.scheduled]
+        self._ask_for_drafts(plan, scheduled)
         return SchedulerOutput(
-            scheduled=[self._scheduled_request(request, n, plan.proposals.get(request.request_id))
-                       for request, n in plan.scheduled],
+            scheduled=scheduled,
             blocks_to_swap_out=plan.swap_out,
             blocks_to_swap_in=plan.swap_in,
             blocks_to_copy=self.kv_manager.take_pending_copies(),
@@ -145,6 +147,8 @@ class Scheduler:
         cache). Call it for every step, even an empty one.
         """
         updated: list[Request] = []
+        if self.speculator is not None:
+            self.speculator.receive(model_output.proposals)
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -194,6 +198,18 @@ class Scheduler:
                       if r.num_computed_tokens == r.num_tokens - 1 and not r.num_forks
                       and (limit := max_speculative_tokens(r, self.config.max_model_len)) > 0]
         return self.speculator.propose(candidates, len(self.running)) if candidates else {}
+
+    def _ask_for_drafts(self, plan: _StepPlan, scheduled: list[ScheduledRequest]) -> None:
+        """Have the worker's draft model (if the proposer has one) propose, after this step, for
+        the sequences that will then decode: those sampling one token now."""
+        if self.speculator is None:
+            return
+        max_len = self.config.max_model_len
+        candidates = [(r, limit) for (r, _), s in zip(plan.scheduled, scheduled, strict=True)
+                      if len(s.sample_ids) == 1 and (limit := max_speculative_tokens(r, max_len)) > 0]
+        lengths = self.speculator.draft_lengths(candidates, len(self.running)) if candidates else {}
+        for s in scheduled:
+            s.num_draft_tokens = lengths.get(s.request_id, 0)
 
     def _schedule_with_proposal(self, request: Request, proposal: Proposal, plan: _StepPlan, num_later: int) -> bool:
         """Schedule the next token and as many proposals as the budget leaves after one token for

@@ -9,7 +9,7 @@ proposer without them (n-gram lookup) proposes deterministically, i.e. one-hot `
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,3 +36,11 @@ class Proposer(ABC):
 
     def free(self, request_id: str) -> None:  # noqa: B027  (stateless proposers hold nothing per request)
         """The sequence finished or lost its KV: drop what the proposer keeps for it (a draft's KV)."""
+
+    def tokens_to_draft(self, k: int) -> int:
+        """Tokens the worker's draft model should propose after this step for a sequence that may
+        verify ``k`` next step (0: this proposer needs no model work)."""
+        return 0
+
+    def receive(self, proposals: Mapping[str, Proposal]) -> None:  # noqa: B027  (only draft proposers listen)
+        """What the worker's draft model proposed in the step just run, per sequence."""

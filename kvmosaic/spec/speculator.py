@@ -23,10 +23,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from kvmosaic.spec.drafted import DraftedProposer
 from kvmosaic.spec.ngram import NgramProposer
 from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from kvmosaic.config import SpeculativeConfig
     from kvmosaic.request import Request
 
@@ -87,6 +90,22 @@ class Speculator:
             return {}
         return kept
 
+    def draft_lengths(self, candidates: list[tuple[Request, int]], batch_size: int) -> dict[str, int]:
+        """How many tokens the worker's draft model should propose after this step for sequences
+        that may decode next, each (request, most tokens it may take): the k this step's
+        acceptance and batch size give; empty for proposers that need no model work."""
+        threshold = self._threshold(batch_size)
+        lengths = {}
+        for request, limit in candidates:
+            k = self.proposer.tokens_to_draft(min(limit, self._k(request.request_id, threshold)))
+            if k > 0:
+                lengths[request.request_id] = k
+        return lengths
+
+    def receive(self, proposals: Mapping[str, Proposal]) -> None:
+        """The worker's draft proposals from the step just run."""
+        self.proposer.receive(proposals)
+
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_proposed
@@ -119,16 +138,20 @@ class Speculator:
         return cost / (1.0 + cost)
 
     def _num_tokens(self, request_id: str, threshold: float) -> int:
+        k = self._k(request_id, threshold)
+        acceptance = self._acceptance.get(request_id)
+        if k == 0 and acceptance is not None:
+            acceptance.decay()  # not speculating: let old failures fade so the sequence probes again
+        return k
+
+    def _k(self, request_id: str, threshold: float) -> int:
         k_max = self.config.num_speculative_tokens
         if not self.config.adaptive:
             return k_max
-        acceptance = self._acceptance.get(request_id)
         rate = self._rate(request_id)
         k, reach = 0, rate
         while k < k_max and reach > threshold:
             k, reach = k + 1, reach * rate
-        if k == 0 and acceptance is not None:
-            acceptance.decay()  # not speculating: let old failures fade so the sequence probes again
         return k
 
 
@@ -136,4 +159,6 @@ def build_speculator(config: SpeculativeConfig | None) -> Speculator | None:
     """The speculator a configuration asks for (None: speculation off)."""
     if config is None:
         return None
+    if config.uses_draft_model:
+        return Speculator(config, DraftedProposer())
     return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))

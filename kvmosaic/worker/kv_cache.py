@@ -5,9 +5,17 @@ one byte record per token and layer (codes, scales and Oaken's sparse lists fuse
 ``kvmosaic.quant.format``), so a block is still one slice of one tensor: swap, copy-on-write and
 prefix caching move every byte of it, and the memory budget buys as many more blocks as the record
 is smaller.
+
+A draft model (speculative decoding, ``kvmosaic.spec.draft_model``) keeps its K/V in a companion
+pool of its own shape (compute dtype) over the same block ids: a block holds the target's and the
+draft's K/V of the same tokens, so its bytes count both, and every swap and copy moves both. The
+companion has some extra blocks past the shared ones: scratch for the draft's own guesses beyond a
+sequence's blocks (pages become resident only when written).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -48,14 +56,18 @@ class KVCache:
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
                  thresholds: KVThresholds | None = None, group_size: int | None = None,
-                 num_blocks: int | None = None, num_host_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, num_host_blocks: int | None = None,
+                 draft: ModelConfig | None = None, num_scratch_blocks: int = 0) -> None:
         """``num_blocks`` / ``num_host_blocks``: the pool sizes decided by the worker (default: what
-        the cache config's fixed budget buys)."""
+        the cache config's fixed budget buys). ``draft``: a draft model whose K/V share the blocks
+        (``self.draft``, with ``num_scratch_blocks`` more of its own)."""
         self.block_size = cache.block_size
         self.dtype = dtype
         self.kv_cache_dtype = cache.kv_cache_dtype
         self.format = kv_format(model, cache.kv_cache_dtype, thresholds, group_size)
         self.bytes_per_block = bytes_per_block(model, cache.block_size, dtype, self.format)
+        if draft is not None:
+            self.bytes_per_block += bytes_per_block(draft, cache.block_size, dtype)
         if num_blocks is None or num_host_blocks is None:
             fixed_device, fixed_host = cache.resolve_num_blocks(self.bytes_per_block)
             num_blocks = fixed_device if num_blocks is None else num_blocks
@@ -70,6 +82,10 @@ class KVCache:
         self.device_pool = lazy_zeros_huge(shape, pool_dtype)
         host_shape = (model.num_hidden_layers, 2, self.num_host_blocks) + shape[3:]
         self.host_pool = lazy_zeros_huge(host_shape, pool_dtype)
+        self.draft: KVCache | None = None
+        if draft is not None:
+            self.draft = KVCache(draft, dataclasses.replace(cache, kv_cache_dtype="auto"), dtype,
+                                 num_blocks=self.num_blocks + num_scratch_blocks, num_host_blocks=self.num_host_blocks)
 
     def layer_pools(self) -> list[torch.Tensor]:
         """Layer i's [2, num_blocks, block_size, ...] view of the device pool."""
@@ -84,6 +100,8 @@ class KVCache:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of every layer's K and V of these device blocks (moving blocks between instances)."""
+        if self.draft is not None:
+            raise NotImplementedError("moving blocks between instances does not carry a draft model's K/V")
         return self.device_pool[:, :, torch.tensor(block_ids, dtype=torch.long)].clone()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
@@ -95,18 +113,24 @@ class KVCache:
         if pairs:
             src, dst = _split(pairs)
             self.host_pool[:, :, dst] = self.device_pool[:, :, src]
+        if self.draft is not None:
+            self.draft.swap_out(pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block) pairs: copy host -> device."""
         if pairs:
             src, dst = _split(pairs)
             self.device_pool[:, :, dst] = self.host_pool[:, :, src]
+        if self.draft is not None:
+            self.draft.swap_in(pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device block pairs, for copy-on-write."""
         if pairs:
             src, dst = _split(pairs)
             self.device_pool[:, :, dst] = self.device_pool[:, :, src]
+        if self.draft is not None:
+            self.draft.copy(pairs)
 
 
 def _split(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

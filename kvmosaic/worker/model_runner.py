@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
@@ -11,10 +13,16 @@ from kvmosaic.sample.sampler import SamplingRow, sample
 from kvmosaic.sample.verify import Verification, verify
 from kvmosaic.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvmosaic.spec.draft_model import Drafter
+
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, attention: AttentionBackend, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model: torch.nn.Module, attention: AttentionBackend, eos_token_ids: tuple[int, ...],
+                 drafter: Drafter | None = None) -> None:
+        """``drafter``: a draft model that follows every step and proposes for the next (speculation)."""
         self.model = model
+        self.drafter = drafter
         self.attention = attention
         self.kv_cache = attention.kv_cache
         self.block_size = self.kv_cache.block_size
@@ -31,7 +39,10 @@ class ModelRunner:
         if not sched.scheduled:
             return ModelOutput()
         requests, logits = self.compute_logits(sched.scheduled)
-        return self._sample(logits, requests)
+        out = self._sample(logits, requests)
+        if self.drafter is not None:
+            out.proposals = self.drafter.propose(sched.scheduled, out)
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:

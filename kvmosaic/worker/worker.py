@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvmosaic.config import EngineConfig, ModelConfig
+from kvmosaic.config import EngineConfig, ModelConfig, SpeculativeConfigError
 from kvmosaic.model.layers.attention import KernelAttention, ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.model.layers.quant_attention import QuantizedAttention
@@ -22,6 +22,7 @@ from kvmosaic.ops.memory import release_free_memory
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.quant import thresholds as kv_thresholds
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.spec.draft_model import Drafter, load_draft, num_scratch_blocks
 from kvmosaic.worker import kv_sizing
 from kvmosaic.worker.kv_cache import KVCache, bytes_per_block, kv_format
 from kvmosaic.worker.model_runner import ModelRunner
@@ -66,19 +67,42 @@ class Worker:
         if config.cache.kv_cache_dtype == "oaken" and self.thresholds is None:
             identity = kv_thresholds.ModelIdentity.of(loaded.config, loaded.weights)
             self.thresholds = kv_thresholds.for_model(config.cache.kv_thresholds, identity, self.is_default_model)
+        draft = load_draft(config.speculative, loaded, config.torch_dtype)
+        if draft is not None and attention_wrapper is not None:
+            raise SpeculativeConfigError("a draft model keeps its K/V in the local pool only: "
+                                         "not with blocks borrowed from other instances")
+        self.draft_config = draft.config if draft is not None else None
         self.sizing: kv_sizing.KVSizing | None = None
         self.kv_cache = self._allocate_cache()
         backend = make_attention_backend(loaded.config, self.kv_cache, self.kernels, self.thresholds)
         self.attention = attention_wrapper(backend) if attention_wrapper is not None else backend
-        self.runner = ModelRunner(self.model, self.attention, self.eos_token_ids)
-        del loaded, backend  # the loader's weights dict holds tensors the model copied (fused, packed)
+        drafter = self._build_drafter(draft) if draft is not None else None
+        self.runner = ModelRunner(self.model, self.attention, self.eos_token_ids, drafter)
+        del loaded, backend, draft  # the loader's weights dict holds tensors the model copied (fused, packed)
         release_free_memory()  # what loading and the sizing run freed
 
+    def _build_drafter(self, draft: LoadedModel) -> Drafter:
+        """The draft model and its attention over the draft's companion pool (``KVCache.draft``)."""
+        max_len = self.config.scheduler.max_model_len
+        model = LlamaForCausalLM(draft.config, draft.weights, self.kernels, max_positions=max_len).eval()
+        backend = make_attention_backend(draft.config, self.kv_cache.draft, self.kernels)
+        return Drafter(ModelRunner(model, backend, self.eos_token_ids), self.kv_cache.num_blocks,
+                       self._num_scratch_blocks, max_len)
+
     # ------------------------------------------------------------------ KV pool
+    @property
+    def _num_scratch_blocks(self) -> int:
+        if self.draft_config is None:
+            return 0
+        return num_scratch_blocks(self.config.speculative, self.config.scheduler.max_num_seqs,
+                                  self.config.cache.block_size)
+
     def _allocate_cache(self) -> KVCache:
         cfg, cache = self.config, self.config.cache
         fmt = kv_format(self.model_config, cache.kv_cache_dtype, self.thresholds, cache.kv_group_size)
         block_bytes = bytes_per_block(self.model_config, cache.block_size, cfg.torch_dtype, fmt)
+        if self.draft_config is not None:  # a block holds the draft's K/V of its tokens too
+            block_bytes += bytes_per_block(self.draft_config, cache.block_size, cfg.torch_dtype)
         host = 0  # recompute preemption never writes a host tier
         if cfg.uses_host_tier:
             host = cache.num_host_blocks if cache.num_host_blocks is not None else cache.swap_space // block_bytes
@@ -87,7 +111,8 @@ class Worker:
         else:
             num_blocks = cache.resolve_num_blocks(block_bytes)[0]
         return KVCache(self.model_config, cache, cfg.torch_dtype, self.thresholds, cache.kv_group_size,
-                       num_blocks=num_blocks, num_host_blocks=host)
+                       num_blocks=num_blocks, num_host_blocks=host, draft=self.draft_config,
+                       num_scratch_blocks=self._num_scratch_blocks)
 
     def _size_pool(self, block_bytes: int, host_tier_bytes: int) -> int:
         """Blocks for kv_cache_memory="auto": a share of the RAM left after the activation peak and

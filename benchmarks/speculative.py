@@ -1,0 +1,155 @@
+"""Speculative decoding: speculation off vs each proposer (n-gram, self-draft, a draft model file),
+on the default model, in interleaved rounds within one run (each round runs every configuration on
+every workload, the configurations' order rotating), greedy.
+
+Workloads: input-grounded prompts (rewrite or summarize a given passage, edit a given code file:
+what to write is in the prompt) and open-ended prompts (stories, questions), each at batch 1 and
+batch 16, and workload B (64 requests x 128 prompt tokens x 128 generated). Reports output tokens/s
+(median over rounds), speed-up over speculation off, acceptance rate and mean accepted length;
+prints a table and writes JSON.
+
+    python benchmarks/speculative.py [--dtype float32] [--rounds 3] [--draft-model PATH]
+    python benchmarks/speculative.py --rounds 1 --max-tokens 8 --workload-b 4x16x8   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvmosaic import LLM, SamplingParams
+from kvmosaic.ops.cpu import isa_summary
+
+RESULTS = Path(__file__).parent / "results"
+PASSAGES = [
+    "The river rose slowly through the night. By morning the lower streets were under water, and the "
+    "baker, who had lived beside the bridge for forty years, carried his flour sacks up to the attic one by one.",
+    "Photosynthesis turns light into chemical energy. Plants take in carbon dioxide and water, and with the "
+    "energy of sunlight they build sugars, releasing oxygen into the air as a by-product.",
+    "The committee met on Tuesday to review the budget. After a long debate it agreed to fund the new library, "
+    "to delay the road repairs until spring, and to hire two more teachers for the school.",
+    "Marie Curie was the first person to win two Nobel Prizes in different sciences. She studied radioactivity, "
+    "discovered polonium and radium, and founded research institutes in Paris and Warsaw.",
+]
+CODE = [
+    "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+    "    return 2 * (width + height)\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
+    "        self.count += 1\n        return self.count\n",
+]
+GROUNDED = ([f"Rewrite the following passage in the same words, fixing nothing.\nPassage: {p}\nRewritten:"
+             for p in PASSAGES]
+            + [f"Summarize the passage, reusing its own words.\nPassage: {p}\nSummary:" for p in PASSAGES]
+            + [f"Add type hints to every function of this file and print the whole file.\n{c}\nWith hints:\n"
+               for c in CODE])
+OPEN = ["Write a short story about a lighthouse keeper.", "Why is the sky blue?",
+        "Tell me about the history of the bicycle.", "What should I cook for dinner tonight?",
+        "Write a poem about autumn leaves.", "Explain how a rainbow forms.",
+        "Describe a day in the life of a cat.", "What makes a good friend?"]
+
+
+def _batch(prompts: list[str], size: int) -> list[str]:
+    return [prompts[i % len(prompts)] + ("" if i < len(prompts) else " " * (i // len(prompts)))
+            for i in range(size)]
+
+
+def workloads(max_tokens: int, b_shape: tuple[int, int, int], vocab: int) -> dict[str, tuple[list, int]]:
+    """name -> (prompts, output tokens)."""
+    num, prompt_len, out_len = b_shape
+    gen = torch.Generator().manual_seed(0)
+    random_prompts = [torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num)]
+    return {"grounded-b1": (GROUNDED[:1], max_tokens), "grounded-b16": (_batch(GROUNDED, 16), max_tokens),
+            "open-b1": (OPEN[:1], max_tokens), "open-b16": (_batch(OPEN, 16), max_tokens),
+            f"B-{num}x{prompt_len}/{out_len}": (random_prompts, out_len)}
+
+
+def configurations(args) -> dict[str, dict | None]:
+    k = args.k
+    configs = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": k},
+               f"self-{args.self_quantization}": {"method": "self", "num_speculative_tokens": k,
+                                                   "quantization": args.self_quantization}}
+    if args.draft_model:
+        configs["draft"] = {"method": "draft", "model": args.draft_model, "num_speculative_tokens": k}
+    return configs
+
+
+def run_once(llm: LLM, prompts: list, out_len: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    llm.engine.reset_prefix_cache()
+    before = llm.engine.stats()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = llm.engine.stats()
+    delta = {key: after.get(key, 0) - before.get(key, 0)
+             for key in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")}
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "tokens": tokens, **delta}
+
+
+def summarize(runs: list[dict]) -> dict:
+    drafts, proposed, accepted = (sum(r[key] for r in runs) for key in
+                                  ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"))
+    return {"tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in runs),
+            "acceptance": accepted / proposed if proposed else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None, "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=None, help="the target's weight format (default: float)")
+    parser.add_argument("--self-quantization", default="q4_0")
+    parser.add_argument("--draft-model", default=None, help="a draft model file with the target's tokenizer")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens of the prompt workloads")
+    parser.add_argument("--workload-b", default="64x128x128", help="requests x prompt x output tokens")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    args = parser.parse_args()
+    b_shape = tuple(int(x) for x in args.workload_b.split("x"))
+    llms = {name: LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
+                      num_threads=args.threads, max_num_seqs=max(16, b_shape[0]), speculative=spec)
+            for name, spec in configurations(args).items()}
+    vocab = next(iter(llms.values())).engine.model_config.vocab_size
+    loads = workloads(args.max_tokens, b_shape, vocab)
+    for llm in llms.values():  # warm-up
+        llm.generate(OPEN[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    runs: dict[tuple[str, str], list[dict]] = {(w, c): [] for w in loads for c in llms}
+    names = list(llms)
+    for round_index in range(args.rounds):
+        order = names[round_index % len(names):] + names[:round_index % len(names)]
+        for workload, (prompts, out_len) in loads.items():
+            for name in order:
+                runs[workload, name].append(run_once(llms[name], prompts, out_len))
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    results = []
+    print(f"\n{'workload':<18}{'config':<12}{'tok/s':>9}{'speed-up':>10}{'accept':>9}{'mean len':>10}")
+    for workload in loads:
+        base = summarize(runs[workload, "off"])["tokens_per_s"]
+        for name in names:
+            row = summarize(runs[workload, name])
+            row.update(workload=workload, config=name, speedup=row["tokens_per_s"] / base)
+            results.append(row)
+            accept = f"{row['acceptance']:.2f}" if row["acceptance"] is not None else "-"
+            length = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] is not None else "-"
+            print(f"{workload:<18}{name:<12}{row['tokens_per_s']:>9.1f}{row['speedup']:>9.2f}x{accept:>9}{length:>10}")
+    meta = {"dtype": args.dtype, "quantization": args.quantization, "k": args.k, "rounds": args.rounds,
+            "threads": args.threads, "isa": isa_summary(), "machine": platform.machine(),
+            "configs": configurations(args)}
+    out = Path(args.json) if args.json else RESULTS / f"speculative_{args.dtype}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": meta, "results": results}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Draft-model speculation ("self": the target's weights quantized; "draft": a model file) on the
+embedded SmolLM2 model in float32: greedy output is the plain engine's token for token, with
+preemption (both modes) and prefix hits; the draft's K/V shares the target's blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_spec_engine import GREEDY, PASSAGE, PROMPTS
+
+from kvmosaic import LLM, SamplingParams
+from kvmosaic.config import CacheConfig, ModelConfig, SpeculativeConfig, SpeculativeConfigError
+from kvmosaic.model.loader import LoadedModel
+from kvmosaic.sample import verify as verify_module
+from kvmosaic.sample.rejection import verify_dense
+from kvmosaic.spec.draft_model import check_same_vocab
+from kvmosaic.spec.drafted import DraftedProposer
+from kvmosaic.spec.proposer import Proposal, ProposalRequest
+from kvmosaic.worker.kv_cache import KVCache
+
+SELF = {"method": "self", "num_speculative_tokens": 4}  # q4_0 of the float32 target
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _llm(cached_loader, speculative, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory", "64MiB")
+    return LLM(model_loader=cached_loader, dtype="float32", quantization=None, speculative=speculative, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(cached_loader) -> list[list[int]]:
+    return _tokens(_llm(cached_loader, None).generate(PROMPTS, GREEDY))
+
+
+@pytest.fixture(scope="module")
+def self_llm(cached_loader) -> LLM:
+    return _llm(cached_loader, SELF)
+
+
+def test_self_draft_greedy_is_plain_greedy(self_llm, reference):
+    assert _tokens(self_llm.generate(PROMPTS, GREEDY)) == reference
+    stats = self_llm.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 10 and stats["spec_mean_accepted_length"] > 1.5
+    assert stats["prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_draft_model_file_greedy_is_plain_greedy(cached_loader, default_model_path, reference):
+    # the target's own file as the draft (its Q4_1 matrices run natively): nearly every proposal holds
+    llm = _llm(cached_loader, {"method": "draft", "model": default_model_path, "num_speculative_tokens": 4})
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference
+    stats = llm.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 0.9 * stats["spec_num_draft_tokens"] > 30
+    assert stats["prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_blocks=20, block_size=4),
+    dict(num_blocks=20, block_size=4, preemption_mode="swap", num_host_blocks=64),
+], ids=["recompute", "swap"])
+def test_self_draft_with_preemption(cached_loader, reference, kwargs):
+    llm = _llm(cached_loader, SELF, kv_cache_memory="auto", **kwargs)
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_prefix_hit_blocks_carry_the_drafts_kv(cached_loader):
+    """A draft identical to the target (self, unquantized) accepts every greedy proposal, also
+    after a prefix hit, since the hit blocks hold the draft's K/V as well: wiping the draft's pool
+    before the hit makes its proposals fail."""
+    first, second = f"{PASSAGE} {PASSAGE} In short,", f"{PASSAGE} {PASSAGE} The moral is"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def acceptance_after_hit(wipe: bool) -> float:
+        llm = _llm(cached_loader, {"method": "self", "quantization": "none", "num_speculative_tokens": 4})
+        llm.generate(first, params)
+        if wipe:
+            llm.engine.executor.worker.kv_cache.draft.device_pool.zero_()
+        before = llm.engine.stats()
+        llm.generate(second, params)
+        after = llm.engine.stats()
+        assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
+        proposed = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+        return (after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]) / proposed
+
+    assert acceptance_after_hit(wipe=False) > 0.95
+    assert acceptance_after_hit(wipe=True) < 0.5
+
+
+def test_seeded_sampling_reproduces_whatever_the_batch(self_llm):
+    params = SamplingParams(temperature=0.8, seed=21, max_tokens=16, ignore_eos=True)
+    before = self_llm.engine.stats()["spec_num_accepted_tokens"]
+    alone = self_llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    assert self_llm.engine.stats()["spec_num_accepted_tokens"] > before
+    others = SamplingParams(temperature=1.0, max_tokens=12)
+    batched = self_llm.generate(PROMPTS, [params if i == 0 else others for i in range(len(PROMPTS))])
+    assert batched[0].outputs[0].token_ids == alone
+
+
+def test_unseeded_sampling_verifies_against_the_drafts_q(self_llm, monkeypatch):
+    seen = []
+
+    def spy(target_probs, draft_ids, draft_probs, generator):
+        seen.append((draft_ids.shape[1], draft_probs.shape))
+        return verify_dense(target_probs, draft_ids, draft_probs, generator)
+
+    monkeypatch.setattr(verify_module, "verify_dense", spy)
+    before = self_llm.engine.stats()["spec_num_accepted_tokens"]
+    self_llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, ignore_eos=True))
+    assert self_llm.engine.stats()["spec_num_accepted_tokens"] > before
+    vocab = self_llm.engine.model_config.vocab_size
+    assert seen and all(shape == (1, k, vocab) for k, shape in seen)
+
+
+def test_kv_blocks_hold_the_drafts_bytes(self_llm):
+    worker = self_llm.engine.executor.worker
+    cache, model = worker.kv_cache, worker.model_config
+    per_block = 2 * model.kv_bytes_per_token(torch.float32) * cache.block_size  # the draft has the same shape
+    assert cache.bytes_per_block == per_block and cache.num_blocks == (64 << 20) // per_block
+    assert cache.draft.num_blocks > cache.num_blocks  # scratch blocks past the shared ones
+
+
+def test_swaps_and_copies_move_the_drafts_kv():
+    target = ModelConfig("llama", 32, 8, 16, 2, 2, 1, max_position_embeddings=64)
+    draft = ModelConfig("llama", 32, 4, 16, 1, 2, 1, max_position_embeddings=64)
+    budget = 6 * (target.kv_bytes_per_token(torch.float32) + draft.kv_bytes_per_token(torch.float32)) * 4
+    cache = KVCache(target, CacheConfig(block_size=4, kv_cache_memory=budget, num_host_blocks=2), torch.float32,
+                    draft=draft, num_scratch_blocks=3)
+    assert (cache.num_blocks, cache.draft.num_blocks, cache.draft.num_host_blocks) == (6, 9, 2)
+    cache.draft.device_pool[:, :, 1] = 7.0
+    cache.swap_out([(1, 0)])
+    cache.copy([(1, 2)])
+    cache.draft.device_pool[:, :, 1] = 0.0
+    cache.swap_in([(0, 3)])
+    assert (cache.draft.device_pool[:, :, 2] == 7).all() and (cache.draft.device_pool[:, :, 3] == 7).all()
+
+
+def test_drafted_proposer_hands_over_one_steps_proposals():
+    proposer = DraftedProposer()
+    assert proposer.tokens_to_draft(3) == 3
+    q = torch.full((3, 5), 0.2)
+    proposer.receive({"a": Proposal([1, 2, 3], q), "b": Proposal([4])})
+    got = proposer.propose([ProposalRequest("a", [0], 2), ProposalRequest("c", [0], 2)])
+    assert got[0].token_ids == [1, 2] and got[0].draft_probs.shape == (2, 5) and got[1].token_ids == []
+    assert proposer.propose([ProposalRequest("a", [0], 2)])[0].token_ids == []  # used once
+    proposer.receive({})
+    assert proposer.propose([ProposalRequest("b", [0], 2)])[0].token_ids == []  # only the last step's
+
+
+def test_unknown_draft_path_is_a_typed_error(cached_loader):
+    with pytest.raises(SpeculativeConfigError, match="does not exist"):
+        _llm(cached_loader, {"method": "draft", "model": "/nonexistent/draft.gguf"})
+
+
+def test_vocab_mismatch_is_a_typed_error(default_model):
+    smaller = dataclasses.replace(default_model.config, vocab_size=default_model.config.vocab_size - 1)
+    with pytest.raises(SpeculativeConfigError, match="vocabulary differs"):
+        check_same_vocab(default_model, LoadedModel(smaller, {}, default_model.tokenizer))
+
+    class Shifted:
+        vocab_size = default_model.tokenizer.vocab_size
+
+        def id_to_token(self, token_id: int) -> str | None:
+            return default_model.tokenizer.id_to_token((token_id + 1) % self.vocab_size)
+
+    with pytest.raises(SpeculativeConfigError, match="tokenizer differs"):
+        check_same_vocab(default_model, LoadedModel(default_model.config, {}, Shifted()))
+    assert SpeculativeConfig(method="self").draft_quantization == "q4_0"
