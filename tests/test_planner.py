@@ -219,6 +219,22 @@ def test_probe_times_the_paths_kvmosaic_layers_take():
     assert measured.isa in measured.describe() and "n/a" not in measured.describe()
 
 
+def test_a_path_far_slower_at_the_screen_size_is_not_timed_in_full(monkeypatch):
+    # Seconds per call by (path, size): "slow" is 100x slower than "fast" at the screen size, so the
+    # full-size product (the one that would take minutes on a scalar fallback) is never run.
+    calls = []
+
+    def paths(dtype, size):
+        return {name: (lambda name=name, size=size: calls.append((name, size))) for name in ("fast", "slow")}
+
+    seconds = {("fast", 256): 1e-3, ("slow", 256): 1e-1, ("fast", 512): 8e-3}
+    monkeypatch.setattr(probe_module, "_matmul_paths", paths)
+    monkeypatch.setattr(probe_module, "best_time", lambda fn, budget_s: (fn(), seconds[calls[-1]])[1])
+    rate = probe_module.measure_matmul_flops(torch.bfloat16, 0.01, 512)
+    assert rate.path == "fast" and rate.flops == pytest.approx(2 * 512**3 / 8e-3)
+    assert ("slow", 512) not in calls and ("fast", 512) in calls
+
+
 def test_a_matmul_path_that_cannot_run_gives_no_figure_instead_of_zero(monkeypatch, capsys):
     def fail(fn, budget_s):
         raise RuntimeError("no such kernel")

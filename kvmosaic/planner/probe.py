@@ -75,27 +75,54 @@ class MatmulRate:
     path: str  # which path that was, or why there is no figure
 
 
-def measure_matmul_flops(dtype: torch.dtype, budget_s: float, size: int = 1024) -> MatmulRate:
-    """FLOP/s of a ``size`` x ``size`` by ``size`` x ``size`` matmul in ``dtype`` on the fastest
-    path kvmosaic's linear layers can take here (see the module docstring)."""
+SCREEN_SIZE = 256  # matmul size of the quick first look at every path
+SCREEN_RATIO = 8.0  # a path this many times slower than the fastest at that size is not timed in full
+
+
+def _matmul_paths(dtype: torch.dtype, size: int) -> dict[str, Callable[[], object]]:
+    """Every path a ``size`` x ``size`` by ``size`` x ``size`` matmul in ``dtype`` can take here."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(dtype)
     b = torch.randn(size, size, generator=generator).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
     weight = b.T.contiguous()
-    candidates = {"torch.mm": lambda: torch.mm(a, b, out=out), "F.linear (oneDNN)": lambda: F.linear(a, weight)}
+    paths = {"torch.mm": lambda: torch.mm(a, b, out=out), "F.linear (oneDNN)": lambda: F.linear(a, weight)}
     packed = packed_matmul(a, b)
     if packed is not None:
-        candidates[packed_path_name(dtype)] = packed
-    rates, failures = {}, []
-    for name, fn in candidates.items():
+        paths[packed_path_name(dtype)] = packed
+    return paths
+
+
+def _rates(paths: dict[str, Callable[[], object]], size: int, budget_s: float,
+           failures: list[str]) -> dict[str, float]:
+    rates = {}
+    for name, fn in paths.items():
         try:
-            seconds = best_time(fn, budget_s / len(candidates))
+            seconds = best_time(fn, budget_s / len(paths))
         except RuntimeError as exc:  # a path this build or CPU does not take
             failures.append(f"{name}: {exc}")
             continue
         if seconds > 0 and math.isfinite(seconds):
             rates[name] = 2 * size**3 / seconds
+    return rates
+
+
+def measure_matmul_flops(dtype: torch.dtype, budget_s: float, size: int = 1024) -> MatmulRate:
+    """FLOP/s of a ``size`` x ``size`` by ``size`` x ``size`` matmul in ``dtype`` on the fastest
+    path kvmosaic's linear layers can take here (see the module docstring).
+
+    Every path is first timed once at a small size, and only those within ``SCREEN_RATIO`` of the
+    fastest are timed at ``size``: a scalar fallback (bf16 ``torch.mm`` on AVX2, ~0.3 GFLOP/s)
+    would otherwise take a minute for one 2048-size product."""
+    failures: list[str] = []
+    if size > SCREEN_SIZE:
+        screen = _rates(_matmul_paths(dtype, SCREEN_SIZE), SCREEN_SIZE, 0.0, failures)
+        fastest = max(screen.values(), default=0.0)
+        keep = {name for name, rate in screen.items() if rate * SCREEN_RATIO >= fastest}
+        paths = {name: fn for name, fn in _matmul_paths(dtype, size).items() if name in keep}
+    else:
+        paths = _matmul_paths(dtype, size)
+    rates = _rates(paths, size, budget_s, failures) if paths else {}
     if not rates:
         return MatmulRate(None, "not measured (" + "; ".join(failures)[:200] + ")")
     best = max(rates, key=rates.get)
