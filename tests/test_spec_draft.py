@@ -172,3 +172,47 @@ def test_vocab_mismatch_is_a_typed_error(default_model):
     with pytest.raises(SpeculativeConfigError, match="tokenizer differs"):
         check_same_vocab(default_model, LoadedModel(default_model.config, {}, Shifted()))
     assert SpeculativeConfig(method="self").draft_quantization == "q4_0"
+
+
+class _RecordingRunner:
+    """A draft runner whose logits put all mass on token 7; records every batch it is given."""
+
+    block_size = 4
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[list[int], int]]] = []
+
+    def compute_logits(self, pending):
+        self.batches.append([(list(r.token_ids), r.start_pos) for r in pending])
+        rows = [r for r in pending if r.sample_ids]
+        logits = torch.zeros(len(rows), 10)
+        logits[:, 7] = 1.0
+        return rows, logits
+
+
+def test_decode_tokens_are_mirrored_only_when_the_sequence_drafts():
+    # Prefill chunks are mirrored at once; decode tokens drafting nothing (k = 0) wait and go with
+    # the next drafting step, as one row from the first unmirrored position.
+    from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest
+    from kvmosaic.spec.draft_model import Drafter
+
+    runner = _RecordingRunner()
+    drafter = Drafter(runner, num_blocks=8, num_scratch_blocks=2, max_positions=64)
+    greedy = SamplingParams(temperature=0.0)
+
+    def step(tokens, start, k, new_token):
+        s = ScheduledRequest("a", tokens, start, [0, 1, 2], greedy, sample_ids=["a"], sample_seeds=[None],
+                             num_draft_tokens=k)
+        return drafter.propose([s], ModelOutput(sampled={"a": SampledToken(new_token, None)}))
+
+    assert step([1, 2, 3], 0, 0, 4) == {}  # the prompt: mirrored, no draft asked
+    assert runner.batches == [[([1, 2, 3], 0)]]
+    assert step([4], 3, 0, 5) == {} and step([5], 4, 0, 6) == {}  # decodes with k = 0: no model work
+    assert len(runner.batches) == 1
+    proposals = step([6], 5, 2, 9)  # drafts: tokens 4, 5, 6 and the new 9 from position 3, then a guess
+    assert runner.batches[1:] == [[([4, 5, 6, 9], 3)], [([7], 7)]]
+    assert proposals["a"].token_ids == [7, 7]
+    runner.batches.clear()
+    assert step([8], 7, 0, 1) == {} and runner.batches == []  # position 7 waits...
+    step([2], 5, 1, 3)  # ...but the sequence went back to position 5 (recomputed): nothing carried over
+    assert runner.batches == [[([2, 3], 5)]]

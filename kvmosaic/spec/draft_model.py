@@ -102,27 +102,44 @@ class Drafter:
         self.num_blocks = num_blocks
         self.num_scratch_blocks = num_scratch_blocks
         self.max_positions = max_positions
+        # Decoded tokens not yet mirrored, per sequence: (position of the first, the tokens).
+        self._unmirrored: dict[str, tuple[int, list[int]]] = {}
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], out: ModelOutput) -> dict[str, Proposal]:
-        """Mirror the step's kept tokens into the draft's K/V, then draft for the sequences asked."""
+        """Mirror the step's kept tokens into the draft's K/V, then draft for the sequences asked.
+
+        Decode tokens of a sequence that drafts nothing this step are only noted and mirrored the
+        next time it drafts (one multi-token row), so a draft costs nothing while adaptive k is 0
+        (large batches, unpredictable text). Prefill chunks are always mirrored, so prompt blocks,
+        the ones prefix hits reuse, carry the draft's K/V. A block of decoded tokens a sequence never
+        drafted over holds stale draft K/V; a prefix hit on it costs acceptance, never correctness."""
         scratch = itertools.count(self.num_blocks)
         mirror: list[ScheduledRequest] = []
         drafts: dict[str, _Draft] = {}
+        unmirrored: dict[str, tuple[int, list[int]]] = {}
         for s in scheduled:
             kept = s.token_ids[:s.num_tokens - len(s.spec_token_ids) + len(out.accepted.get(s.request_id, ()))]
+            start, behind = self._unmirrored.get(s.request_id, (s.start_pos, []))
+            if start + len(behind) != s.start_pos:  # recomputed or rolled back since: nothing to carry
+                start, behind = s.start_pos, []
+            tokens = [*behind, *kept]
             sampled = out.sampled.get(s.request_id) if s.sample_ids else None
-            context = s.start_pos + len(kept) + 1  # with the target's new token
+            context = start + len(tokens) + 1  # with the target's new token
             k = min(s.num_draft_tokens, self.max_positions - context)
             if k < 1 or sampled is None:
-                mirror.append(ScheduledRequest(s.request_id, kept, s.start_pos, s.block_table, s.sampling_params))
+                if s.num_tokens - len(s.spec_token_ids) == 1 and sampled is not None:  # a decode: later
+                    unmirrored[s.request_id] = (start, tokens)
+                else:
+                    mirror.append(ScheduledRequest(s.request_id, tokens, start, s.block_table, s.sampling_params))
                 continue
             table = self._with_scratch(s.block_table, context + k - 1, scratch)
-            first = ScheduledRequest(s.request_id, [*kept, sampled.token_id], s.start_pos, table, s.sampling_params,
+            first = ScheduledRequest(s.request_id, [*tokens, sampled.token_id], start, table, s.sampling_params,
                                      sample_ids=[s.request_id])
             mirror.append(first)
             greedy = s.sampling_params.greedy or s.sample_seeds[0] is not None
             drafts[s.request_id] = _Draft(first, k, greedy, [], [])
+        self._unmirrored = unmirrored  # sequences not scheduled this step drop theirs (stale K/V later)
         pending = mirror
         while pending:
             requests, logits = self.runner.compute_logits(pending)
