@@ -194,19 +194,21 @@ class Scheduler:
         """Proposals for the running sequences whose next step is one token (decoding, no forks pending)."""
         if self.speculator is None:
             return {}
-        candidates = [(r, limit) for r in self.running
-                      if r.num_computed_tokens == r.num_tokens - 1 and not r.num_forks
-                      and (limit := max_speculative_tokens(r, self.config.max_model_len)) > 0]
+        candidates = self._spec_limits(r for r in self.running if r.num_computed_tokens == r.num_tokens - 1
+                                       and not r.num_forks)
         return self.speculator.propose(candidates, len(self.running)) if candidates else {}
+
+    def _spec_limits(self, requests: Iterable[Request]) -> list[tuple[Request, int]]:
+        """(sequence, most proposals it may verify) for those that may verify any."""
+        return [(r, limit) for r in requests if (limit := max_speculative_tokens(r, self.config.max_model_len)) > 0]
 
     def _ask_for_drafts(self, plan: _StepPlan, scheduled: list[ScheduledRequest]) -> None:
         """Have the worker's draft model (if the proposer has one) propose, after this step, for
         the sequences that will then decode: those sampling one token now."""
         if self.speculator is None:
             return
-        max_len = self.config.max_model_len
-        candidates = [(r, limit) for (r, _), s in zip(plan.scheduled, scheduled, strict=True)
-                      if len(s.sample_ids) == 1 and (limit := max_speculative_tokens(r, max_len)) > 0]
+        candidates = self._spec_limits(r for (r, _), s in zip(plan.scheduled, scheduled, strict=True)
+                                       if len(s.sample_ids) == 1)
         lengths = self.speculator.draft_lengths(candidates, len(self.running)) if candidates else {}
         for s in scheduled:
             s.num_draft_tokens = lengths.get(s.request_id, 0)
@@ -218,10 +220,7 @@ class Scheduler:
         num_spec = min(len(proposal.token_ids), plan.budget - 1 - num_later)
         if num_spec < 1 or self.kv_manager.allocate_slots(request, 1 + num_spec) is None:
             return False
-        if num_spec < len(proposal.token_ids):
-            draft = proposal.draft_probs
-            proposal = type(proposal)(proposal.token_ids[:num_spec], None if draft is None else draft[:num_spec])
-        plan.proposals[request.request_id] = proposal
+        plan.proposals[request.request_id] = proposal.first(num_spec)
         plan.add(request, 1 + num_spec)
         return True
 

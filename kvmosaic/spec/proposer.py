@@ -28,6 +28,10 @@ class Proposal:
     # None: the tokens were chosen deterministically (one-hot q).
     draft_probs: Any = None
 
+    def first(self, n: int) -> Proposal:
+        """The first ``n`` proposed tokens (and their distributions)."""
+        return Proposal(self.token_ids[:n], None if self.draft_probs is None else self.draft_probs[:n])
+
 
 class Proposer(ABC):
     @abstractmethod
