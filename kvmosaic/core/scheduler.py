@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvmosaic.core.sequence_rules import check_stop, fork_seed, max_speculative_tokens
+from kvmosaic.core.sequence_rules import check_stop, fork_seed
+from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 
@@ -53,6 +54,8 @@ class Scheduler:
         self.config = config
         self.kv_manager = kv_manager
         self.speculator = speculator
+        self.spec = (SpeculationSteps(speculator, kv_manager, config.max_model_len) if speculator is not None
+                     else NoSpeculation())
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # every unfinished sequence
         self.waiting: deque[Request] = deque()
@@ -129,7 +132,7 @@ class Scheduler:
         finished_ids, self._finished_ids = self._finished_ids, set()
         scheduled = [self._scheduled_request(request, n, plan.proposals.get(request.request_id))
                      for request, n in plan.scheduled]
-        self._ask_for_drafts(plan, scheduled)
+        self.spec.ask_for_drafts((r for r, _ in plan.scheduled), scheduled, len(self.running))
         return SchedulerOutput(
             scheduled=scheduled,
             blocks_to_swap_out=plan.swap_out,
@@ -147,8 +150,7 @@ class Scheduler:
         cache). Call it for every step, even an empty one.
         """
         updated: list[Request] = []
-        if self.speculator is not None:
-            self.speculator.receive(model_output.proposals)
+        self.spec.receive(model_output.proposals)
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -158,7 +160,7 @@ class Scheduler:
                 continue
             tokens = [t.token_id for t in model_output.new_tokens(request.request_id)]
             if scheduled.spec_token_ids:
-                self._roll_back(request, len(scheduled.spec_token_ids), len(tokens) - 1)
+                self.spec.roll_back(request, len(scheduled.spec_token_ids), len(tokens) - 1)
             request.append_output_token(tokens[0])
             sequences = [request, *self._fork_children(request, scheduled, model_output)]
             for sequence in sequences:
@@ -175,13 +177,15 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the queues
     def _schedule_running(self, plan: _StepPlan) -> None:
-        proposals = self._propose()
+        proposals = self.spec.propose(self.running)
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
             proposal = proposals.get(request.request_id)
             num_later = len(self.running) - index - 1
-            if proposal is not None and self._schedule_with_proposal(request, proposal, plan, num_later):
+            if proposal is not None and (fitted := self.spec.fit(request, proposal, plan.budget, num_later)):
+                plan.proposals[request.request_id] = fitted
+                plan.add(request, 1 + len(fitted.token_ids))
                 index += 1
                 continue
             num_new_tokens = self._num_new_tokens(request, plan.budget)
@@ -189,47 +193,6 @@ class Scheduler:
                 return
             plan.add(request, num_new_tokens)
             index += 1
-
-    def _propose(self) -> dict[str, Proposal]:
-        """Proposals for the running sequences whose next step is one token (decoding, no forks pending)."""
-        if self.speculator is None:
-            return {}
-        candidates = self._spec_limits(r for r in self.running if r.num_computed_tokens == r.num_tokens - 1
-                                       and not r.num_forks)
-        return self.speculator.propose(candidates, len(self.running)) if candidates else {}
-
-    def _spec_limits(self, requests: Iterable[Request]) -> list[tuple[Request, int]]:
-        """(sequence, most proposals it may verify) for those that may verify any."""
-        return [(r, limit) for r in requests if (limit := max_speculative_tokens(r, self.config.max_model_len)) > 0]
-
-    def _ask_for_drafts(self, plan: _StepPlan, scheduled: list[ScheduledRequest]) -> None:
-        """Have the worker's draft model (if the proposer has one) propose, after this step, for
-        the sequences that will then decode: those sampling one token now."""
-        if self.speculator is None:
-            return
-        candidates = self._spec_limits(r for (r, _), s in zip(plan.scheduled, scheduled, strict=True)
-                                       if len(s.sample_ids) == 1)
-        lengths = self.speculator.draft_lengths(candidates, len(self.running)) if candidates else {}
-        for s in scheduled:
-            s.num_draft_tokens = lengths.get(s.request_id, 0)
-
-    def _schedule_with_proposal(self, request: Request, proposal: Proposal, plan: _StepPlan, num_later: int) -> bool:
-        """Schedule the next token and as many proposals as the budget leaves after one token for
-        each of the ``num_later`` sequences behind it, if free blocks hold them; False (nothing
-        changed) otherwise."""
-        num_spec = min(len(proposal.token_ids), plan.budget - 1 - num_later)
-        if num_spec < 1 or self.kv_manager.allocate_slots(request, 1 + num_spec) is None:
-            return False
-        plan.proposals[request.request_id] = proposal.first(num_spec)
-        plan.add(request, 1 + num_spec)
-        return True
-
-    def _roll_back(self, request: Request, num_proposed: int, num_accepted: int) -> None:
-        """Forget the K/V of rejected proposals: they are recomputed as whatever tokens come next."""
-        request.num_computed_tokens -= num_proposed - num_accepted
-        self.kv_manager.free_uncomputed_blocks(request)
-        if self.speculator is not None:
-            self.speculator.record(request.request_id, num_proposed, num_accepted)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Make room by preempting the newest sequences; False if ``request`` itself had to go."""
@@ -354,8 +317,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_manager.free(request)
-        if self.speculator is not None:
-            self.speculator.free(request.request_id)
+        self.spec.free(request.request_id)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
