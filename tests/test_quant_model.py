@@ -81,9 +81,8 @@ def _step(worker: Worker, new: list[int], start: int) -> torch.Tensor:
 def test_greedy_decode_equals_pytorch_reference(native_model, dtype):
     """The engine's quantized kernels (int8 steps inside one decode_layers call) give bit for bit the
     logits, so the greedy tokens, of the PyTorch reference of the same arithmetic (the layer loop,
-    other ops on the same kernels). The prompt has at most 4 tokens so every product takes the int8
-    path: its activation rounding is chaotic, and the dequantized-panel path for longer prompts
-    differs from the reference in float summation order (checked with a tolerance below)."""
+    other ops on the same kernels), for the prompt's prefill rows as for the decode steps. Bit for
+    bit matters: int8 activation rounding is chaotic (see the next test)."""
     kernels = Kernels.load()
     if not kernels.has("quantized_linear"):
         pytest.skip("no C++ kernels built")
@@ -93,16 +92,18 @@ def test_greedy_decode_equals_pytorch_reference(native_model, dtype):
     slow_kernels = Kernels(_WithoutQuantizedLinear(kernels.ops), kernels.quant, kernels.level)
     slow = Worker(config, loader=lambda path, d: loaded, kernels=slow_kernels)
     assert fast.model._packed_weights is not None and slow.model._packed_weights is None
-    ids = fast.tokenizer.encode("The capital of")[:4]
+    ids = fast.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     ours, ref = _step(fast, ids, 0), _step(slow, ids, 0)
-    for _ in range(12):
+    for _ in range(8):
         assert torch.equal(ours, ref), f"after {ids}: max logit diff {(ours - ref).abs().max().item()}"
         ids.append(int(ref.argmax()))
         ours, ref = _step(fast, ids[-1:], len(ids) - 1), _step(slow, ids[-1:], len(ids) - 1)
 
 
 def test_prefill_logits_match_full_reference(native_model):
-    """A longer prompt (dequantized panels into the float GEMM) against the all-PyTorch reference."""
+    """A prompt's logits against the all-PyTorch reference (attention, norms and rotary in PyTorch
+    too). Not bit for bit: a float difference upstream can flip an int8 activation code, which moves
+    a logit by up to ~0.7, so the check is the logits' relative error and the top tokens."""
     kernels = Kernels.load()
     if not kernels.has("quantized_linear"):
         pytest.skip("no C++ kernels built")
@@ -111,8 +112,10 @@ def test_prefill_logits_match_full_reference(native_model):
     slow = Worker(config, loader=lambda path, d: native_model, kernels=Kernels.reference())
     ids = fast.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     ours, ref = _step(fast, ids, 0), _step(slow, ids, 0)
-    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-4)
+    error = ((ours - ref).norm() / ref.norm()).item()
+    assert error < 0.05  # measured 0.019 on both ISA levels; a wrong block or scale is far off
     assert int(ours.argmax()) == int(ref.argmax())
+    assert len(set(ours.topk(5).indices.tolist()) & set(ref.topk(5).indices.tolist())) >= 4
 
 
 def test_quantize_at_load_requantizes_from_float(default_model):

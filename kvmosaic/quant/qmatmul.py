@@ -1,6 +1,6 @@
 """The product of activations and a quantized weight, in PyTorch: the reference of ``ops.quantized_linear``.
 
-It follows the kernel's arithmetic. Up to ``DECODE_ROWS`` rows, the activations are quantized to
+It follows the kernel's arithmetic at every row count: the activations are quantized to
 int8 per 32 values (d = max|x| / 127, codes rounded half to even) and each weight block is an integer
 dot product (exact in float32: |sum| < 2^24), scaled per block:
     out[m, n] = sum_b scale[n, b] d[m, b] isum[m, n, b] + min[n, b] d[m, b] xsum[m, b]
@@ -9,17 +9,14 @@ do, so the two agree bit for bit (float64 carries each product exactly; rounding
 float32 differs from a single rounding only in double-rounding ties, vanishingly rare). That matters:
 rounding activations to int8 makes the model chaotic (one code flipped by a 1-ulp difference
 upstream moves later logits by ~0.5), so a reference that is merely close would not give the same
-greedy tokens. More rows take the weight dequantized to float (the kernel dequantizes panels into
-its float GEMM; float summation order differs there, without chaos).
+greedy tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvmosaic.quant.weights import BLOCK, QuantizedWeight, codes_of, dequantize
-
-DECODE_ROWS = 4  # up to this many rows the kernel takes the int8 path (qlinear.cpp: kDecodeRows)
+from kvmosaic.quant.weights import BLOCK, QuantizedWeight, codes_of
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,20 +28,23 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return codes, d, d * codes.sum(-1)
 
 
-def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """The int8 path in float32 [M, N]."""
-    n, k = weight.shape
-    xq, d, xsum = quantize_activations(x)
+def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight, rows_per_pass: int = 64) -> torch.Tensor:
+    """The kernel's arithmetic in float32 [M, N], ``rows_per_pass`` rows at a time (bounded memory)."""
+    n, _ = weight.shape
     wq = codes_of(weight).float().view(n, -1, BLOCK)
-    isum = torch.einsum("mbk,nbk->mnb", xq, wq)  # integers below 2^24: exact
-    scale = weight.scale.float().unsqueeze(0) * d.unsqueeze(1)  # [M, N, B], float32 products as the kernel's
     mins = None if weight.min is None else weight.min.float()
-    acc = torch.zeros(x.shape[0], n, dtype=torch.float64)
-    for b in range(isum.shape[-1]):
-        acc = _fma(isum[..., b], scale[..., b], acc)
-        if mins is not None:
-            acc = _fma(mins[:, b].unsqueeze(0), xsum[:, b].unsqueeze(1), acc)
-    return acc.float()
+    parts = []
+    for chunk in x.split(rows_per_pass):
+        xq, d, xsum = quantize_activations(chunk)
+        isum = torch.einsum("mbk,nbk->mnb", xq, wq)  # integers below 2^24: exact
+        scale = weight.scale.float().unsqueeze(0) * d.unsqueeze(1)  # [M, N, B], float32 products as the kernel's
+        acc = torch.zeros(chunk.shape[0], n, dtype=torch.float64)
+        for b in range(isum.shape[-1]):
+            acc = _fma(isum[..., b], scale[..., b], acc)
+            if mins is not None:
+                acc = _fma(mins[:, b].unsqueeze(0), xsum[:, b].unsqueeze(1), acc)
+        parts.append(acc.float())
+    return torch.cat(parts) if parts else torch.zeros(0, n)
 
 
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -52,14 +52,10 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c).float().double()
 
 
-def quantized_linear_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                               dense: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (float32 or bfloat16) @ weight^T (+ bias) in x's dtype. ``dense``: the dequantized
-    weight in x's dtype when the caller keeps it (the many-rows path), else it is rebuilt."""
-    if x.shape[0] <= DECODE_ROWS:
-        out = quantized_matmul_int8(x, weight)
-        if bias is not None:
-            out = out + bias.float()
-        return out.to(x.dtype)
-    w = dense if dense is not None else dequantize(weight, x.dtype)
-    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+def quantized_linear_reference(x: torch.Tensor, weight: QuantizedWeight,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ weight^T (+ bias) in x's dtype."""
+    out = quantized_matmul_int8(x, weight)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

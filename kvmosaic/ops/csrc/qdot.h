@@ -46,17 +46,6 @@ inline I16 dot_u8s8(I16 acc, V64 u, V64 s) {
 inline F16 load_half16(const c10::Half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
-// 64 signed bytes [16 columns][4 k] -> out[t]: the 16 columns at k = t, as floats.
-inline void widen_columns(V64 w, F16 out[4]) {
-  const __m512i transpose4 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-  const __m512i by_k = _mm512_shuffle_epi8(w.v, transpose4);  // each 128-bit lane: [k][4 columns]
-  const __m512i lanes = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
-                                                 by_k);  // lane t: k = t, columns 0..15
-  out[0] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(lanes, 0)))};
-  out[1] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(lanes, 1)))};
-  out[2] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(lanes, 2)))};
-  out[3] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(lanes, 3)))};
-}
 
 #elif defined(KVM_VEC_AVX2)
 struct V64 {
@@ -93,20 +82,6 @@ inline I16 dot_u8s8(I16 acc, V64 u, V64 s) { return {dot8_u8s8(acc.lo, u.lo, s.l
 inline F16 load_half16(const c10::Half* p) {
   const __m128i* q = reinterpret_cast<const __m128i*>(p);
   return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
-}
-inline void widen_columns(V64 w, F16 out[4]) {
-  const __m256i transpose4 = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                              0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // 8-byte chunk t: k = t, 8 columns
-  alignas(32) int8_t by_k[64];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(by_k), _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(w.lo, transpose4), order));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(by_k + 32),
-                     _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(w.hi, transpose4), order));
-  for (int t = 0; t < 4; ++t) {
-    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(by_k + 8 * t));
-    const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(by_k + 32 + 8 * t));
-    out[t] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))};
-  }
 }
 
 #else
@@ -162,10 +137,6 @@ inline F16 load_half16(const c10::Half* p) {
   for (int j = 0; j < 16; ++j) r.v[j] = static_cast<float>(p[j]);
   return r;
 }
-inline void widen_columns(V64 w, F16 out[4]) {
-  for (int t = 0; t < 4; ++t)
-    for (int j = 0; j < 16; ++j) out[t].v[j] = static_cast<float>(static_cast<int8_t>(w.b[4 * j + t]));
-}
 #endif
 
 #if defined(KVM_VEC_AVX512)
@@ -184,22 +155,5 @@ inline I16 dot_s8s8(I16 acc, V64 w, V64 x) { return dot_u8s8(acc, w.abs_s8(), w.
 
 inline F16 load_scale16(const float* p) { return F16::load(p); }
 inline F16 load_scale16(const c10::Half* p) { return load_half16(p); }
-
-// Sixteen columns at k (even) and k + 1 (odd) rounded to bf16 and stored as pairs [16][2], the
-// layout of the packed bf16 GEMM (the inverse of vec.h's load_bf16_pairs).
-inline void store_bf16_pairs(kvmosaic_vec::bf16* dst, F16 even, F16 odd) {
-#if defined(KVM_VEC_AVX512) || defined(KVM_VEC_AVX2)
-  const __m256i a = even.bf16_halves(), b = odd.bf16_halves();
-  const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);  // per 128-bit lane
-  __m256i* out = reinterpret_cast<__m256i*>(dst);
-  _mm256_storeu_si256(out, _mm256_permute2x128_si256(lo, hi, 0x20));
-  _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(lo, hi, 0x31));
-#else
-  for (int j = 0; j < 16; ++j) {
-    dst[2 * j] = kvmosaic_vec::bf16(even.v[j]);
-    dst[2 * j + 1] = kvmosaic_vec::bf16(odd.v[j]);
-  }
-#endif
-}
 
 }  // namespace kvmosaic_qdot

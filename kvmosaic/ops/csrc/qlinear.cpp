@@ -2,17 +2,21 @@
 // 32 weights of a column), in the interleaved layout of kvmosaic/quant/weights.py: 16 output columns
 // side by side, codes [N/16, K/4 (q8) or K/8 (q4), 16, 4] bytes, scales and mins [N/16, K/32, 16].
 //
-// Few rows (decode): the activations are quantized to int8 per 32 values (d = max|x| / 127, codes
-// rounded half to even) and every weight block is an integer dot product per column:
+// The activations are quantized to int8 per 32 values (d = max|x| / 127, codes rounded half to even)
+// and every weight block is an integer dot product per column:
 //   out[r, n] += scale[n, b] * d[r, b] * sum_k q[n, k] x[r, k] + min[n, b] * d[r, b] * sum_k x[r, k]
-// so the weights stream once per 4 rows and are never widened to float. Many rows (prefill): panels
-// of the weight are dequantized to float and run on the float GEMM. Written once over vec.h / qdot.h.
+// Each thread takes a contiguous range of 16-column groups and runs every row over a group (4 rows per
+// pass) while its codes sit in L1, so the weights stream from memory once per call at any row count.
+// Written once over vec.h / qdot.h.
 //
-// The int8 decode path measured 2-5x faster than widening the codes to float in registers and
-// multiplying float activations (AVX-512 VNNI, 2 threads, the default model's shapes, 1-4 rows: a
-// decode step's linears 1.0 ms vs 4.4 ms for Q4_1, 1.5 ms vs 4.2 ms for Q8_0), so it is the one kept.
+// Measured against the alternatives (2 threads, the default model's 120 layer products, float32 rows):
+// - widening the codes to float in registers and multiplying float activations: 2-5x slower at 1-4
+//   rows (a decode step's linears 1.0 ms vs 4.4 ms for Q4_1, 1.5 ms vs 4.2 ms for Q8_0, AVX-512 VNNI);
+// - dequantizing panels of the weight into the packed float GEMM, the path many rows took before:
+//   slower at every row count measured, 5 to 1024, on both levels (AVX-512 VNNI: 12.3 vs 6.9 ms at
+//   5 rows, 143 vs 63 ms at 128, 1071 vs 512 ms at 1024; AVX2: 14.5 vs 7.9, 161 vs 158, 1062 vs 793;
+//   bfloat16 rows: 258 vs 232 ms at 512 on AVX-512 BF16, 770 vs 405 ms on AVX2), so it was removed.
 #include "ops_common.h"
-#include "gemm_kernel.h"
 #include "qdot.h"
 
 namespace {
@@ -23,8 +27,7 @@ using kvmosaic_qdot::V64;
 
 constexpr int64_t kCols = 16;
 constexpr int64_t kQBlock = 32;
-constexpr int kMaxRows = 4;  // activation rows sharing one pass over the weights
-constexpr int64_t kDecodeRows = 4;  // up to this many rows: int8 dot products (kvmosaic/quant/qmatmul.py)
+constexpr int kMaxRows = 4;  // activation rows sharing one pass over a group's codes
 
 // One row's activations quantized per 32 values.
 struct QuantRow {
@@ -124,100 +127,34 @@ void rows_dispatch(int rows, const QuantRow* q, int64_t k, const uint8_t* codes,
 }
 
 template <typename T, typename S, bool kQ4>
-void decode_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const S* mins,
-                 const float* bias, at::Tensor& out) {
+void product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const S* mins,
+             const float* bias, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), groups = scale.size(0), blocks = k / kQBlock;
   std::vector<int8_t> xq(m * k);
   std::vector<float> xd(m * blocks), xs(m * blocks);
   const T* xp = x.data_ptr<T>();
-  for (int64_t r = 0; r < m; ++r)
-    quantize_row(xp + r * k, k, xq.data() + r * k, xd.data() + r * blocks, xs.data() + r * blocks);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {  // inline below 16 rows
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(xp + r * k, k, xq.data() + r * k, xd.data() + r * blocks, xs.data() + r * blocks);
+  });
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const S* sp = reinterpret_cast<const S*>(scale.data_ptr());
   const int64_t group_bytes = k * kCols / (kQ4 ? 2 : 1), group_scales = blocks * kCols;
   T* op = out.data_ptr<T>();
   const int64_t n = out.size(1);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
-      QuantRow q[kMaxRows];
-      for (int r = 0; r < rows; ++r)
-        q[r] = {xq.data() + (r0 + r) * k, xd.data() + (r0 + r) * blocks, xs.data() + (r0 + r) * blocks};
-      for (int64_t g = begin; g < end; ++g)
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
+        QuantRow q[kMaxRows];
+        for (int r = 0; r < rows; ++r)
+          q[r] = {xq.data() + (r0 + r) * k, xd.data() + (r0 + r) * blocks, xs.data() + (r0 + r) * blocks};
         rows_dispatch<T, S, kQ4>(rows, q, k, cp + g * group_bytes, sp + g * group_scales,
                                  mins != nullptr ? mins + g * group_scales : nullptr,
                                  bias != nullptr ? bias + g * kCols : nullptr, op + r0 * n + g * kCols, n);
-    }
-  });
-}
-
-// One 16-column group, all K, dequantized into the packed float GEMM's block layout: float32
-// [K][16], bfloat16 [K/2][16][2].
-template <typename T, typename S, bool kQ4>
-void dequantize_group(const uint8_t* codes, const S* scale, const S* mins, int64_t k, T* dst) {
-  constexpr int kPerVector = kQ4 ? 8 : 4;  // k steps per 64 code bytes
-  for (int64_t b = 0; b < k / kQBlock; ++b) {
-    const F16 sc = kvmosaic_qdot::load_scale16(scale + b * kCols);
-    const F16 mn = kQ4 ? kvmosaic_qdot::load_scale16(mins + b * kCols) : F16::zero();
-    for (int64_t g = 0; g < kQBlock / kPerVector; ++g) {
-      const V64 w = V64::load(codes + (b * kQBlock / kPerVector + g) * 64);
-      F16 v[8];
-      if constexpr (kQ4) {
-        kvmosaic_qdot::widen_columns(w.low_nibbles(), v);
-        kvmosaic_qdot::widen_columns(w.high_nibbles(), v + 4);
-        for (int t = 0; t < 8; ++t) v[t] = kvmosaic_vec::fma(v[t], sc, mn);  // exact: scale * q fits a float
-      } else {
-        kvmosaic_qdot::widen_columns(w, v);
-        for (int t = 0; t < 4; ++t) v[t] = v[t] * sc;
-      }
-      const int64_t k0 = b * kQBlock + g * kPerVector;
-      if constexpr (std::is_same_v<T, float>) {
-        for (int t = 0; t < kPerVector; ++t) v[t].store(dst + (k0 + t) * kCols);
-      } else {
-        for (int t = 0; t < kPerVector; t += 2) kvmosaic_qdot::store_bf16_pairs(dst + (k0 + t) * kCols, v[t], v[t + 1]);
-      }
-    }
-  }
-}
-
-// Many rows: a panel of groups dequantized into a per-thread buffer, then every row through the float
-// micro-kernel of gemm_kernel.h while the panel stays in cache.
-template <typename T, typename S, bool kQ4>
-void prefill_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const S* mins,
-                  const float* bias, at::Tensor& out) {
-  namespace gemm = kvops::gemm;
-  using Tile = gemm::Tiles<T, false>;
-  constexpr int64_t kPanel = Tile::kPanel;
-  const int64_t m = x.size(0), k = x.size(1), groups = scale.size(0), n = out.size(1);
-  const int64_t group_bytes = k * kCols / (kQ4 ? 2 : 1), group_scales = k / kQBlock * kCols;
-  const int64_t steps = k / gemm::Step<T>::kPack;
-  const T* xp = x.data_ptr<T>();
-  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const S* sp = reinterpret_cast<const S*>(scale.data_ptr());
-  T* op = out.data_ptr<T>();
-  const int64_t panels = (groups + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> panel(kPanel * k * kCols);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t g0 = p * kPanel, nb = std::min<int64_t>(kPanel, groups - g0);
-      for (int64_t i = 0; i < nb; ++i)
-        dequantize_group<T, S, kQ4>(cp + (g0 + i) * group_bytes, sp + (g0 + i) * group_scales,
-                                    mins != nullptr ? mins + (g0 + i) * group_scales : nullptr, k,
-                                    panel.data() + i * k * kCols);
-      for (int64_t r = 0; r < m; r += Tile::kRows) {
-        const int64_t mr = std::min<int64_t>(Tile::kRows, m - r);
-        gemm::plain_tile<T, kPanel>(nb, mr, xp + r * k, k, panel.data(), k * kCols, steps, op + r * n + g0 * kCols,
-                                    n, bias != nullptr ? bias + g0 * kCols : nullptr, nullptr);
       }
     }
   });
-}
-
-template <typename T, typename S, bool kQ4>
-void product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const S* mins,
-             const float* bias, at::Tensor& out) {
-  if (x.size(0) <= kDecodeRows) decode_impl<T, S, kQ4>(x, codes, scale, mins, bias, out);
-  else prefill_impl<T, S, kQ4>(x, codes, scale, mins, bias, out);
 }
 
 template <typename T, typename S>
