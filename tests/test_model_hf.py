@@ -56,9 +56,9 @@ def _runner(loaded, block_size: int = 4, num_blocks: int = 64) -> ModelRunner:
 
 
 class LayerByLayer(KernelAttention):
-    """The kernel backend without the all-layers decode call: every step runs the layer loop."""
+    """The kernel backend without the all-layers call: every step runs the layer loop."""
 
-    def decode_stack(self):
+    def layer_stack(self):
         return None
 
 
@@ -131,19 +131,21 @@ def test_last_layer_skips_rows_without_logits(tmp_path, smollm_tokenizer_json):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_decode_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, level_kernels):
-    """Pure-decode steps run all layers in one kernel call (ops.decode_layers) when every product is
-    packed; its logits equal the per-layer path's bit for bit, over a batch of three sequences with
-    different context lengths (and q/k/v biases for qwen2), on every ISA level built."""
+def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, level_kernels):
+    """Every step runs all layers in one kernel call (ops.layer_stack) when every product is packed;
+    its logits equal the per-layer path's bit for bit: prefills, pure-decode steps over three
+    sequences with different context lengths, and mixed steps of decode rows with multi-token spans
+    (a speculated verification, a prefill chunk), where only the sampled rows go past the last
+    layer's attention; with q/k/v biases for qwen2, on every ISA level built."""
     _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json)
     loaded = load_model(str(tmp_path), torch.float32)
     worker = _worker(loaded, kernels=level_kernels)
-    assert worker.model._packed_weights is not None and worker.attention.decode_stack() is not None
+    assert worker.model._packed_weights is not None and worker.attention.layer_stack() is not None
     calls = []
 
     class Counted(KernelAttention):
-        def decode_stack(self):
-            stack = super().decode_stack()
+        def layer_stack(self):
+            stack = super().layer_stack()
             return lambda *args: calls.append(1) or stack(*args)
 
     stacked = ModelRunner(worker.model, Counted(loaded.config, worker.kv_cache, worker.kernels.ops), ())
@@ -151,16 +153,26 @@ def test_decode_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, l
     looped = ModelRunner(other.model, LayerByLayer(loaded.config, other.kv_cache, other.kernels.ops), ())
     gen = torch.Generator().manual_seed(3)
     seqs = {name: [int(t) for t in torch.randint(3, 49152, (n,), generator=gen)]
-            for name, n in (("a", 3), ("b", 17), ("c", 9))}
-    tables = {"a": [0, 1, 2, 3, 4], "b": [20, 6, 7, 8, 9, 10, 11], "c": [12, 13, 14, 15, 16, 17]}
+            for name, n in (("a", 3), ("b", 17), ("c", 9), ("d", 6))}
+    tables = {"a": [0, 1, 2, 3, 4], "b": [20, 6, 7, 8, 9, 10, 11], "c": [12, 13, 14, 15, 16, 17],
+              "d": [21, 22, 23, 24, 25, 26]}
+
+    def request(name: str, ids: list[int], start: int, spec: int = 0) -> ScheduledRequest:
+        return ScheduledRequest(name, ids, start, tables[name], GREEDY, sample_ids=[name], sample_seeds=[None],
+                                spec_token_ids=ids[len(ids) - spec:] if spec else [])
+
     for runner in (stacked, looped):
-        for name, ids in seqs.items():
-            req = ScheduledRequest(name, ids, 0, tables[name], GREEDY, sample_ids=[name], sample_seeds=[None])
-            runner.compute_logits([req])
-    for step in range(4):
-        reqs = [ScheduledRequest(name, [ids[-1] + step], len(ids) + step, tables[name], GREEDY,
-                                 sample_ids=[name], sample_seeds=[None]) for name, ids in seqs.items()]
+        for name in "abc":
+            runner.compute_logits([request(name, seqs[name], 0)])
+    steps = [[request(name, [seqs[name][-1] + step], len(seqs[name]) + step) for name in "abc"]
+             for step in range(3)]
+    # a and c decode; b verifies three speculated tokens; d prefills its first chunk, then its rest
+    steps.append([request("a", [7], 6), request("c", [8], 12), request("b", [5, 6, 7, 8], 20, spec=3),
+                  request("d", seqs["d"][:4], 0)])
+    steps.append([request("a", [9], 7), request("d", seqs["d"][4:], 4)])
+    for step, reqs in enumerate(steps):
         _, ours = stacked.compute_logits(reqs)
         _, ref = looped.compute_logits(reqs)
+        assert ours.shape == ref.shape
         assert torch.equal(ours, ref), f"step {step}: max diff {(ours - ref).abs().max().item()}"
-    assert len(calls) == 4  # the decode steps, not the prefills
+    assert len(calls) == 3 + len(steps)

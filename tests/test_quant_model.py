@@ -79,7 +79,7 @@ def _step(worker: Worker, new: list[int], start: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_decode_equals_pytorch_reference(native_model, dtype):
-    """The engine's quantized kernels (int8 steps inside one decode_layers call) give bit for bit the
+    """The engine's quantized kernels (int8 steps inside one layer_stack call) give bit for bit the
     logits, so the greedy tokens, of the PyTorch reference of the same arithmetic (the layer loop,
     other ops on the same kernels), for the prompt's prefill rows as for the decode steps. Bit for
     bit matters: int8 activation rounding is chaotic (see the next test)."""

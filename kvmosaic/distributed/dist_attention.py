@@ -23,7 +23,7 @@ import torch
 from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.model.layers.attention import AttentionMetadata, ReferenceAttention
-from kvmosaic.model.layers.backend import AttentionBackend, DecodeStack
+from kvmosaic.model.layers.backend import AttentionBackend, LayerStack
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.outputs import ScheduledRequest
 
@@ -147,8 +147,8 @@ class RemoteKVAttention(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.local.attend(layer, q, meta)
 
-    def decode_stack(self) -> DecodeStack | None:
-        return self.local.decode_stack()
+    def layer_stack(self) -> LayerStack | None:
+        return self.local.layer_stack()
 
     def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:
         return self.dist.spanning(batch)

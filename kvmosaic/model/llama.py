@@ -46,11 +46,11 @@ class DecoderLayer(nn.Module):
                        self.post_attention_layernorm.forward, self.gate_up_proj.forward, self.down_proj.forward)
 
     def packed_weights(self) -> list[torch.Tensor] | None:
-        """This layer's weights in the order ``ops.decode_layers`` takes them (a linear as weight,
+        """This layer's weights in the order ``ops.layer_stack`` takes them (a linear as weight,
         scales, mins), or None when one of its products does not run inside it."""
         stacks = [lin.method.stack_weights() for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)]
         unfused = isinstance(self.gate_up_proj.method, PackedFloat) and not self.gate_up_proj.method.fuses_swiglu
-        if unfused or any(s is None for s in stacks):  # decode_layers takes float gate/up with SwiGLU fused
+        if unfused or any(s is None for s in stacks):  # layer_stack takes float gate/up with SwiGLU fused
             return None
         qkv, o, gate_up, down = stacks
         qkv_bias = self.qkv_proj.method.bias
@@ -93,22 +93,22 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        # Pure-decode steps can run all layers in one kernel call when every product is packed.
+        # A step can run all layers in one kernel call when every product is packed.
         per_layer = [layer.packed_weights() for layer in self.layers]
         self._packed_weights = None
         if all(w is not None for w in per_layer):
             self._packed_weights = [t for w in per_layer for t in w]
 
-    def _run_decode_stack(self, residual: torch.Tensor, attention: AttentionBackend,
-                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All layers of a pure-decode step in one call (bit-identical to the layer loop), or None
-        when the weights or this step's attention need the per-layer path."""
-        if self._packed_weights is None or not meta.is_pure_decode:
+    def _run_layer_stack(self, residual: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata,
+                         keep_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All layers of the step in one call (bit-identical to the layer loop), or None when the
+        weights or this step's attention need the per-layer path."""
+        if self._packed_weights is None:
             return None
-        stack = attention.decode_stack()
+        stack = attention.layer_stack()
         if stack is None:
             return None
-        return stack(residual, self._packed_weights, self.rotary, meta, self.config.rms_norm_eps)
+        return stack(residual, self._packed_weights, self.rotary, meta, self.config.rms_norm_eps, keep_rows)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
@@ -119,10 +119,9 @@ class LlamaForCausalLM(nn.Module):
         """
         residual = self.embed_tokens(input_ids)
         meta.positions = positions
-        stacked = self._run_decode_stack(residual, attention, meta)
+        stacked = self._run_layer_stack(residual, attention, meta, logits_indices)
         if stacked is not None:
-            hidden = self.norm(*stacked)
-            return self.lm_head(hidden if logits_indices is None else hidden[logits_indices]).float()
+            return self.lm_head(self.norm(*stacked)).float()
         delta = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

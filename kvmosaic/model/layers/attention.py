@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.backend import AttentionBackend, DecodeStack
+from kvmosaic.model.layers.backend import AttentionBackend, LayerStack
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -51,10 +51,6 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_context_lens: torch.Tensor | None = None  # [D] long
     positions: torch.Tensor | None = None  # [num_tokens] long
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return not self.prefills and self.num_decode_tokens == len(self.slot_mapping) > 0
 
 
 def build_causal_mask(start_pos: int, num_tokens: int, group: int) -> torch.Tensor:
@@ -196,11 +192,12 @@ class ReferenceAttention(AttentionBackend):
 
 
 class KernelAttention(ReferenceAttention):
-    """A compute-dtype cache on the C++ kernels; pure-decode steps can run all layers in one call."""
+    """A compute-dtype cache on the C++ kernels; a step can run all layers in one call."""
 
     def __init__(self, model: ModelConfig, kv_cache: KVCache, ops: ModuleType) -> None:
         super().__init__(model, kv_cache)
         self.ops = ops
+        self._spans_on_kernel = ops.prefill_attention_supports(model.head_dim)
 
     def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -211,11 +208,23 @@ class KernelAttention(ReferenceAttention):
         cache = self.layers[layer]
         return paged_attention_kernel(self.ops, q, cache[0], cache[1], meta, self.scale)
 
-    def decode_stack(self) -> DecodeStack | None:
-        return self._decode_layers if hasattr(self.ops, "decode_layers") else None
+    def layer_stack(self) -> LayerStack | None:
+        return self._layer_stack if hasattr(self.ops, "layer_stack") else None
 
-    def _decode_layers(self, residual: torch.Tensor, weights: list[torch.Tensor], rotary: RotaryEmbedding,
-                       meta: AttentionMetadata, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.decode_layers(residual, weights, self.layers, meta.positions, rotary.cos, rotary.sin,
-                                      meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                                      self.num_heads, self.num_kv_heads, eps, self.scale)
+    def _layer_stack(self, residual: torch.Tensor, weights: list[torch.Tensor], rotary: RotaryEmbedding,
+                     meta: AttentionMetadata, eps: float,
+                     keep_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if meta.prefills and not self._spans_on_kernel:
+            return None
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if tables is None:
+            tables, lens = _NO_DECODE_TABLES, _NO_DECODE_LENS
+        spans = torch.tensor([(p.token_start, p.num_tokens, p.context_len) for p in meta.prefills],
+                             dtype=torch.long).view(-1, 3)
+        return self.ops.layer_stack(residual, weights, self.layers, meta.positions, rotary.cos, rotary.sin,
+                                    meta.slot_mapping, tables, lens, spans, [p.block_table for p in meta.prefills],
+                                    keep_rows, self.num_heads, self.num_kv_heads, eps, self.scale)
+
+
+_NO_DECODE_TABLES = torch.zeros((0, 1), dtype=torch.long)
+_NO_DECODE_LENS = torch.zeros(0, dtype=torch.long)

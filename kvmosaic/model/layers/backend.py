@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from kvmosaic.outputs import ScheduledRequest
     from kvmosaic.worker.kv_cache import KVCache
 
-# ops.decode_layers bound to this backend's caches: (residual, weights, meta, rotary) -> (residual, delta)
-DecodeStack = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# ops.layer_stack bound to this backend's caches:
+# (residual, weights, rotary, meta, eps, keep_rows) -> (residual, delta), or None when it cannot run the step
+LayerStack = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class AttentionBackend(ABC):
@@ -50,8 +51,8 @@ class AttentionBackend(ABC):
         """Oaken outliers folded into the middle group because a sparse list was full (0 elsewhere)."""
         return 0
 
-    def decode_stack(self) -> DecodeStack | None:
-        """A call that runs every decoder layer of a pure-decode step at once, or None."""
+    def layer_stack(self) -> LayerStack | None:
+        """A call that runs every decoder layer of a step at once, or None."""
         return None
 
     def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:

@@ -8,7 +8,7 @@ kernels at hand (``linear_method`` / ``gated_method``), and handed to ``Linear``
 * ``QuantizedKernel``: a q8 / q4 weight in the interleaved layout for ``ops.quantized_linear``.
 * ``QuantizedReference``: the same weight through the PyTorch reference of that kernel.
 
-``stack_weights`` gives what ``ops.decode_layers`` takes for the method (weight, scales, mins; empty
+``stack_weights`` gives what ``ops.layer_stack`` takes for the method (weight, scales, mins; empty
 tensors where a format has none), or None when the method does not run inside it.
 """
 

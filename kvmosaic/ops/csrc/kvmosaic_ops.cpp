@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_swiglu", &packed_swiglu, "silu(x G^T) * (x U^T) on a packed gate/up weight");
   m.def("quantized_linear", &quantized_linear, "x [M, K] times a q8 / q4 weight in the interleaved layout",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("mins") = py::none(), py::arg("bias") = py::none());
-  m.def("decode_layers", &decode_layers, "a pure-decode step through all decoder layers (packed weights)");
+  m.def("layer_stack", &layer_stack, "a step (decode rows, then spans) through all decoder layers (packed weights)");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
 }
