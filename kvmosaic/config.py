@@ -206,7 +206,9 @@ class SpeculativeConfig:
     the target's own weights in ``quantization`` (default q4_0) do. ``quantization`` is the draft's
     weight format (WEIGHT_QUANTIZATIONS; default "auto" for ``draft``: the file's own). ``adaptive``: each sequence's k
     follows its measured acceptance (down to 0) and shrinks as the batch grows; ``token_cost`` is
-    what one more verified token costs relative to one sequence's decode step (weights read once),
+    what one more verified token costs relative to one sequence's decode step (weights read once):
+    None fits it to the engine's timed steps (kvmosaic/spec/step_cost.py; 0.1 until they determine
+    it), a number fixes it (reproducible choices of k, whatever the host's speed),
     ``step_overhead`` what a step with proposals costs on top (it leaves the one-token decode path).
     """
 
@@ -215,7 +217,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     adaptive: bool = True
-    token_cost: float = 0.1
+    token_cost: float | None = None
     step_overhead: float = 0.15
     model: str | None = None  # the draft model's path (method "draft")
     quantization: str | None = None  # the draft's weight format; None: q4_0 for "self", auto for "draft"
@@ -231,10 +233,9 @@ class SpeculativeConfig:
              "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "
              f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}"),
             (isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}"),
-            (isinstance(self.token_cost, (int, float)) and not isinstance(self.token_cost, bool)
-             and 0.0 <= self.token_cost <= 1.0, f"token_cost must be in [0, 1], got {self.token_cost!r}"),
-            (isinstance(self.step_overhead, (int, float)) and not isinstance(self.step_overhead, bool)
-             and 0.0 <= self.step_overhead <= 1.0, f"step_overhead must be in [0, 1], got {self.step_overhead!r}"),
+            (self.token_cost is None or _is_fraction(self.token_cost),
+             f"token_cost must be None or in [0, 1], got {self.token_cost!r}"),
+            (_is_fraction(self.step_overhead), f"step_overhead must be in [0, 1], got {self.step_overhead!r}"),
             ((self.method == "draft") == (self.model is not None),
              f"method 'draft' takes the draft's path as 'model' (other methods none), got method={self.method!r}, "
              f"model={self.model!r}"),
@@ -277,6 +278,10 @@ class SpeculativeConfig:
         if unknown:
             raise SpeculativeConfigError(f"unknown speculative config keys: {sorted(unknown)}")
         return cls(**value)
+
+
+def _is_fraction(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
 
 
 def _is_int(value: object) -> bool:

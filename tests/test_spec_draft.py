@@ -29,6 +29,8 @@ def _tokens(outs) -> list[list[int]]:
 
 def _llm(cached_loader, speculative, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory", "64MiB")
+    if speculative is not None:  # a fixed cost: k must not depend on this host's timings
+        speculative = {"token_cost": 0.1, **speculative}
     return LLM(model_loader=cached_loader, dtype="float32", quantization=None, speculative=speculative, **kwargs)
 
 

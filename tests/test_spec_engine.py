@@ -20,7 +20,9 @@ PROMPTS = [
     f"{PASSAGE} In short,",
     f"{PASSAGE} The moral of the story is",
 ]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# token_cost fixed: fitted to this host's step timings, it could turn speculation off for the batch
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+         "token_cost": 0.1}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 

@@ -142,8 +142,10 @@ class Scheduler:
             preempted_request_ids=plan.preempted,
         )
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
-        """Advance the scheduled sequences by the step's results.
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelOutput,
+                           step_seconds: float = 0.0) -> list[Request]:
+        """Advance the scheduled sequences by the step's results (``step_seconds``: how long the
+        step ran, when timed: speculation fits its cost model to it).
 
         Returns the sequences that got a token (forked children right after their
         parent), then any the scheduler itself finished this step (never fitting the
@@ -151,6 +153,7 @@ class Scheduler:
         """
         updated: list[Request] = []
         self.spec.receive(model_output.proposals)
+        self.spec.observe_step(scheduler_output.scheduled, step_seconds)
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -36,6 +36,9 @@ class NoSpeculation:
     def receive(self, proposals: Mapping[str, Proposal]) -> None:
         pass
 
+    def observe_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
+        pass
+
     def free(self, request_id: str) -> None:
         pass
 
@@ -76,6 +79,11 @@ class SpeculationSteps(NoSpeculation):
 
     def receive(self, proposals: Mapping[str, Proposal]) -> None:
         self.speculator.receive(proposals)
+
+    def observe_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
+        """Time a step of decode and verification rows only (a prefill chunk costs differently)."""
+        if scheduled and seconds > 0.0 and all(s.num_tokens == 1 + len(s.spec_token_ids) for s in scheduled):
+            self.speculator.observe_step(sum(s.num_tokens for s in scheduled), seconds)
 
     def free(self, request_id: str) -> None:
         self.speculator.free(request_id)

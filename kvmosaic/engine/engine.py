@@ -130,6 +130,7 @@ class Engine:
         outputs, self._pending_outputs = self._pending_outputs, []
         with self.kv_lock:
             sched_out = self.scheduler.schedule()
+        started = time.perf_counter()
         try:
             model_out = self.executor.execute(sched_out)
         except RetryableStepError:
@@ -141,7 +142,7 @@ class Engine:
             with self.kv_lock:
                 return outputs + self._fail_step(sched_out, exc)
         with self.kv_lock:
-            updated = self.scheduler.update_from_output(sched_out, model_out)
+            updated = self.scheduler.update_from_output(sched_out, model_out, time.perf_counter() - started)
             step_outputs, stopped, failed = self.processor.process(updated, model_out)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

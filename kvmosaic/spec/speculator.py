@@ -5,7 +5,8 @@ Adaptive k. A step verifying B sequences with k_i proposals each costs about
 ``T = T_weights + (B + sum k_i) * T_token``: the weights are read once, every token adds compute.
 Proposal j of a sequence whose proposals are accepted with probability ``a`` adds an expected
 ``a ** j`` tokens for ``T_token`` more time; it pays when ``a ** j / T_token`` beats the step's rate
-``B / T``, i.e. ``a ** j > B * r / (1 + B * r)`` with ``r = T_token / T_weights`` (``token_cost``).
+``B / T``, i.e. ``a ** j > B * r / (1 + B * r)`` with ``r = T_token / T_weights``, fitted from the engine's timed
+steps (``StepCost``; ``PRIOR_TOKEN_COST`` until they determine it) unless the configuration fixes it.
 So k is the largest j with ``a ** j`` above that threshold: long runs for predictable text at
 batch 1, none for sequences whose proposals keep failing or once the batch is compute-bound. ``a``
 is estimated per sequence from decayed counts (a truncated geometric: accepted tokens over accepted
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from kvmosaic.spec.drafted import DraftedProposer
 from kvmosaic.spec.ngram import NgramProposer
 from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
+from kvmosaic.spec.step_cost import StepCost
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from kvmosaic.request import Request
 
 _DECAY = 0.9  # weight of the evidence one step older
+PRIOR_TOKEN_COST = 0.1  # r before the timed steps determine it
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,6 +74,7 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.stats = SpecStats()
+        self.step_cost = StepCost()
         self._acceptance: dict[str, _Acceptance] = {}
 
     def propose(self, candidates: list[tuple[Request, int]], batch_size: int) -> dict[str, Proposal]:
@@ -115,6 +119,16 @@ class Speculator:
         acceptance.accepted += num_accepted
         acceptance.rejected += num_accepted < num_proposed
 
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode / verification step (no prefill rows) of ``num_tokens`` rows took ``seconds``."""
+        self.step_cost.observe(num_tokens, seconds)
+
+    @property
+    def token_cost(self) -> float:
+        if self.config.token_cost is not None:
+            return self.config.token_cost
+        return self.step_cost.token_cost(PRIOR_TOKEN_COST)
+
     def free(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
         self.proposer.free(request_id)
@@ -126,7 +140,7 @@ class Speculator:
         for request_id, proposal in proposals.items():
             rate = self._rate(request_id)
             surplus += sum(rate ** j - threshold for j in range(1, len(proposal.token_ids) + 1))
-        cost = batch_size * self.config.token_cost
+        cost = batch_size * self.token_cost
         return surplus > batch_size * self.config.step_overhead / (1.0 + cost)
 
     def _rate(self, request_id: str) -> float:
@@ -134,7 +148,7 @@ class Speculator:
         return acceptance.rate if acceptance is not None else 0.5
 
     def _threshold(self, batch_size: int) -> float:
-        cost = batch_size * self.config.token_cost
+        cost = batch_size * self.token_cost
         return cost / (1.0 + cost)
 
     def _num_tokens(self, request_id: str, threshold: float) -> int:

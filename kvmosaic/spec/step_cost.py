@@ -1,0 +1,53 @@
+"""What one more token costs in a decode step, measured: a decayed least-squares line through the
+engine's timed decode and verification steps, ``seconds = T_weights + tokens * T_token``.
+
+Adaptive k weighs a proposal's expected tokens against ``r = T_token / T_weights``. That ratio is
+not a constant of the engine: a float32 target reading 540 MB of weights per step hardly notices
+eight more rows, a Q4_1 one reading 80 MB through int8 dot products pays ~20% of a step per row, and
+a draft model's own work per proposed token adds to it. So the speculator fits it from the steps it
+sees and keeps the configured ``token_cost`` only until the steps spread over enough token counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DECAY = 0.97  # weight of an observation one step older: the fit follows a few dozen recent steps
+MIN_SPREAD = 0.5  # variance of the token counts (tokens^2) below which the slope is not trusted
+
+
+@dataclasses.dataclass(slots=True)
+class StepCost:
+    weight: float = 0.0
+    tokens: float = 0.0
+    tokens_sq: float = 0.0
+    seconds: float = 0.0
+    tokens_seconds: float = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One decode / verification step (no prefill rows) of ``num_tokens`` rows took ``seconds``."""
+        for name in ("weight", "tokens", "tokens_sq", "seconds", "tokens_seconds"):
+            setattr(self, name, getattr(self, name) * DECAY)
+        self.weight += 1.0
+        self.tokens += num_tokens
+        self.tokens_sq += num_tokens * num_tokens
+        self.seconds += seconds
+        self.tokens_seconds += num_tokens * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """(T_weights, T_token) of the fitted line, or None while the steps seen do not determine it."""
+        if self.weight <= 0.0:
+            return None
+        mean_x, mean_y = self.tokens / self.weight, self.seconds / self.weight
+        spread = self.tokens_sq / self.weight - mean_x * mean_x
+        if spread < MIN_SPREAD:
+            return None
+        slope = (self.tokens_seconds / self.weight - mean_x * mean_y) / spread
+        return mean_y - slope * mean_x, slope
+
+    def token_cost(self, prior: float) -> float:
+        """``T_token / T_weights`` in [0, 1], or ``prior`` while the line is undetermined or not a cost."""
+        line = self.line()
+        if line is None or line[0] <= 0.0:
+            return prior
+        return min(1.0, max(0.0, line[1] / line[0]))

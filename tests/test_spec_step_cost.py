@@ -1,0 +1,90 @@
+"""The measured cost of a verified token (kvmosaic/spec/step_cost.py) and adaptive k following it."""
+
+import pytest
+from spec_proposers import ScriptedProposer
+
+from kvmosaic.config import SpeculativeConfig
+from kvmosaic.core.spec_steps import SpeculationSteps
+from kvmosaic.outputs import ScheduledRequest
+from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.spec.speculator import Speculator
+from kvmosaic.spec.step_cost import StepCost
+
+
+def test_line_through_exact_steps():
+    cost = StepCost()
+    for tokens in (1, 9, 1, 5, 16, 1):  # 4 ms of weights, 0.8 ms a token
+        cost.observe(tokens, 0.004 + 0.0008 * tokens)
+    weights, per_token = cost.line()
+    assert weights == pytest.approx(0.004) and per_token == pytest.approx(0.0008)
+    assert cost.token_cost(prior=0.1) == pytest.approx(0.2)
+
+
+def test_prior_until_the_token_counts_spread():
+    cost = StepCost()
+    assert cost.token_cost(prior=0.1) == 0.1
+    for _ in range(50):
+        cost.observe(1, 0.006)  # plain single-stream decoding says nothing about the slope
+    assert cost.line() is None and cost.token_cost(prior=0.1) == 0.1
+    cost.observe(9, 0.004 + 9 * 0.002)  # one verification step: 4 ms of weights, 2 ms a token
+    assert cost.token_cost(prior=0.1) == pytest.approx(0.5)
+
+
+def test_a_line_that_is_no_cost_falls_back_or_clamps():
+    falling = StepCost()
+    for tokens in (1, 9, 1, 9):
+        falling.observe(tokens, 0.01 - 0.001 * tokens)  # more tokens, faster: noise, not a cost
+    assert falling.token_cost(prior=0.1) == 0.0
+    negative = StepCost()
+    for tokens in (4, 8, 4, 8):
+        negative.observe(tokens, 0.001 * tokens - 0.003)  # intercept below zero
+    assert negative.token_cost(prior=0.1) == 0.1
+
+
+def test_old_steps_fade():
+    cost = StepCost()
+    for _ in range(20):
+        for tokens in (1, 9):
+            cost.observe(tokens, 0.004 + 0.0004 * tokens)  # r = 0.1
+    for _ in range(200):
+        for tokens in (1, 9):
+            cost.observe(tokens, 0.004 + 0.004 * tokens)  # r = 1.0 now (e.g. a slower draft)
+    assert cost.token_cost(prior=0.1) == pytest.approx(1.0, rel=1e-3)
+
+
+def _k(speculator: Speculator, batch_size: int = 1) -> int:
+    return speculator._k("a", speculator._threshold(batch_size))
+
+
+def test_measured_cost_sets_k():
+    """Unknown acceptance (1/2) at batch 1: with the prior 0.1 the threshold is 0.1 / 1.1 and k = 3;
+    steps costing 0.5 of the weights' time per token make it 0.5 / 1.5, so k = 1; nearly free tokens
+    (0.01) make it 0.0099, so k = 6 (0.5 ** 6 = 0.0156 > 0.0099 > 0.5 ** 7)."""
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=8), ScriptedProposer([]))
+    fixed = Speculator(SpeculativeConfig(num_speculative_tokens=8, token_cost=0.1), ScriptedProposer([]))
+    assert _k(speculator) == 3 and _k(fixed) == 3
+    for tokens in (1, 9, 1, 9):
+        speculator.observe_step(tokens, 0.004 + 0.002 * tokens)
+        fixed.observe_step(tokens, 0.004 + 0.002 * tokens)
+    assert speculator.token_cost == pytest.approx(0.5) and _k(speculator) == 1
+    assert fixed.token_cost == 0.1 and _k(fixed) == 3  # a configured cost is kept
+    cheap = Speculator(SpeculativeConfig(num_speculative_tokens=8), ScriptedProposer([]))
+    for tokens in (1, 9, 1, 9):
+        cheap.observe_step(tokens, 0.004 + 0.00004 * tokens)
+    assert cheap.token_cost == pytest.approx(0.01) and _k(cheap) == 6
+
+
+def test_only_decode_and_verification_steps_are_timed():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), ScriptedProposer([]))
+    steps = SpeculationSteps(speculator, kv_manager=None, max_model_len=64)
+    params = SamplingParams()
+
+    def row(tokens: list[int], spec: int = 0) -> ScheduledRequest:
+        proposed = tokens[len(tokens) - spec:] if spec else []
+        return ScheduledRequest("r", tokens, 10, [0], params, spec_token_ids=proposed)
+
+    steps.observe_step([row([1]), row([2, 3, 4], spec=2)], 0.01)
+    steps.observe_step([row([1]), row([5, 6, 7])], 0.02)  # a prefill chunk: not timed
+    steps.observe_step([row([1])], 0.0)  # not timed by the engine
+    steps.observe_step([], 0.01)
+    assert speculator.step_cost.weight == 1.0 and speculator.step_cost.tokens == 4.0
