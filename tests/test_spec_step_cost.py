@@ -72,6 +72,10 @@ def test_measured_cost_sets_k():
     for tokens in (1, 9, 1, 9):
         cheap.observe_step(tokens, 0.004 + 0.00004 * tokens)
     assert cheap.token_cost == pytest.approx(0.01) and _k(cheap) == 6
+    drafted = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8), ScriptedProposer([]))
+    for tokens in (1, 9, 1, 9):
+        drafted.observe_step(tokens, 0.004 + 0.00004 * tokens)
+    assert drafted.token_cost == 0.1  # the draft's own work hides in the timed steps: the prior stays
 
 
 def test_only_decode_and_verification_steps_are_timed():

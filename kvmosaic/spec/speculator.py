@@ -125,8 +125,13 @@ class Speculator:
 
     @property
     def token_cost(self) -> float:
+        """r: the configured cost, else the fitted one. A draft model works inside the same timed
+        steps, and its cost per step would read as fixed (weights) cost and lower r, so draft
+        methods keep the prior until their own cost is measured apart (not done yet)."""
         if self.config.token_cost is not None:
             return self.config.token_cost
+        if self.config.uses_draft_model:
+            return PRIOR_TOKEN_COST
         return self.step_cost.token_cost(PRIOR_TOKEN_COST)
 
     def free(self, request_id: str) -> None:
