@@ -12,10 +12,10 @@ from test_spec_engine import GREEDY, PASSAGE, PROMPTS
 
 from kvmosaic import LLM, SamplingParams
 from kvmosaic.config import CacheConfig, ModelConfig, SpeculativeConfig, SpeculativeConfigError
-from kvmosaic.model.loader import LoadedModel
+from kvmosaic.model.loader import LoadedModel, load_model
 from kvmosaic.sample import verify as verify_module
 from kvmosaic.sample.rejection import verify_dense
-from kvmosaic.spec.draft_model import check_same_vocab
+from kvmosaic.spec.draft_model import check_same_vocab, load_draft
 from kvmosaic.spec.drafted import DraftedProposer
 from kvmosaic.spec.proposer import Proposal, ProposalRequest
 from kvmosaic.worker.kv_cache import KVCache
@@ -218,3 +218,13 @@ def test_decode_tokens_are_mirrored_only_when_the_sequence_drafts():
     assert step([8], 7, 0, 1) == {} and runner.batches == []  # position 7 waits...
     step([2], 5, 1, 3)  # ...but the sequence went back to position 5 (recomputed): nothing carried over
     assert runner.batches == [[([2, 3], 5)]]
+
+
+def test_self_draft_of_a_quantized_target_warns(default_model, caplog):
+    """A Q4_0 self-draft of the shipped Q4_1 weights streams as many bytes as the target: a warning
+    says so; of the float32 target it reads far fewer and says nothing."""
+    with caplog.at_level("WARNING", logger="kvmosaic.spec.draft_model"):
+        load_draft(SpeculativeConfig(method="self"), default_model, torch.float32)
+        assert not caplog.records
+        load_draft(SpeculativeConfig(method="self"), load_model(None, torch.float32), torch.float32)
+    assert len(caplog.records) == 1 and "expect no speed-up" in caplog.records[0].getMessage()

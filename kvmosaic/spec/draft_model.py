@@ -22,6 +22,7 @@ per emitted token as plain decoding does and reproduce whatever their batch and 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ from kvmosaic.outputs import ModelOutput, ScheduledRequest
 from kvmosaic.quant import weights as qw
 from kvmosaic.sample.sampler import SamplingRow, random_sample, target_probs
 from kvmosaic.spec.proposer import Proposal
+
+logger = logging.getLogger(__name__)
+SLOW_DRAFT_SHARE = 0.6  # a draft reading more than this share of the target's matrix bytes cannot pay
 
 
 def load_draft(spec: SpeculativeConfig | None, target: LoadedModel, dtype: torch.dtype) -> LoadedModel | None:
@@ -48,6 +52,11 @@ def load_draft(spec: SpeculativeConfig | None, target: LoadedModel, dtype: torch
             return target
         weights = {name: _requantize(w, quantization, dtype) if is_matrix(name) else w
                    for name, w in target.weights.items()}
+        draft_share = matrix_bytes(weights) / matrix_bytes(target.weights)
+        if draft_share > SLOW_DRAFT_SHARE:
+            logger.warning("the %s self-draft reads %.0f%% of the target's weight bytes per token (the target is "
+                           "already quantized): drafting costs about what it saves, so expect no speed-up; "
+                           "use the n-gram method, or a float target", quantization, 100 * draft_share)
         return LoadedModel(target.config, weights, target.tokenizer)
     if not Path(spec.model).exists():
         raise SpeculativeConfigError(f"draft model path does not exist: {spec.model}")
@@ -57,6 +66,12 @@ def load_draft(spec: SpeculativeConfig | None, target: LoadedModel, dtype: torch
         raise SpeculativeConfigError(f"cannot load the draft model {spec.model}: {exc}") from exc
     check_same_vocab(target, draft)
     return draft
+
+
+def matrix_bytes(weights: dict) -> int:
+    """Bytes of a model's weight matrices (what a decode step streams)."""
+    return sum(w.nbytes if isinstance(w, qw.QuantizedWeight) else w.numel() * w.element_size()
+               for name, w in weights.items() if is_matrix(name))
 
 
 def _requantize(w, quantization: str, dtype: torch.dtype):
