@@ -26,13 +26,11 @@ class StepCost:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One decode / verification step (no prefill rows) of ``num_tokens`` rows took ``seconds``."""
-        for name in ("weight", "tokens", "tokens_sq", "seconds", "tokens_seconds"):
-            setattr(self, name, getattr(self, name) * DECAY)
-        self.weight += 1.0
-        self.tokens += num_tokens
-        self.tokens_sq += num_tokens * num_tokens
-        self.seconds += seconds
-        self.tokens_seconds += num_tokens * seconds
+        self.weight = self.weight * DECAY + 1.0
+        self.tokens = self.tokens * DECAY + num_tokens
+        self.tokens_sq = self.tokens_sq * DECAY + num_tokens * num_tokens
+        self.seconds = self.seconds * DECAY + seconds
+        self.tokens_seconds = self.tokens_seconds * DECAY + num_tokens * seconds
 
     def line(self) -> tuple[float, float] | None:
         """(T_weights, T_token) of the fitted line, or None while the steps seen do not determine it."""

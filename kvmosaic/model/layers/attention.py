@@ -219,8 +219,10 @@ class KernelAttention(ReferenceAttention):
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if tables is None:
             tables, lens = _NO_DECODE_TABLES, _NO_DECODE_LENS
-        spans = torch.tensor([(p.token_start, p.num_tokens, p.context_len) for p in meta.prefills],
-                             dtype=torch.long).view(-1, 3)
+        spans = _NO_SPANS
+        if meta.prefills:
+            spans = torch.tensor([(p.token_start, p.num_tokens, p.context_len) for p in meta.prefills],
+                                 dtype=torch.long)
         return self.ops.layer_stack(residual, weights, self.layers, meta.positions, rotary.cos, rotary.sin,
                                     meta.slot_mapping, tables, lens, spans, [p.block_table for p in meta.prefills],
                                     keep_rows, self.num_heads, self.num_kv_heads, eps, self.scale)
@@ -228,3 +230,4 @@ class KernelAttention(ReferenceAttention):
 
 _NO_DECODE_TABLES = torch.zeros((0, 1), dtype=torch.long)
 _NO_DECODE_LENS = torch.zeros(0, dtype=torch.long)
+_NO_SPANS = torch.zeros((0, 3), dtype=torch.long)
