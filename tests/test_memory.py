@@ -108,3 +108,38 @@ def test_small_or_non_linux_lazy_zeros_are_plain_zeros(monkeypatch):
     assert big.shape == (2, MiB) and big.dtype == torch.float32 and not big.any()
     big[1, 7] = 3.0
     assert big.sum().item() == 3.0
+
+
+def test_weight_arena_places_tensors_back_to_back_in_placement_order():
+    arena = memory.WeightArena()
+    gen = torch.Generator().manual_seed(0)
+    originals = [torch.randn(3, 5, generator=gen), torch.randint(0, 255, (7, 9), generator=gen, dtype=torch.uint8),
+                 torch.randn(4, 16, generator=gen).to(torch.float16), torch.randn(2, 8, generator=gen).bfloat16()]
+    placed = [arena.place(t) for t in originals]
+    for original, copy in zip(originals, placed, strict=True):
+        assert torch.equal(copy, original) and copy.dtype == original.dtype and copy.is_contiguous()
+        assert copy.data_ptr() != original.data_ptr() and copy.data_ptr() % memory.WeightArena.ALIGN == 0
+    # each follows the previous one at the next cache line, in one allocation
+    for prev, nxt in zip(placed, placed[1:]):
+        end = prev.data_ptr() + prev.numel() * prev.element_size()
+        assert nxt.data_ptr() == -(-end // memory.WeightArena.ALIGN) * memory.WeightArena.ALIGN
+    assert placed[0].untyped_storage().data_ptr() == placed[-1].untyped_storage().data_ptr()
+    if memory._madvise() is not None:
+        assert placed[0].data_ptr() % memory.HUGE_PAGE == 0
+
+
+def test_weight_arena_opens_a_new_slab_when_full_and_big_tensors_go_elsewhere(monkeypatch):
+    monkeypatch.setattr(memory.WeightArena, "SLAB", 4096)  # tensors of 1024 bytes or more go elsewhere
+    arena = memory.WeightArena()
+    parts = [arena.place(torch.full((250,), float(i))) for i in range(5)]  # 1000 bytes each
+    first_slab = parts[0].data_ptr()
+    assert [p.data_ptr() - first_slab for p in parts[:4]] == [0, 1024, 2048, 3072]
+    assert parts[4].untyped_storage().data_ptr() != parts[0].untyped_storage().data_ptr()  # slab 2
+    big = torch.arange(500, dtype=torch.float32)  # 2000 bytes
+    placed_big = arena.place(big)
+    assert torch.equal(placed_big, big)
+    assert placed_big.untyped_storage().data_ptr() != parts[4].untyped_storage().data_ptr()
+    after = arena.place(torch.full((10,), 9.0))  # goes on in slab 2
+    assert after.data_ptr() == parts[4].data_ptr() + 1024
+    assert [p.sum().item() for p in parts] == [0.0, 250.0, 500.0, 750.0, 1000.0] and after.sum() == 90
+    assert arena.place(torch.empty(0)).numel() == 0

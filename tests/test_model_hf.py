@@ -22,17 +22,20 @@ DECODE_STEPS = 20
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _write_random_checkpoint(out_dir, arch: str, tokenizer_json: str, **overrides) -> torch.nn.Module:
+def _write_random_checkpoint(out_dir, arch: str, tokenizer_json: str, head_dim: int = 16,
+                             **overrides) -> torch.nn.Module:
     """A small random HF model with GQA and an odd head count, saved as safetensors."""
     torch.manual_seed(0)
     common = dict(vocab_size=49152, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=256,
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     common.update(overrides)
     if arch == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, **common)
+        cfg = transformers.LlamaConfig(hidden_size=9 * head_dim, num_attention_heads=9, num_key_value_heads=3,
+                                       **common)
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        cfg = transformers.Qwen2Config(hidden_size=112, num_attention_heads=7, num_key_value_heads=1, **common)
+        cfg = transformers.Qwen2Config(hidden_size=7 * head_dim, num_attention_heads=7, num_key_value_heads=1,
+                                       **common)
         model = transformers.Qwen2ForCausalLM(cfg)
         with torch.no_grad():  # HF initialises biases to zero; make them matter
             for layer in model.model.layers:
@@ -45,9 +48,9 @@ def _write_random_checkpoint(out_dir, arch: str, tokenizer_json: str, **override
     return model
 
 
-def _worker(loaded, block_size: int = 4, num_blocks: int = 64, kernels=None) -> Worker:
+def _worker(loaded, block_size: int = 4, num_blocks: int = 64, kernels=None, dtype: str = "float32") -> Worker:
     """The engine's own assembly (kernels as built unless given, backend chosen by the worker) over ``loaded``."""
-    config = EngineConfig(dtype="float32", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
+    config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
     return Worker(config, loader=lambda path, dtype: loaded, kernels=kernels)
 
 
@@ -131,15 +134,21 @@ def test_last_layer_skips_rows_without_logits(tmp_path, smollm_tokenizer_json):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, level_kernels):
+@pytest.mark.parametrize(("dtype", "quantization"), [(torch.float32, None), (torch.bfloat16, None),
+                                                     (torch.float32, "q4_1"), (torch.bfloat16, "q8_0")])
+def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dtype, quantization, level_kernels):
     """Every step runs all layers in one kernel call (ops.layer_stack) when every product is packed;
-    its logits equal the per-layer path's bit for bit: prefills, pure-decode steps over three
-    sequences with different context lengths, and mixed steps of decode rows with multi-token spans
-    (a speculated verification, a prefill chunk), where only the sampled rows go past the last
-    layer's attention; with q/k/v biases for qwen2, on every ISA level built."""
-    _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json)
-    loaded = load_model(str(tmp_path), torch.float32)
-    worker = _worker(loaded, kernels=level_kernels)
+    its logits equal the per-layer path's bit for bit: prefills, pure-decode steps (one team of
+    threads for the whole stack) over three and over six sequences with different context lengths,
+    one whose unsampled row stops at the last attention, and mixed steps of decode rows with
+    multi-token spans (a speculated verification, a prefill chunk), where only the sampled rows go
+    past the last layer's attention; with q/k/v biases for qwen2, float and quantized weights,
+    float32 and bfloat16 activations, on every ISA level built."""
+    # quantized weights need 32-wide blocks of inputs; head size 64 takes the register-blocked attention
+    _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json, head_dim=16 if quantization is None else 64)
+    loaded = load_model(str(tmp_path), dtype, quantization)
+    dtype_name = str(dtype).removeprefix("torch.")
+    worker = _worker(loaded, kernels=level_kernels, dtype=dtype_name)
     assert worker.model._packed_weights is not None and worker.attention.layer_stack() is not None
     calls = []
 
@@ -149,20 +158,21 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, le
             return lambda *args: calls.append(1) or stack(*args)
 
     stacked = ModelRunner(worker.model, Counted(loaded.config, worker.kv_cache, worker.kernels.ops), ())
-    other = _worker(loaded, kernels=level_kernels)
+    other = _worker(loaded, kernels=level_kernels, dtype=dtype_name)
     looped = ModelRunner(other.model, LayerByLayer(loaded.config, other.kv_cache, other.kernels.ops), ())
     gen = torch.Generator().manual_seed(3)
     seqs = {name: [int(t) for t in torch.randint(3, 49152, (n,), generator=gen)]
-            for name, n in (("a", 3), ("b", 17), ("c", 9), ("d", 6))}
+            for name, n in (("a", 3), ("b", 17), ("c", 9), ("d", 6), ("e", 5), ("f", 7))}
     tables = {"a": [0, 1, 2, 3, 4], "b": [20, 6, 7, 8, 9, 10, 11], "c": [12, 13, 14, 15, 16, 17],
-              "d": [21, 22, 23, 24, 25, 26]}
+              "d": [21, 22, 23, 24, 25, 26], "e": [27, 28, 29], "f": [30, 31, 32]}
 
-    def request(name: str, ids: list[int], start: int, spec: int = 0) -> ScheduledRequest:
-        return ScheduledRequest(name, ids, start, tables[name], GREEDY, sample_ids=[name], sample_seeds=[None],
+    def request(name: str, ids: list[int], start: int, spec: int = 0, sampled: bool = True) -> ScheduledRequest:
+        return ScheduledRequest(name, ids, start, tables[name], GREEDY, sample_ids=[name] if sampled else [],
+                                sample_seeds=[None] if sampled else [],
                                 spec_token_ids=ids[len(ids) - spec:] if spec else [])
 
     for runner in (stacked, looped):
-        for name in "abc":
+        for name in "abcef":
             runner.compute_logits([request(name, seqs[name], 0)])
     steps = [[request(name, [seqs[name][-1] + step], len(seqs[name]) + step) for name in "abc"]
              for step in range(3)]
@@ -170,9 +180,14 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, le
     steps.append([request("a", [7], 6), request("c", [8], 12), request("b", [5, 6, 7, 8], 20, spec=3),
                   request("d", seqs["d"][:4], 0)])
     steps.append([request("a", [9], 7), request("d", seqs["d"][4:], 4)])
+    # six decode rows (the int8 activations of more than four rows are shared by the team)
+    steps.append([request("a", [10], 8), request("b", [11], 24), request("c", [12], 13), request("d", [13], 6),
+                  request("e", [14], 5), request("f", [15], 7)])
+    # c samples nothing this step: its row stops after the last attention
+    steps.append([request("a", [16], 9), request("c", [17], 14, sampled=False), request("e", [18], 6)])
     for step, reqs in enumerate(steps):
         _, ours = stacked.compute_logits(reqs)
         _, ref = looped.compute_logits(reqs)
         assert ours.shape == ref.shape
         assert torch.equal(ours, ref), f"step {step}: max diff {(ours - ref).abs().max().item()}"
-    assert len(calls) == 3 + len(steps)
+    assert len(calls) == 5 + len(steps)

@@ -14,14 +14,17 @@ from kvmosaic.model.layers.attention import AttentionMetadata
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.model.layers.embedding import TokenEmbedding
 from kvmosaic.model.layers.linear import make_gated, make_linear
-from kvmosaic.model.layers.linear_methods import PackedFloat, fuse_rows
+from kvmosaic.model.layers.linear_methods import PackedFloat, Placement, fuse_rows
 from kvmosaic.model.layers.norm import RMSNorm
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.ops import Kernels
+from kvmosaic.ops.memory import WeightArena
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], index: int, kernels: Kernels) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], index: int, kernels: Kernels,
+                 place: Placement) -> None:
+        """``place`` stores the tensors a step streams (the model's weight arena)."""
         super().__init__()
         prefix = f"model.layers.{index}."
         att = prefix + "self_attn."
@@ -31,11 +34,12 @@ class DecoderLayer(nn.Module):
         qkv_bias = None
         if att + "q_proj.bias" in w:
             qkv_bias = torch.cat([w[att + f"{p}_proj.bias"] for p in "qkv"])
-        self.qkv_proj = make_linear(qkv_weight, qkv_bias, kernels)
-        self.o_proj = make_linear(w[att + "o_proj.weight"], kernels=kernels)
+        # made in the order a step reads them, so they follow each other in the arena
+        self.qkv_proj = make_linear(qkv_weight, qkv_bias, kernels, place)
+        self.o_proj = make_linear(w[att + "o_proj.weight"], kernels=kernels, place=place)
         mlp = prefix + "mlp."
-        self.gate_up_proj = make_gated(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"], kernels, dtype)
-        self.down_proj = make_linear(w[mlp + "down_proj.weight"], kernels=kernels)
+        self.gate_up_proj = make_gated(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"], kernels, dtype, place)
+        self.down_proj = make_linear(w[mlp + "down_proj.weight"], kernels=kernels, place=place)
         self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps,
                                                 kernels)
@@ -82,11 +86,13 @@ class LlamaForCausalLM(nn.Module):
                  max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, kernels) for i in range(cfg.num_hidden_layers))
+        arena = WeightArena()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, kernels, arena.place)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, kernels)
         table = weights["model.embed_tokens.weight"]
         head = table if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = make_linear(head, kernels=kernels)
+        self.lm_head = make_linear(head, kernels=kernels, place=arena.place)
         # a quantized table tied to the head is read through the head's weight (no second copy)
         tied = cfg.tie_word_embeddings and not isinstance(table, torch.Tensor)
         self.embed_tokens = TokenEmbedding(self.lm_head.method if tied else table, self.norm.weight.dtype)

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from kvmosaic.model.layers.activation import silu_and_mul
-from kvmosaic.model.layers.linear_methods import LinearMethod, Weight, gated_method, linear_method
+from kvmosaic.model.layers.linear_methods import LinearMethod, Placement, Weight, gated_method, linear_method
 from kvmosaic.ops import NO_KERNELS, Kernels
+from kvmosaic.ops.memory import to_huge
 
 
 class Linear(nn.Module):
@@ -65,11 +66,12 @@ class GatedProjection(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.method.name}"
 
 
-def make_linear(weight: Weight, bias: torch.Tensor | None = None, kernels: Kernels = NO_KERNELS) -> Linear:
-    """A Linear in the format ``weight`` and ``kernels`` call for."""
-    return Linear(linear_method(weight, bias, kernels))
+def make_linear(weight: Weight, bias: torch.Tensor | None = None, kernels: Kernels = NO_KERNELS,
+                place: Placement = to_huge) -> Linear:
+    """A Linear in the format ``weight`` and ``kernels`` call for; ``place`` stores what the kernels stream."""
+    return Linear(linear_method(weight, bias, kernels, place))
 
 
-def make_gated(gate: Weight, up: Weight, kernels: Kernels = NO_KERNELS,
-               dtype: torch.dtype = torch.float32) -> GatedProjection:
-    return GatedProjection(gated_method(gate, up, kernels, dtype), kernels.ops)
+def make_gated(gate: Weight, up: Weight, kernels: Kernels = NO_KERNELS, dtype: torch.dtype = torch.float32,
+               place: Placement = to_huge) -> GatedProjection:
+    return GatedProjection(gated_method(gate, up, kernels, dtype, place), kernels.ops)

@@ -14,6 +14,7 @@ tensors where a format has none), or None when the method does not run inside it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Protocol
 
@@ -26,6 +27,9 @@ from kvmosaic.quant import weights as qw
 from kvmosaic.quant.qmatmul import quantized_linear_reference
 
 _NONE = torch.empty(0)
+
+# Where a method keeps the tensors a step streams (a WeightArena's place, or a copy in huge pages).
+Placement = Callable[[torch.Tensor], torch.Tensor]
 
 
 class LinearMethod(Protocol):
@@ -66,12 +70,13 @@ class DenseFloat:
 class PackedFloat:
     name = "packed"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType, swiglu: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType, swiglu: bool = False,
+                 place: Placement = to_huge) -> None:
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0] // 2 if swiglu else weight.shape[0]
         self.fuses_swiglu = swiglu
         pack = ops.pack_swiglu_weight if swiglu else ops.pack_linear_weight
-        self.packed = to_huge(pack(weight))  # streamed whole every decode step
+        self.packed = place(pack(weight))  # streamed whole every decode step
         self.bias = None if bias is None else bias.float().contiguous()
         self._kernel = ops.packed_swiglu if swiglu else ops.packed_linear
 
@@ -85,12 +90,14 @@ class PackedFloat:
 class QuantizedKernel:
     fuses_swiglu = False
 
-    def __init__(self, weight: qw.QuantizedWeight, bias: torch.Tensor | None, ops: ModuleType) -> None:
+    def __init__(self, weight: qw.QuantizedWeight, bias: torch.Tensor | None, ops: ModuleType,
+                 place: Placement = to_huge) -> None:
         self.out_features, self.in_features = weight.shape
         self.name = weight.source.lower()
-        self.weight = qw.interleave(weight)
-        self.codes = to_huge(self.weight.codes)
-        self.scale, self.min = self.weight.scale, self.weight.min
+        w = qw.interleave(weight)
+        self.weight = qw.InterleavedWeight(place(w.codes), place(w.scale), None if w.min is None else place(w.min),
+                                           w.source)
+        self.codes, self.scale, self.min = self.weight.codes, self.weight.scale, self.weight.min
         self.bias = None if bias is None else bias.float().contiguous()
         self._kernel = ops.quantized_linear
 
@@ -137,17 +144,19 @@ def _quantized_kernel_ok(weight: qw.QuantizedWeight, kernels: Kernels) -> bool:
     return kernels.has("quantized_linear") and weight.shape[0] % qw.COLUMNS == 0
 
 
-def linear_method(weight: Weight, bias: torch.Tensor | None, kernels: Kernels) -> LinearMethod:
-    """The format a [N, K] weight runs in with these kernels."""
+def linear_method(weight: Weight, bias: torch.Tensor | None, kernels: Kernels,
+                  place: Placement = to_huge) -> LinearMethod:
+    """The format a [N, K] weight runs in with these kernels; ``place`` stores what the kernels stream."""
     if isinstance(weight, qw.QuantizedWeight):
         if _quantized_kernel_ok(weight, kernels):
-            return QuantizedKernel(weight, bias, kernels.ops)
+            return QuantizedKernel(weight, bias, kernels.ops, place)
         return QuantizedReference(weight, bias)
     ops = _float_ops(weight, kernels)
-    return PackedFloat(weight, bias, ops) if ops is not None else DenseFloat(weight, bias)
+    return PackedFloat(weight, bias, ops, place=place) if ops is not None else DenseFloat(weight, bias)
 
 
-def gated_method(gate: Weight, up: Weight, kernels: Kernels, dtype: torch.dtype = torch.float32) -> LinearMethod:
+def gated_method(gate: Weight, up: Weight, kernels: Kernels, dtype: torch.dtype = torch.float32,
+                 place: Placement = to_huge) -> LinearMethod:
     """The format of a fused [2F, K] gate/up projection; ``fuses_swiglu`` says whether its output is
     already silu(gate) * up or still (gate | up)."""
     if tuple(gate.shape) != tuple(up.shape):
@@ -157,8 +166,8 @@ def gated_method(gate: Weight, up: Weight, kernels: Kernels, dtype: torch.dtype 
         ops = _float_ops(fused, kernels)
         if ops is not None and kernels.has("packed_swiglu") and ops.packed_swiglu_supports(
                 fused.dtype, gate.shape[0], gate.shape[1]):
-            return PackedFloat(fused, None, ops, swiglu=True)
-    return linear_method(fused, None, kernels)
+            return PackedFloat(fused, None, ops, swiglu=True, place=place)
+    return linear_method(fused, None, kernels, place)
 
 
 def fuse_rows(weights: list[Weight], dtype: torch.dtype = torch.float32) -> Weight:

@@ -1,6 +1,7 @@
 // Decode attention over the paged float KV cache, read in place (no gather copy): one query token
 // per sequence, an online softmax in one pass over the context.
 #include "ops_common.h"
+#include "stack_kernels.h"
 #include "vec.h"
 
 namespace {
@@ -18,19 +19,14 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
 }
 
 
+// Work item = one KV head of one sequence, with its query heads.
 template <typename T>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
-                           double scale) {
-  const int64_t d = q.size(2);
-  const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr] =
-      decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
+void generic_items(const DecodeBatch<T>& db, float fscale, int64_t begin, int64_t end) {
+  const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr, d] = db;
   const int64_t slot_stride = hk * d;
-  const float fscale = static_cast<float>(scale);
   int64_t max_ctx = 0;
-  for (int64_t b = 0; b < batch; ++b) max_ctx = std::max(max_ctx, lens[b]);
-
-  at::parallel_for(0, batch * hk, 1, [&](int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) max_ctx = std::max(max_ctx, lens[item / hk]);
+  {
     std::vector<float> qf(group * d), acc(group * d), row(d), scores(group * max_ctx);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / hk, h = item % hk;
@@ -81,7 +77,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         for (int64_t i = 0; i < d; ++i) store(dst + i, acc[g * d + i]);
       }
     }
-  });
+  }
 }
 
 // One query head held in registers; dot() returns the lane-wise partial products of q . k for one
@@ -169,20 +165,15 @@ inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t sl
 // sixteen tokens at a time, with the next sixteen prefetched. With fewer sequences than threads
 // (single-stream decode) a work item is one KV head of a sequence, so every thread has work.
 template <typename T, int NC>
-void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
-                          double scale) {
+void vec_items(const DecodeBatch<T>& db, float scale, int64_t parts, int64_t begin, int64_t end) {
   constexpr int64_t D = NC * 16;
-  const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr] =
-      decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
+  const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr, head_dim] = db;
   const int64_t slot_stride = hk * D;
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
   const int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));  // one KV head of a slot
-  const vec::F16 vscale = vec::F16::set1(static_cast<float>(scale));
-
-  const int64_t parts = batch < at::get_num_threads() ? hk : 1;  // work items per sequence
+  const vec::F16 vscale = vec::F16::set1(scale);
   const int64_t part_heads = hk / parts;
-  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
+  {
     std::vector<QueryDot<T, NC>> qd(hq);
     std::vector<vec::F16> part(group * 16), acc(hq * NC);
     std::vector<vec::OnlineSoftmax> softmax(hq);
@@ -273,17 +264,46 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const 
         for (int c = 0; c < NC; ++c) (acc[h * NC + c] * inv).store(o_ptr + (b * hq + h) * D + c * 16);
       }
     }
-  });
+  }
 }
 
-// Dispatch: the register-blocked kernel for head_dim 64 / 128, the generic loop otherwise.
+}  // namespace
+
+namespace kvops {
+
+// The register-blocked kernel takes head_dim 64 / 128 and, with fewer sequences than threads
+// (single-stream decode), splits a sequence into one item per KV head so every thread has work;
+// other head sizes take the generic loop, one item per KV head.
+AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads) {
+  const bool registers = head_dim == 64 || head_dim == 128;
+  const int64_t parts = !registers || batch < threads ? hk : 1;
+  return {batch * parts, parts};
+}
+
+template <typename T>
+void decode_attention_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work, int64_t i0,
+                            int64_t i1) {
+  const float fscale = static_cast<float>(scale);
+  if (db.head_dim == 64) return vec_items<T, 4>(db, fscale, work.parts, i0, i1);
+  if (db.head_dim == 128) return vec_items<T, 8>(db, fscale, work.parts, i0, i1);
+  generic_items<T>(db, fscale, i0, i1);
+}
+
+template void decode_attention_items<float>(const DecodeBatch<float>&, double, const AttentionWork&, int64_t,
+                                            int64_t);
+template void decode_attention_items<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, double, const AttentionWork&,
+                                                    int64_t, int64_t);
+
+}  // namespace kvops
+
+namespace {
+
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
-  const int64_t d = q.size(2);
-  if (d == 64) return decode_attention_vec<T, 4>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
-  if (d == 128) return decode_attention_vec<T, 8>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
-  decode_attention_impl<T>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+  const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
+  const AttentionWork work = decode_attention_work(db.batch, db.hk, db.head_dim, at::get_num_threads());
+  at::parallel_for(0, work.items, 1, [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, i0, i1); });
 }
 
 }  // namespace

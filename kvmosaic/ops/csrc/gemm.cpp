@@ -9,50 +9,47 @@
 // halves of 32 outputs and only silu(gate) * up leaves the registers.
 #include "ops_common.h"
 #include "gemm_kernel.h"
+#include "stack_kernels.h"
 
 namespace {
 
 using namespace kvops::gemm;
+using kvops::PackedWeight;
 
 constexpr int64_t kSlabRows = 128;  // activation rows per pass over the weights
 constexpr int64_t kSwiGLUGroup = 4;  // blocks per gate/up group of the SwiGLU packing
 
 template <typename T, bool kSwiGLU>
-void gemm_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out) {
+void panels_of(const PackedWeight& pw, const T* xp, int64_t m, T* op, int64_t p0, int64_t p1) {
   using Tile = Tiles<T, kSwiGLU>;
   constexpr int64_t kPanel = kSwiGLU ? kSwiGLUGroup : Tile::kPanel;  // blocks per work item
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  const int64_t k = pw.k, n = pw.width();
   const int64_t steps = k / Step<T>::kPack;
   const int64_t block_stride = k * kBlock;
-  const int64_t blocks = packed.size(0);
-  const int64_t panels = (blocks + kPanel - 1) / kPanel;
+  const int64_t blocks = pw.blocks;
   const int64_t panel_cols = kSwiGLU ? kPanel * kBlock / 2 : kPanel * kBlock;  // output columns per panel
-  const T* xp = x.data_ptr<T>();
-  const T* wp = packed.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += kSlabRows) {
-      const int64_t r1 = std::min(m, r0 + kSlabRows);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t b0 = p * kPanel;
-        const int64_t nb = std::min<int64_t>(kPanel, blocks - b0);
-        const T* w = wp + b0 * block_stride;
-        const float* bb = bias != nullptr ? bias + b0 * kBlock : nullptr;
-        const T* next = p + 1 < end ? w + kPanel * block_stride : nullptr;
-        for (int64_t r = r0; r < r1; r += Tile::kRows) {
-          const int64_t mr = std::min<int64_t>(Tile::kRows, r1 - r);
-          const T* xr = xp + r * k;
-          T* o = op + r * n + p * panel_cols;
-          const T* pf = r == r0 ? next : nullptr;
-          if constexpr (kSwiGLU) {  // whole groups only: packing checks the width
-            swiglu_group<T>(mr, xr, k, w, block_stride, steps, o, n, pf);
-          } else {
-            plain_tile<T, Tile::kPanel>(nb, mr, xr, k, w, block_stride, steps, o, n, bb, pf);
-          }
+  const T* wp = static_cast<const T*>(pw.data);
+  for (int64_t r0 = 0; r0 < m; r0 += kSlabRows) {
+    const int64_t r1 = std::min(m, r0 + kSlabRows);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b0 = p * kPanel;
+      const int64_t nb = std::min<int64_t>(kPanel, blocks - b0);
+      const T* w = wp + b0 * block_stride;
+      const float* bb = pw.bias != nullptr ? pw.bias + b0 * kBlock : nullptr;
+      const T* next = p + 1 < p1 ? w + kPanel * block_stride : nullptr;
+      for (int64_t r = r0; r < r1; r += Tile::kRows) {
+        const int64_t mr = std::min<int64_t>(Tile::kRows, r1 - r);
+        const T* xr = xp + r * k;
+        T* o = op + r * n + p * panel_cols;
+        const T* pf = r == r0 ? next : nullptr;
+        if constexpr (kSwiGLU) {  // whole groups only: packing checks the width
+          swiglu_group<T>(mr, xr, k, w, block_stride, steps, o, n, pf);
+        } else {
+          plain_tile<T, Tile::kPanel>(nb, mr, xr, k, w, block_stride, steps, o, n, bb, pf);
         }
       }
     }
-  });
+  }
 }
 
 bool gemm_supported(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16; }
@@ -60,6 +57,30 @@ bool gemm_supported(at::ScalarType dtype) { return dtype == at::kFloat || dtype 
 int64_t pack_of(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
 
 }  // namespace
+
+namespace kvops {
+
+int64_t PackedWeight::panels() const {
+  const int64_t per_panel = swiglu ? kSwiGLUGroup : Tiles<float, false>::kPanel;  // the same for bf16
+  return (blocks + per_panel - 1) / per_panel;
+}
+
+int64_t PackedWeight::width() const { return swiglu ? blocks * kBlock / 2 : blocks * kBlock; }
+
+PackedWeight PackedWeight::of(const at::Tensor& packed, bool swiglu, const float* bias) {
+  return {packed.data_ptr(), packed.size(0), packed.size(1) / kBlock, swiglu, bias};
+}
+
+template <typename T>
+void packed_panels(const PackedWeight& w, const T* x, int64_t m, T* out, int64_t p0, int64_t p1) {
+  if (w.swiglu) panels_of<T, true>(w, x, m, out, p0, p1);
+  else panels_of<T, false>(w, x, m, out, p0, p1);
+}
+
+template void packed_panels<float>(const PackedWeight&, const float*, int64_t, float*, int64_t, int64_t);
+template void packed_panels<bf16>(const PackedWeight&, const bf16*, int64_t, bf16*, int64_t, int64_t);
+
+}  // namespace kvops
 
 bool packed_linear_supports(at::ScalarType dtype, int64_t out_features, int64_t in_features) {
   return gemm_supported(dtype) && out_features % kBlock == 0 && in_features % pack_of(dtype) == 0;
@@ -106,12 +127,16 @@ at::Tensor run_packed(const at::Tensor& x, const at::Tensor& packed, const float
   auto xc = x.contiguous();
   auto out = at::empty({x.size(0), width}, x.options());
   if (x.size(0) == 0) return out;
+  const PackedWeight w = PackedWeight::of(packed, swiglu, bias);
+  const int64_t m = x.size(0);
   if (x.scalar_type() == at::kFloat) {
-    if (swiglu) gemm_impl<float, true>(xc, packed, bias, out);
-    else gemm_impl<float, false>(xc, packed, bias, out);
+    const float* xp = xc.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, w.panels(), 1, [&](int64_t p0, int64_t p1) { kvops::packed_panels(w, xp, m, op, p0, p1); });
   } else {
-    if (swiglu) gemm_impl<c10::BFloat16, true>(xc, packed, bias, out);
-    else gemm_impl<c10::BFloat16, false>(xc, packed, bias, out);
+    const bf16* xp = xc.data_ptr<bf16>();
+    bf16* op = out.data_ptr<bf16>();
+    at::parallel_for(0, w.panels(), 1, [&](int64_t p0, int64_t p1) { kvops::packed_panels(w, xp, m, op, p0, p1); });
   }
   return out;
 }

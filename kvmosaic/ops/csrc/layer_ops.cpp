@@ -1,13 +1,17 @@
 // Per-layer kernels around attention: rotary + KV-cache write, residual add + RMSNorm,
 // SiLU-and-mul. Float32 and bfloat16; arithmetic in float32.
 #include "ops_common.h"
+#include "stack_kernels.h"
 #include "vec.h"
 
 namespace {
 
 using namespace kvops;
 namespace vec = kvmosaic_vec;
+using vec::bf16;
 using vec::F16;
+
+constexpr int64_t kSiluChunk = 256;  // columns per SiLU work item
 
 // Rotate one head vector (HF "rotate half" layout) into dst.
 template <typename T>
@@ -27,120 +31,108 @@ inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin
   }
 }
 
-template <typename T>
-void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
-                         const at::Tensor& sin_table, at::Tensor& k_cache, at::Tensor& v_cache,
-                         const at::Tensor& slot_mapping, at::Tensor& q_out, int64_t hq, int64_t hk) {
-  const int64_t n = qkv.size(0);
-  const int64_t d = q_out.size(2);
-  const int64_t half = d / 2;
-  const int64_t row_stride = qkv.stride(0);
-  const T* qkv_ptr = qkv.data_ptr<T>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const float* cos_ptr = cos_table.data_ptr<float>();
-  const float* sin_ptr = sin_table.data_ptr<float>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
-  T* qo = q_out.data_ptr<T>();
-  const int64_t slot_stride = hk * d;  // cache viewed as [slots, hk, d]
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* row = qkv_ptr + t * row_stride;
-      const float* c = cos_ptr + pos[t] * half;
-      const float* s = sin_ptr + pos[t] * half;
-      for (int64_t h = 0; h < hq; ++h) rotate_head(row + h * d, qo + (t * hq + h) * d, c, s, half);
-      T* kdst = kc + slots[t] * slot_stride;
-      T* vdst = vc + slots[t] * slot_stride;
-      const T* ksrc = row + hq * d;
-      const T* vsrc = ksrc + hk * d;
-      for (int64_t h = 0; h < hk; ++h) rotate_head(ksrc + h * d, kdst + h * d, c, s, half);
-      std::memcpy(vdst, vsrc, sizeof(T) * hk * d);
-    }
-  });
-}
-
-template <typename T>
-void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, at::Tensor& out,
-                       double eps, bool has_delta) {
-  const int64_t n = residual.size(0), h = residual.size(1);
-  T* res = residual.data_ptr<T>();
-  const T* dl = has_delta ? delta.data_ptr<T>() : nullptr;
-  const T* w = weight.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(h);
-    for (int64_t t = begin; t < end; ++t) {
-      T* r = res + t * h;
-      if (h % 16 == 0) {  // the same roundings as below, 16 lanes at a time
-        F16 sq16 = F16::zero();
-        for (int64_t i = 0; i < h; i += 16) {
-          F16 x = F16::load(r + i);
-          if (dl) {
-            x = vec::round_to<T>(x + F16::load(dl + t * h + i));
-            x.store(r + i);
-          }
-          x.store(row.data() + i);
-          sq16 = vec::fma(x, x, sq16);
-        }
-        const float inv = 1.f / std::sqrt(sq16.reduce_add() / static_cast<float>(h) + static_cast<float>(eps));
-        const F16 vinv = F16::set1(inv);
-        for (int64_t i = 0; i < h; i += 16) {
-          const F16 normed = vec::round_to<T>(F16::load(row.data() + i) * vinv);
-          (F16::load(w + i) * normed).store(o + t * h + i);
-        }
-        continue;
-      }
-      float sq = 0.f;
-      for (int64_t i = 0; i < h; ++i) {
-        float x = to_float(r[i]);
-        if (dl) {
-          // round the sum to the activation dtype first, as the unfused residual add would
-          x = to_float(static_cast<T>(x + to_float(dl[t * h + i])));
-          r[i] = static_cast<T>(x);
-        }
-        row[i] = x;
-        sq += x * x;
-      }
-      const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + static_cast<float>(eps));
-      for (int64_t i = 0; i < h; ++i) {
-        // normalize in float, round to the activation dtype, then scale (HF order)
-        const float normed = to_float(static_cast<T>(row[i] * inv));
-        store(o + t * h + i, to_float(w[i]) * normed);
-      }
-    }
-  });
-}
-
-
-// silu(gate) * up for a fused [N, 2F] (gate | up) projection in one pass. silu is rounded to the
-// activation dtype before the product, as the two-op PyTorch path does.
-template <typename T>
-void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
-  const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2;
-  const T* src = gate_up.data_ptr<T>();
-  T* dst = out.data_ptr<T>();
-  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* gate = src + t * 2 * f;
-      const T* up = gate + f;
-      T* o = dst + t * f;
-      int64_t i = 0;
-      for (; i + 16 <= f; i += 16) {
-        const F16 g = F16::load(gate + i);
-        const F16 silu = vec::round_to<T>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g)));
-        (silu * F16::load(up + i)).store(o + i);
-      }
-      for (; i < f; ++i) {
-        const float g = to_float(gate[i]);
-        const float silu = to_float(static_cast<T>(g / (1.f + std::exp(-g))));
-        store(o + i, silu * to_float(up[i]));
-      }
-    }
-  });
-}
-
 }  // namespace
+
+namespace kvops {
+
+template <typename T>
+void rope_items(const RopeStep<T>& r, int64_t i0, int64_t i1) {
+  const int64_t d = r.head_dim, half = d / 2, heads = r.hq + r.hk;
+  const int64_t slot_stride = r.hk * d;  // cache viewed as [slots, hk, d]
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t t = item / heads, h = item % heads;
+    const T* row = r.qkv + t * r.row_stride;
+    const float* c = r.cos + r.positions[t] * half;
+    const float* s = r.sin + r.positions[t] * half;
+    if (h < r.hq) {
+      rotate_head(row + h * d, r.q_out + (t * r.hq + h) * d, c, s, half);
+      continue;
+    }
+    const int64_t kh = h - r.hq;  // a K head is rotated into its slot, its V head copied next to it
+    const T* ksrc = row + (r.hq + kh) * d;
+    rotate_head(ksrc, r.k_cache + r.slots[t] * slot_stride + kh * d, c, s, half);
+    std::memcpy(r.v_cache + r.slots[t] * slot_stride + kh * d, ksrc + r.hk * d, sizeof(T) * d);
+  }
+}
+
+template <typename T>
+void norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t h, float eps, int64_t r0, int64_t r1) {
+  std::vector<float> row(h);
+  for (int64_t t = r0; t < r1; ++t) {
+    T* r = residual + t * h;
+    const T* dl = delta != nullptr ? delta + t * h : nullptr;
+    T* o = out + t * h;
+    if (h % 16 == 0) {  // the same roundings as below, 16 lanes at a time
+      F16 sq16 = F16::zero();
+      for (int64_t i = 0; i < h; i += 16) {
+        F16 x = F16::load(r + i);
+        if (dl) {
+          x = vec::round_to<T>(x + F16::load(dl + i));
+          x.store(r + i);
+        }
+        x.store(row.data() + i);
+        sq16 = vec::fma(x, x, sq16);
+      }
+      const float inv = 1.f / std::sqrt(sq16.reduce_add() / static_cast<float>(h) + eps);
+      const F16 vinv = F16::set1(inv);
+      for (int64_t i = 0; i < h; i += 16) {
+        const F16 normed = vec::round_to<T>(F16::load(row.data() + i) * vinv);
+        (F16::load(weight + i) * normed).store(o + i);
+      }
+      continue;
+    }
+    float sq = 0.f;
+    for (int64_t i = 0; i < h; ++i) {
+      float x = to_float(r[i]);
+      if (dl) {
+        // round the sum to the activation dtype first, as the unfused residual add would
+        x = to_float(static_cast<T>(x + to_float(dl[i])));
+        r[i] = static_cast<T>(x);
+      }
+      row[i] = x;
+      sq += x * x;
+    }
+    const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + eps);
+    for (int64_t i = 0; i < h; ++i) {
+      // normalize in float, round to the activation dtype, then scale (HF order)
+      const float normed = to_float(static_cast<T>(row[i] * inv));
+      store(o + i, to_float(weight[i]) * normed);
+    }
+  }
+}
+
+template <typename T>
+void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1) {
+  const int64_t chunks = (f + kSiluChunk - 1) / kSiluChunk;
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t t = item / chunks, c0 = item % chunks * kSiluChunk, c1 = std::min(f, c0 + kSiluChunk);
+    const T* gate = gate_up + t * 2 * f;
+    const T* up = gate + f;
+    T* o = out + t * f;
+    int64_t i = c0;
+    for (; i + 16 <= c1; i += 16) {
+      const F16 g = F16::load(gate + i);
+      const F16 silu = vec::round_to<T>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g)));
+      (silu * F16::load(up + i)).store(o + i);
+    }
+    for (; i < c1; ++i) {
+      const float g = to_float(gate[i]);
+      const float silu = to_float(static_cast<T>(g / (1.f + std::exp(-g))));
+      store(o + i, silu * to_float(up[i]));
+    }
+  }
+}
+
+int64_t silu_work(int64_t rows, int64_t f) { return rows * ((f + kSiluChunk - 1) / kSiluChunk); }
+
+template void rope_items<float>(const RopeStep<float>&, int64_t, int64_t);
+template void rope_items<bf16>(const RopeStep<bf16>&, int64_t, int64_t);
+template void norm_rows<float>(float*, const float*, const float*, float*, int64_t, float, int64_t, int64_t);
+template void norm_rows<bf16>(bf16*, const bf16*, const bf16*, bf16*, int64_t, float, int64_t, int64_t);
+template void silu_items<float>(const float*, int64_t, float*, int64_t, int64_t);
+template void silu_items<bf16>(const bf16*, int64_t, bf16*, int64_t, int64_t);
+
+}  // namespace kvops
 
 using namespace kvops;
 
@@ -159,13 +151,18 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, co
   auto q_out = at::empty({qkv.size(0), hq, d}, qkv.options());
   auto pos = positions.contiguous();
   auto slots = slot_mapping.contiguous();
-  if (qkv.scalar_type() == at::kFloat) {
-    rope_and_cache_impl<float>(qkv, pos, cos_table, sin_table, k_cache, v_cache, slots, q_out, hq, hk);
-  } else if (qkv.scalar_type() == at::kBFloat16) {
-    rope_and_cache_impl<c10::BFloat16>(qkv, pos, cos_table, sin_table, k_cache, v_cache, slots, q_out, hq, hk);
-  } else {
-    TORCH_CHECK(false, "rope_and_cache supports float32 and bfloat16");
-  }
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "rope_and_cache supports float32 and bfloat16");
+  const int64_t heads = hq + hk;
+  auto run = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    const RopeStep<T> step{qkv.data_ptr<T>(), qkv.stride(0), pos.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                           cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), k_cache.data_ptr<T>(),
+                           v_cache.data_ptr<T>(), q_out.data_ptr<T>(), hq, hk, d};
+    at::parallel_for(0, qkv.size(0) * heads, 16 * heads, [&](int64_t i0, int64_t i1) { rope_items(step, i0, i1); });
+  };
+  if (qkv.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
+  else run(static_cast<bf16*>(nullptr));
   return q_out;
 }
 
@@ -179,15 +176,23 @@ at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& de
     d = delta->contiguous();
     TORCH_CHECK(d.sizes() == residual.sizes() && d.scalar_type() == residual.scalar_type(), "delta mismatch");
   }
+  TORCH_CHECK(residual.scalar_type() == at::kFloat || residual.scalar_type() == at::kBFloat16,
+              "add_rms_norm supports float32 and bfloat16");
   auto out = at::empty_like(residual);
   auto w = weight.contiguous();
-  if (residual.scalar_type() == at::kFloat) {
-    add_rms_norm_impl<float>(residual, d, w, out, eps, delta.has_value());
-  } else if (residual.scalar_type() == at::kBFloat16) {
-    add_rms_norm_impl<c10::BFloat16>(residual, d, w, out, eps, delta.has_value());
-  } else {
-    TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16");
-  }
+  const int64_t h = residual.size(1);
+  auto run = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    T* res = residual.data_ptr<T>();
+    const T* dl = delta.has_value() ? d.data_ptr<T>() : nullptr;
+    const T* wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, residual.size(0), 8, [&](int64_t r0, int64_t r1) {
+      norm_rows(res, dl, wp, op, h, static_cast<float>(eps), r0, r1);
+    });
+  };
+  if (residual.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
+  else run(static_cast<bf16*>(nullptr));
   return out;
 }
 
@@ -195,13 +200,18 @@ at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& de
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul needs [N, 2F]");
   auto src = gate_up.contiguous();
-  auto out = at::empty({src.size(0), src.size(1) / 2}, src.options());
-  if (src.scalar_type() == at::kFloat) {
-    silu_and_mul_impl<float>(src, out);
-  } else if (src.scalar_type() == at::kBFloat16) {
-    silu_and_mul_impl<c10::BFloat16>(src, out);
-  } else {
-    TORCH_CHECK(false, "silu_and_mul supports float32 and bfloat16");
-  }
+  TORCH_CHECK(src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16,
+              "silu_and_mul supports float32 and bfloat16");
+  const int64_t f = src.size(1) / 2;
+  auto out = at::empty({src.size(0), f}, src.options());
+  auto run = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    const T* gu = src.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, silu_work(src.size(0), f), silu_work(4, f),
+                     [&](int64_t i0, int64_t i1) { silu_items(gu, f, op, i0, i1); });
+  };
+  if (src.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
+  else run(static_cast<bf16*>(nullptr));
   return out;
 }

@@ -38,6 +38,7 @@ struct DecodeBatch {
   const int64_t* tables;
   const int64_t* lens;
   T* out;
+  int64_t head_dim;
 };
 
 template <typename T>
@@ -45,7 +46,7 @@ DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out) {
   return {q.size(0), q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), block_tables.size(1), k_cache.size(1),
           q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
-          context_lens.data_ptr<int64_t>(), out.data_ptr<T>()};
+          context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(2)};
 }
 
 }  // namespace kvops

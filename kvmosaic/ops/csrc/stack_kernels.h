@@ -1,0 +1,90 @@
+// The kernels of a decoder layer in their range form: each computes items [begin, end) of its work
+// from raw pointers, with no allocation of tensors and nothing that throws. The ATen entry points run
+// them under at::parallel_for; the layer stack runs them in one team of threads (team.h). Sizes and
+// dtypes are checked by the callers.
+#pragma once
+
+#include "ops_common.h"
+
+namespace kvops {
+
+// ---- linears on packed float weights (gemm.cpp): a work item is a panel of output columns
+struct PackedWeight {
+  const void* data;   // [blocks, K * 16] in the packed layout, float32 or bfloat16 (as the activations)
+  int64_t blocks, k;  // 16-column blocks, input features
+  bool swiglu;        // a packed gate/up pair: silu(gate) * up leaves the product
+  const float* bias;  // [width] or null
+  int64_t panels() const;
+  int64_t width() const;  // output columns
+  static PackedWeight of(const at::Tensor& packed, bool swiglu, const float* bias);
+};
+
+template <typename T>
+void packed_panels(const PackedWeight& w, const T* x, int64_t m, T* out, int64_t p0, int64_t p1);
+
+// ---- linears on quantized weights (qlinear.cpp): a work item is a group of 16 output columns
+struct QuantizedRows {  // m activation rows quantized to int8 per 32 values
+  int8_t* codes;        // [m, K]
+  float* scale;         // [m, K / 32]
+  float* sum;           // [m, K / 32]: scale * sum of the block's codes
+  // the rows' scales and sums in one buffer of m * floats_per_row(k) floats
+  static QuantizedRows over(int8_t* codes, float* floats, int64_t m, int64_t k);
+  static int64_t floats_per_row(int64_t k);
+};
+
+struct QuantizedWeight {
+  const uint8_t* codes;
+  const void* scale;  // float16 or float32 [groups, K / 32, 16]
+  const void* mins;   // the same, q4 only (null for q8)
+  bool half_scales;
+  int64_t k, groups;
+  const float* bias;  // [groups * 16] or null
+  static QuantizedWeight of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* mins,
+                            const float* bias);
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, int64_t r1);
+
+template <typename T>
+void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
+                      int64_t g1);
+
+// ---- per-layer kernels around attention (layer_ops.cpp)
+template <typename T>
+struct RopeStep {  // rotary of q and k of a fused qkv projection, k and v written to their cache slots
+  const T* qkv;
+  int64_t row_stride;
+  const int64_t* positions;
+  const int64_t* slots;
+  const float* cos;
+  const float* sin;
+  T* k_cache;
+  T* v_cache;
+  T* q_out;  // [N, hq, head_dim]
+  int64_t hq, hk, head_dim;
+};
+
+// a work item is one head (q, or k with its v) of one row: N * (hq + hk) items
+template <typename T>
+void rope_items(const RopeStep<T>& step, int64_t i0, int64_t i1);
+
+// rows [r0, r1): residual += delta (when not null), out = rms_norm(residual) * weight
+template <typename T>
+void norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t h, float eps, int64_t r0, int64_t r1);
+
+// silu(gate) * up of [rows, 2F] into [rows, F]; silu_work(rows, F) items of up to 256 columns of a row
+int64_t silu_work(int64_t rows, int64_t f);
+template <typename T>
+void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1);
+
+// ---- decode attention (decode_attention.cpp)
+struct AttentionWork {
+  int64_t items, parts;  // parts: items per sequence
+};
+AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads);
+template <typename T>
+void decode_attention_items(const DecodeBatch<T>& batch, double scale, const AttentionWork& work, int64_t i0,
+                            int64_t i1);
+
+}  // namespace kvops
