@@ -174,3 +174,52 @@ def test_gated_projection_fuses_supported_widths_and_falls_back_otherwise(level_
             torch.testing.assert_close(out.double(), ref, atol=TOL[dtype] * 20, rtol=TOL[dtype] * 5)
     with pytest.raises(ValueError, match="differ in shape"):
         make_gated(torch.zeros(64, 8), torch.zeros(64, 9))
+
+
+def _stack_layer(ops, hidden=32, heads=2, kv_heads=1, head_dim=16, inter=32, dtype=torch.float32):
+    """One decoder layer's 15 tensors in ops.layer_stack's order, float weights packed."""
+    gen = torch.Generator().manual_seed(0)
+    w = lambda n, k: ops.pack_linear_weight(torch.randn(n, k, generator=gen).to(dtype))
+    none = torch.empty(0)
+    qkv = w((heads + 2 * kv_heads) * head_dim, hidden)
+    gate_up = ops.pack_swiglu_weight(torch.randn(2 * inter, hidden, generator=gen).to(dtype))
+    return [torch.ones(hidden, dtype=dtype), qkv, none, none, none, w(hidden, heads * head_dim), none, none,
+            torch.ones(hidden, dtype=dtype), gate_up, none, none, w(hidden, inter), none, none]
+
+
+def test_layer_stack_checks_weights_and_caches_once_with_clear_errors(ops):
+    layer = _stack_layer(ops)
+    weights = ops.StackWeights(layer + layer)
+    assert weights.layers == 2
+    with pytest.raises(RuntimeError, match="15 weights per layer"):
+        ops.StackWeights(layer[:-1])
+    with pytest.raises(RuntimeError, match="norm weight"):
+        ops.StackWeights([torch.ones(7)] + layer[1:])
+    with pytest.raises(RuntimeError, match="wrong shapes"):  # down projection fed the wrong width
+        ops.StackWeights(layer[:12] + [ops.pack_linear_weight(torch.randn(32, 64)), layer[13], layer[14]])
+    bf16_norms = [t.bfloat16() if i in (0, 8) else t for i, t in enumerate(layer)]
+    with pytest.raises(RuntimeError, match="packed float weights"):
+        ops.StackWeights(bf16_norms)
+    cache = torch.zeros(2, 4, 4, 1, 16)
+    caches = ops.StackCaches([cache, cache.clone()])
+    assert caches.layers == 2
+    with pytest.raises(RuntimeError, match="KV caches"):
+        ops.StackCaches([cache, torch.zeros(2, 4, 4, 1, 32)])
+    with pytest.raises(RuntimeError, match="KV caches"):
+        ops.StackCaches([cache.to(torch.float64)])
+    one = torch.zeros(1, dtype=torch.long)
+    rope = torch.zeros(8, 8)
+    args = (one, rope, rope, one, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+            torch.zeros(0, 3, dtype=torch.long), [], None, 2, 1, 1e-5, 0.25)
+    out = ops.layer_stack(torch.randn(1, 32), weights, caches, *args)  # a decode row through both layers
+    assert out[0].shape == (1, 32) and out[1].shape == (1, 32) and torch.isfinite(out[1]).all()
+    with pytest.raises(RuntimeError, match="weights of 2 layers, KV caches of 1"):
+        ops.layer_stack(torch.randn(1, 32), weights, ops.StackCaches([cache]), *args)
+    with pytest.raises(RuntimeError, match="head counts"):
+        ops.layer_stack(torch.randn(1, 32), weights, caches, *args[:-4], 3, 1, 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="dtype and the hidden size"):
+        ops.layer_stack(torch.randn(1, 32).bfloat16(), weights, caches, *args)
+    with pytest.raises(RuntimeError, match="cover every row"):
+        ops.layer_stack(torch.randn(2, 32), weights, caches, *args)
+    with pytest.raises(RuntimeError, match="one per row"):
+        ops.layer_stack(torch.randn(1, 32), weights, caches, torch.zeros(2, dtype=torch.long), *args[1:])

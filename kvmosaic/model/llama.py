@@ -99,11 +99,12 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        # A step can run all layers in one kernel call when every product is packed.
+        # A step can run all layers in one kernel call when every product is packed; the kernels
+        # check and plan the weights once here.
         per_layer = [layer.packed_weights() for layer in self.layers]
         self._packed_weights = None
-        if all(w is not None for w in per_layer):
-            self._packed_weights = [t for w in per_layer for t in w]
+        if kernels.ops is not None and all(w is not None for w in per_layer):
+            self._packed_weights = kernels.ops.StackWeights([t for w in per_layer for t in w])
 
     def _run_layer_stack(self, residual: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata,
                          keep_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:

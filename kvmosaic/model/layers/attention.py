@@ -198,6 +198,7 @@ class KernelAttention(ReferenceAttention):
         super().__init__(model, kv_cache)
         self.ops = ops
         self._spans_on_kernel = ops.prefill_attention_supports(model.head_dim)
+        self._stack_caches = ops.StackCaches(self.layers)  # checked once for every layer_stack call
 
     def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -211,7 +212,7 @@ class KernelAttention(ReferenceAttention):
     def layer_stack(self) -> LayerStack | None:
         return self._layer_stack if hasattr(self.ops, "layer_stack") else None
 
-    def _layer_stack(self, residual: torch.Tensor, weights: list[torch.Tensor], rotary: RotaryEmbedding,
+    def _layer_stack(self, residual: torch.Tensor, weights: object, rotary: RotaryEmbedding,
                      meta: AttentionMetadata, eps: float,
                      keep_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if meta.prefills and not self._spans_on_kernel:
@@ -223,7 +224,7 @@ class KernelAttention(ReferenceAttention):
         if meta.prefills:
             spans = torch.tensor([(p.token_start, p.num_tokens, p.context_len) for p in meta.prefills],
                                  dtype=torch.long)
-        return self.ops.layer_stack(residual, weights, self.layers, meta.positions, rotary.cos, rotary.sin,
+        return self.ops.layer_stack(residual, weights, self._stack_caches, meta.positions, rotary.cos, rotary.sin,
                                     meta.slot_mapping, tables, lens, spans, [p.block_table for p in meta.prefills],
                                     keep_rows, self.num_heads, self.num_kv_heads, eps, self.scale)
 

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from kvmosaic.worker.kv_cache import KVCache
 
 # ops.layer_stack bound to this backend's caches:
-# (residual, weights, rotary, meta, eps, keep_rows) -> (residual, delta), or None when it cannot run the step
+# (residual, weights, rotary, meta, eps, keep_rows) -> (residual, delta), or None when it cannot run the step;
+# weights: the model's ops.StackWeights (its layers' tensors, checked and planned once)
 LayerStack = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
 
 

@@ -3,7 +3,7 @@
 // Float32 and bfloat16; all arithmetic in float32.
 // This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
 // decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
-#include "ops_common.h"
+#include "layer_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding + KV cache write");
@@ -26,6 +26,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_swiglu", &packed_swiglu, "silu(x G^T) * (x U^T) on a packed gate/up weight");
   m.def("quantized_linear", &quantized_linear, "x [M, K] times a q8 / q4 weight in the interleaved layout",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("mins") = py::none(), py::arg("bias") = py::none());
+  py::class_<kvops::StackWeights, std::shared_ptr<kvops::StackWeights>>(
+      m, "StackWeights", "the decoder layers' weights for layer_stack, checked once",
+      py::module_local())  // each ISA level's module has its own
+      .def(py::init<std::vector<at::Tensor>>())
+      .def_property_readonly("layers", &kvops::StackWeights::layers);
+  py::class_<kvops::StackCaches, std::shared_ptr<kvops::StackCaches>>(
+      m, "StackCaches", "the decoder layers' KV caches for layer_stack, checked once", py::module_local())
+      .def(py::init<std::vector<at::Tensor>>())
+      .def_property_readonly("layers", &kvops::StackCaches::layers);
   m.def("layer_stack", &layer_stack, "a step (decode rows, then spans) through all decoder layers (packed weights)");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));

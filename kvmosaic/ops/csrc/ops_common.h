@@ -67,14 +67,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 bool packed_swiglu_supports(at::ScalarType dtype, int64_t intermediate, int64_t in_features);
 at::Tensor pack_swiglu_weight(const at::Tensor& gate_up);
 at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed);
-std::vector<at::Tensor> layer_stack(at::Tensor residual, const std::vector<at::Tensor>& weights,
-                                    const std::vector<at::Tensor>& kv_caches, const at::Tensor& positions,
-                                    const at::Tensor& cos_table, const at::Tensor& sin_table,
-                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                    const at::Tensor& context_lens, const at::Tensor& spans,
-                                    const std::vector<at::Tensor>& span_tables,
-                                    const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps,
-                                    double scale);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // qlinear.cpp: linears on quantized (q8 / q4) weights in the interleaved layout of kvmosaic/quant/weights.py.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,

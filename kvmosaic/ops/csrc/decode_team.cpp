@@ -1,0 +1,272 @@
+// A step of decode rows only runs every layer in one team of threads (team.h): the kernels of a
+// layer in their range form (stack_kernels.h) with a barrier between them, and buffers allocated
+// once per step. Each work item computes what the ATen path computes, so the results are bit for bit
+// those of the per-kernel calls. Also: the checks and plans of StackWeights and StackCaches.
+#include "layer_stack.h"
+#include "team.h"
+
+namespace kvops {
+
+namespace {
+
+constexpr int64_t kPrivateRows = 4;  // up to this many rows, each thread quantizes a linear's input itself
+
+StackLinear stack_linear(const at::Tensor* w, const float* bias, bool swiglu) {
+  if (w[1].numel() == 0) {
+    const PackedWeight p = PackedWeight::of(w[0], swiglu, bias);
+    return {false, p, {}, p.k, p.width()};
+  }
+  const QuantizedWeight q = QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, bias);
+  return {true, {}, q, q.k, q.groups * 16};
+}
+
+void check_linear(const at::Tensor* w, at::ScalarType dtype) {
+  if (w[1].numel() == 0) {
+    TORCH_CHECK(w[0].scalar_type() == dtype && w[0].is_contiguous() && w[0].dim() == 2 && w[0].size(1) % 16 == 0,
+                "layer_stack: packed float weights must be in the norms' dtype");
+    return;
+  }
+  const bool q4 = w[0].scalar_type() == at::kByte;
+  const at::Tensor& scale = w[1];
+  TORCH_CHECK((q4 || w[0].scalar_type() == at::kChar) && w[0].is_contiguous() && scale.dim() == 3 &&
+                  scale.size(2) == 16 && scale.is_contiguous() &&
+                  (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat) &&
+                  w[0].numel() == scale.numel() * 32 / (q4 ? 2 : 1) && q4 == (w[2].numel() > 0) &&
+                  (!q4 || (w[2].sizes() == scale.sizes() && w[2].scalar_type() == scale.scalar_type() &&
+                           w[2].is_contiguous())),
+              "layer_stack: a quantized weight is not in the interleaved layout");
+}
+
+// The int8 activations of a quantized linear: one copy per thread when every thread quantizes the
+// (few) rows itself, else one shared copy that the threads fill row by row.
+class QuantScratch {
+ public:
+  QuantScratch(int64_t rows, int64_t width, int copies)
+      : rows_(rows), width_(width), codes_(copies * rows * width),
+        floats_(copies * rows * QuantizedRows::floats_per_row(width)) {}
+  QuantizedRows rows_for(const Team& team, int64_t m, int64_t k, bool private_copy) {
+    const int64_t copy = private_copy ? team.id() : 0;
+    return QuantizedRows::over(codes_.data() + copy * rows_ * width_,
+                               floats_.data() + copy * rows_ * QuantizedRows::floats_per_row(width_), m, k);
+  }
+
+ private:
+  int64_t rows_, width_;
+  std::vector<int8_t> codes_;
+  std::vector<float> floats_;
+};
+
+// x [m, in] times the linear into out [m, out]; the caller syncs before reading out.
+template <typename T>
+void team_linear(const Team& team, const StackLinear& l, const T* x, int64_t m, T* out, QuantScratch& scratch) {
+  if (!l.quantized) {
+    const Share s = team.share(l.packed.panels());
+    packed_panels(l.packed, x, m, out, s.begin, s.end);
+    return;
+  }
+  const bool private_copy = m <= kPrivateRows;
+  const QuantizedRows rows = scratch.rows_for(team, m, l.in, private_copy);
+  if (private_copy) {
+    quantize_rows(x, l.in, rows, 0, m);
+  } else {
+    const Share s = team.share(m);
+    quantize_rows(x, l.in, rows, s.begin, s.end);
+    team.sync();
+  }
+  const Share s = team.share(l.quant.groups);
+  quantized_groups(l.quant, rows, m, out, l.out, s.begin, s.end);
+}
+
+at::Tensor buffer(int64_t rows, int64_t cols, const at::Tensor& like) { return at::empty({rows, cols}, like.options()); }
+
+// The rows that go on past the last attention, or none when they are all rows in order.
+std::vector<int64_t> rows_to_keep(const c10::optional<at::Tensor>& keep_rows, int64_t n, bool* compact) {
+  std::vector<int64_t> keep;
+  *compact = false;
+  if (!keep_rows.has_value()) return keep;
+  const at::Tensor kr = keep_rows->to(at::kLong).contiguous();
+  keep.assign(kr.data_ptr<int64_t>(), kr.data_ptr<int64_t>() + kr.numel());
+  for (size_t j = 0; j < keep.size(); ++j) {
+    TORCH_CHECK(keep[j] >= 0 && keep[j] < n, "layer_stack: keep_rows out of range");
+    *compact = *compact || keep[j] != static_cast<int64_t>(j);
+  }
+  *compact = *compact || static_cast<int64_t>(keep.size()) != n;
+  return keep;
+}
+
+template <typename T>
+std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
+                                        const at::Tensor& positions, const at::Tensor& cos_table,
+                                        const at::Tensor& sin_table, const at::Tensor& slot_mapping,
+                                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                        const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk,
+                                        double eps, double scale) {
+  const int64_t n = residual.size(0), h = residual.size(1), layers = static_cast<int64_t>(weights.layers());
+  const int64_t d = caches.head_dim(), f = weights.intermediate();
+  const bool fused = weights.fused_mlp();
+  bool compact = false;
+  const std::vector<int64_t> keep = rows_to_keep(keep_rows, n, &compact);
+  const int64_t kept = compact ? static_cast<int64_t>(keep.size()) : n;
+
+  at::Tensor normed = buffer(n, h, residual), qkv = buffer(n, (hq + 2 * hk) * d, residual);
+  at::Tensor q = buffer(n, hq * d, residual), attn = buffer(n, hq * d, residual);
+  at::Tensor o = buffer(n, h, residual), act = buffer(n, f, residual), carry = buffer(n, h, residual);
+  at::Tensor gate_up = fused ? at::Tensor() : buffer(n, 2 * f, residual);
+  at::Tensor kept_residual = compact ? buffer(kept, h, residual) : residual;
+  at::Tensor kept_attn = compact ? buffer(kept, hq * d, residual) : attn;
+  QuantScratch scratch(n, weights.widest_input(), n <= kPrivateRows ? at::get_num_threads() : 1);
+
+  T* res = residual.data_ptr<T>();
+  T* normed_p = normed.data_ptr<T>();
+  T* attn_p = attn.data_ptr<T>();
+  T* o_p = o.data_ptr<T>();
+  T* act_p = act.data_ptr<T>();
+  T* carry_p = carry.data_ptr<T>();
+  T* gate_up_p = fused ? nullptr : gate_up.data_ptr<T>();
+  T* kept_res_p = kept_residual.data_ptr<T>();
+  T* kept_attn_p = kept_attn.data_ptr<T>();
+  T* qkv_p = qkv.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  const RopeStep<T> rope{qkv_p, qkv.stride(0), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+                         cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), nullptr, nullptr,
+                         q.data_ptr<T>(), hq, hk, d};
+  const DecodeBatch<T> batch{n, hq, hk, hq / hk, block_tables.size(1), caches.block_size(), q.data_ptr<T>(),
+                             nullptr, nullptr, block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                             attn_p, d};
+
+  run_team([&](const Team& team) {
+    const AttentionWork work = decode_attention_work(n, hk, d, team.size());
+    for (int64_t i = 0; i < layers; ++i) {
+      const StackWeights::Layer& layer = weights.plan()[i];
+      Share s = team.share(n);
+      norm_rows(res, i == 0 ? nullptr : carry_p, static_cast<const T*>(layer.input_norm), normed_p, h, feps,
+                s.begin, s.end);
+      team.sync();
+      team_linear(team, layer.qkv, normed_p, n, qkv_p, scratch);
+      team.sync();
+      RopeStep<T> r = rope;
+      r.k_cache = static_cast<T*>(caches.k(i));
+      r.v_cache = static_cast<T*>(caches.v(i));
+      s = team.share(n * (hq + hk));
+      rope_items(r, s.begin, s.end);
+      team.sync();
+      DecodeBatch<T> db = batch;
+      db.k = r.k_cache;
+      db.v = r.v_cache;
+      s = team.share(work.items);
+      decode_attention_items(db, scale, work, s.begin, s.end);
+      team.sync();
+      T* rows = res;
+      const T* attn_rows = attn_p;
+      int64_t m = n;
+      if (i + 1 == layers && compact) {  // only the kept rows go on past the last attention
+        if (team.leader()) {
+          for (int64_t j = 0; j < kept; ++j) {
+            std::memcpy(kept_res_p + j * h, res + keep[j] * h, sizeof(T) * h);
+            std::memcpy(kept_attn_p + j * hq * d, attn_p + keep[j] * hq * d, sizeof(T) * hq * d);
+          }
+        }
+        team.sync();
+        rows = kept_res_p;
+        attn_rows = kept_attn_p;
+        m = kept;
+      }
+      team_linear(team, layer.o, attn_rows, m, o_p, scratch);
+      team.sync();
+      s = team.share(m);
+      norm_rows(rows, o_p, static_cast<const T*>(layer.post_norm), normed_p, h, feps, s.begin, s.end);
+      team.sync();
+      if (fused) {
+        team_linear(team, layer.gate_up, normed_p, m, act_p, scratch);
+      } else {
+        team_linear(team, layer.gate_up, normed_p, m, gate_up_p, scratch);
+        team.sync();
+        s = team.share(silu_work(m, f));
+        silu_items(gate_up_p, f, act_p, s.begin, s.end);
+      }
+      team.sync();
+      team_linear(team, layer.down, act_p, m, carry_p, scratch);
+      team.sync();
+    }
+  });
+  return {kept_residual, carry.narrow(0, 0, kept)};
+}
+
+}  // namespace
+
+StackWeights::StackWeights(std::vector<at::Tensor> tensors) : tensors_(std::move(tensors)) {
+  TORCH_CHECK(!tensors_.empty() && tensors_.size() % kPerLayer == 0, "layer_stack: ", kPerLayer,
+              " weights per layer, got ", tensors_.size());
+  dtype_ = tensors_[0].scalar_type();
+  TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "layer_stack: norms must be float32 or bfloat16");
+  const int64_t h = tensors_[0].numel();
+  for (size_t i = 0; i < tensors_.size(); i += kPerLayer) {
+    const at::Tensor* w = tensors_.data() + i;
+    for (int j : {0, 8})
+      TORCH_CHECK(w[j].scalar_type() == dtype_ && w[j].is_contiguous() && w[j].numel() == h,
+                  "layer_stack: every norm weight must be contiguous, of one dtype and size");
+    for (int j : {1, 5, 9, 12}) check_linear(w + j, dtype_);
+    const float* qkv_bias = nullptr;
+    if (w[4].numel() > 0) qkv_bias = biases_.emplace_back(w[4].to(at::kFloat).contiguous()).data_ptr<float>();
+    const bool fused = w[10].numel() == 0;  // a float gate/up pair is packed with SwiGLU
+    const Layer layer{stack_linear(w + 1, qkv_bias, false), stack_linear(w + 5, nullptr, false),
+                      stack_linear(w + 9, nullptr, fused), stack_linear(w + 12, nullptr, false), w[0].data_ptr(),
+                      w[8].data_ptr()};
+    if (qkv_bias != nullptr)
+      TORCH_CHECK(w[4].numel() == layer.qkv.out, "layer_stack: the qkv bias does not match the projection");
+    const int64_t f = fused ? layer.gate_up.out : layer.gate_up.out / 2;
+    TORCH_CHECK(layer.qkv.in == h && layer.o.out == h && layer.gate_up.in == h && layer.down.in == f &&
+                    layer.down.out == h,
+                "layer_stack: layer ", i / kPerLayer, " has products of the wrong shapes");
+    if (!plan_.empty())
+      TORCH_CHECK(layer.gate_up.quantized == plan_[0].gate_up.quantized && f == intermediate(),
+                  "layer_stack: the layers' MLPs differ in kind or width");
+    plan_.push_back(layer);
+    for (const StackLinear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) widest_ = std::max(widest_, l->in);
+  }
+}
+
+StackCaches::StackCaches(std::vector<at::Tensor> caches) : caches_(std::move(caches)) {
+  TORCH_CHECK(!caches_.empty(), "layer_stack needs at least one layer's KV cache");
+  for (at::Tensor& cache : caches_) {
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
+                    cache.sizes() == caches_[0].sizes() && cache.scalar_type() == caches_[0].scalar_type() &&
+                    (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16),
+                "layer_stack: KV caches must be contiguous float32 / bfloat16 [2, blocks, block_size, kv_heads, "
+                "head_dim], all alike");
+    k_.push_back(cache.select(0, 0).data_ptr());
+    v_.push_back(cache.select(0, 1).data_ptr());
+  }
+}
+
+std::vector<at::Tensor> decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
+                                    const at::Tensor& positions, const at::Tensor& cos_table,
+                                    const at::Tensor& sin_table, const at::Tensor& slot_mapping,
+                                    const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                    const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps,
+                                    double scale) {
+  const int64_t n = residual.size(0), d = caches.head_dim();
+  TORCH_CHECK(residual.scalar_type() == weights.dtype() && caches.dtype() == weights.dtype() &&
+                  residual.is_contiguous() && residual.size(1) == weights.plan()[0].qkv.in,
+              "layer_stack: residual, norms and KV caches must share a dtype and the hidden size");
+  TORCH_CHECK(caches.kv_heads() == hk && hk > 0 && hq % hk == 0, "layer_stack: head counts do not match the caches");
+  for (const StackWeights::Layer& layer : weights.plan())
+    TORCH_CHECK(layer.qkv.out == (hq + 2 * hk) * d && layer.o.in == hq * d,
+                "layer_stack: the attention projections do not match the head counts");
+  for (const at::Tensor* t : {&positions, &slot_mapping, &context_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
+                "layer_stack: positions, slots and context lengths must be int64, one per row");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == n,
+              "layer_stack: block tables must be contiguous int64 [rows, width]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.size(1) * 2 == d,
+              "layer_stack: rotary tables must be contiguous float32 [positions, head_dim / 2]");
+  if (residual.scalar_type() == at::kFloat)
+    return run_decode_team<float>(residual, weights, caches, positions, cos_table, sin_table, slot_mapping,
+                                  block_tables, context_lens, keep_rows, hq, hk, eps, scale);
+  return run_decode_team<c10::BFloat16>(residual, weights, caches, positions, cos_table, sin_table, slot_mapping,
+                                        block_tables, context_lens, keep_rows, hq, hk, eps, scale);
+}
+
+}  // namespace kvops

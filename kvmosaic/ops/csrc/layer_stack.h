@@ -1,0 +1,83 @@
+// What ops.layer_stack takes besides a step's rows: the decoder layers' weights and the KV caches,
+// each checked and planned once (when the model and the attention backend are built), so that a
+// step pays neither the conversion of ~450 tensors from a Python list nor their checks.
+#pragma once
+
+#include "ops_common.h"
+#include "stack_kernels.h"
+
+namespace kvops {
+
+// input norm, qkv (3), qkv bias, o (3), post norm, gate/up (3), down (3); a linear is (weight, scales, mins)
+constexpr size_t kPerLayer = 15;
+
+struct StackLinear {  // one product of the stack on packed float or quantized weights
+  bool quantized;
+  PackedWeight packed;
+  QuantizedWeight quant;
+  int64_t in, out;  // features; a packed gate/up pair's out is the SwiGLU width
+};
+
+class StackWeights {
+ public:
+  struct Layer {
+    StackLinear qkv, o, gate_up, down;
+    const void* input_norm;
+    const void* post_norm;
+  };
+
+  // kPerLayer tensors per layer in the order above: an empty tensor for no qkv bias; a packed float
+  // linear has empty scales and mins, a q8 one empty mins; a float gate/up pair is packed with SwiGLU.
+  explicit StackWeights(std::vector<at::Tensor> tensors);
+  const std::vector<at::Tensor>& tensors() const { return tensors_; }
+  const std::vector<Layer>& plan() const { return plan_; }
+  size_t layers() const { return plan_.size(); }
+  at::ScalarType dtype() const { return dtype_; }  // of the norms and packed float weights
+  bool fused_mlp() const { return !plan_[0].gate_up.quantized; }
+  int64_t intermediate() const { return fused_mlp() ? plan_[0].gate_up.out : plan_[0].gate_up.out / 2; }
+  int64_t widest_input() const { return widest_; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<at::Tensor> biases_;  // float32 copies of the qkv biases
+  std::vector<Layer> plan_;
+  at::ScalarType dtype_;
+  int64_t widest_ = 0;
+};
+
+class StackCaches {
+ public:
+  // One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer.
+  explicit StackCaches(std::vector<at::Tensor> caches);
+  const std::vector<at::Tensor>& tensors() const { return caches_; }
+  size_t layers() const { return caches_.size(); }
+  at::ScalarType dtype() const { return caches_[0].scalar_type(); }
+  int64_t block_size() const { return caches_[0].size(2); }
+  int64_t kv_heads() const { return caches_[0].size(3); }
+  int64_t head_dim() const { return caches_[0].size(4); }
+  void* k(size_t layer) const { return k_[layer]; }
+  void* v(size_t layer) const { return v_[layer]; }
+
+ private:
+  std::vector<at::Tensor> caches_;
+  std::vector<void*> k_, v_;
+};
+
+// A step of decode rows only, in one team of threads (decode_team.cpp). Inputs checked by the caller.
+std::vector<at::Tensor> decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
+                                    const at::Tensor& positions, const at::Tensor& cos_table,
+                                    const at::Tensor& sin_table, const at::Tensor& slot_mapping,
+                                    const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                    const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps,
+                                    double scale);
+
+}  // namespace kvops
+
+std::vector<at::Tensor> layer_stack(at::Tensor residual, const kvops::StackWeights& weights,
+                                    const kvops::StackCaches& caches, const at::Tensor& positions,
+                                    const at::Tensor& cos_table, const at::Tensor& sin_table,
+                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                    const at::Tensor& context_lens, const at::Tensor& spans,
+                                    const std::vector<at::Tensor>& span_tables,
+                                    const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps,
+                                    double scale);
