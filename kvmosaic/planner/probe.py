@@ -1,7 +1,7 @@
 """Measure this machine as a planner hardware spec: memory read bandwidth and matmul FLOP/s.
 
 Bandwidth is the best time of summing a tensor much larger than the CPU caches (a pure
-read stream); FLOP/s is the best time of a square matmul, 2 n^3 FLOPs, in float32 and
+read stream), held in huge pages as the model's weights are (4 KiB pages read 10-20% slower here); FLOP/s is the best time of a square matmul, 2 n^3 FLOPs, in float32 and
 bfloat16, on the fastest of the paths kvmosaic's linear layers can take on this host: its
 packed linear kernel where the loaded ISA level takes the dtype (bf16 widened to float in
 registers on CPUs without native bf16 dot products), ``F.linear`` (oneDNN: what an unpacked
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvmosaic.ops.memory import empty_huge
 from kvmosaic.planner.roofline import HardwareSpec, format_rate
 
 THIS_MACHINE = "this machine"
@@ -64,7 +65,7 @@ def best_time(fn: Callable[[], object], budget_s: float) -> float:
 
 def measure_read_bandwidth(budget_s: float, buffer_bytes: int = 256 * MiB) -> float:
     """Bytes per second read by a streaming reduction over ``buffer_bytes``."""
-    data = torch.ones(max(1, buffer_bytes // 4), dtype=torch.float32)
+    data = empty_huge((max(1, buffer_bytes // 4),), torch.float32).fill_(1.0)
     seconds = best_time(lambda: data.sum(), budget_s)
     return data.numel() * data.element_size() / seconds
 
