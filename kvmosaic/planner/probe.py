@@ -1,7 +1,8 @@
 """Measure this machine as a planner hardware spec: memory read bandwidth and matmul FLOP/s.
 
 Bandwidth is the best time of summing a tensor much larger than the CPU caches (a pure
-read stream), held in huge pages as the model's weights are (4 KiB pages read 10-20% slower here); FLOP/s is the best time of a square matmul, 2 n^3 FLOPs, in float32 and
+read stream), held in huge pages as the model's weights are (4 KiB pages read 10-20% slower
+here); FLOP/s is the best time of a square matmul, 2 n^3 FLOPs, in float32 and
 bfloat16, on the fastest of the paths kvmosaic's linear layers can take on this host: its
 packed linear kernel where the loaded ISA level takes the dtype (bf16 widened to float in
 registers on CPUs without native bf16 dot products), ``F.linear`` (oneDNN: what an unpacked
