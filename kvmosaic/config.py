@@ -7,14 +7,14 @@ is created, not deep inside a forward pass.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from kvmosaic.config_values import WEIGHT_QUANTIZATIONS
 from kvmosaic.quant.format import KV_CACHE_DTYPES
+from kvmosaic.spec.config import SpeculativeConfig
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -25,7 +25,6 @@ _SIZE_UNITS = {
 }
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-WEIGHT_QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q4_k")  # kvmosaic.model.loader.QUANTIZATIONS
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -186,106 +185,6 @@ class SchedulerConfig:
     @property
     def prefill_chunk(self) -> int:
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
-
-
-SPECULATIVE_METHODS = ("ngram", "draft", "self")
-DRAFT_MODEL_METHODS = ("draft", "self")  # proposals come from a model the worker runs
-
-
-class SpeculativeConfigError(ValueError):
-    """A speculative-decoding configuration that cannot be used (unknown key, method or bad value)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
-    """Speculative decoding: proposals of ``method`` verified by the target, lossless.
-
-    ``ngram``: prompt lookup, the longest suffix of ``prompt_lookup_min`` .. ``prompt_lookup_max``
-    tokens found earlier in the sequence proposes what followed it. ``draft``: a small model with
-    the target's tokenizer (``model``: any path kvmosaic loads) proposes autoregressively; ``self``:
-    the target's own weights in ``quantization`` (default q4_0) do. ``quantization`` is the draft's
-    weight format (WEIGHT_QUANTIZATIONS; default "auto" for ``draft``: the file's own). ``adaptive``: each sequence's k
-    follows its measured acceptance (down to 0) and shrinks as the batch grows; ``token_cost`` is
-    what one more verified token costs relative to one sequence's decode step (weights read once):
-    None fits it to the engine's timed steps (kvmosaic/spec/step_cost.py; 0.1 until they determine
-    it), a number fixes it (reproducible choices of k, whatever the host's speed),
-    ``step_overhead`` what a step with proposals costs on top (it leaves the one-token decode path).
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    adaptive: bool = True
-    token_cost: float | None = None
-    step_overhead: float = 0.15
-    model: str | None = None  # the draft model's path (method "draft")
-    quantization: str | None = None  # the draft's weight format; None: q4_0 for "self", auto for "draft"
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.method in SPECULATIVE_METHODS, f"speculative method must be one of {SPECULATIVE_METHODS}, "
-                                                 f"got {self.method!r}"),
-            (_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 32,
-             f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}"),
-            (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
-             and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-             "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "
-             f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}"),
-            (isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}"),
-            (self.token_cost is None or _is_fraction(self.token_cost),
-             f"token_cost must be None or in [0, 1], got {self.token_cost!r}"),
-            (_is_fraction(self.step_overhead), f"step_overhead must be in [0, 1], got {self.step_overhead!r}"),
-            ((self.method == "draft") == (self.model is not None),
-             f"method 'draft' takes the draft's path as 'model' (other methods none), got method={self.method!r}, "
-             f"model={self.model!r}"),
-            (self.model is None or isinstance(self.model, str), f"model must be a path, got {self.model!r}"),
-            (self.quantization is None or (self.method in DRAFT_MODEL_METHODS
-                                           and str(self.quantization).lower() in WEIGHT_QUANTIZATIONS),
-             f"quantization is the draft's weight format (methods draft/self), one of {WEIGHT_QUANTIZATIONS}; "
-             f"got {self.quantization!r} for method {self.method!r}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise SpeculativeConfigError(message)
-
-    @property
-    def uses_draft_model(self) -> bool:
-        return self.method in DRAFT_MODEL_METHODS
-
-    @property
-    def draft_quantization(self) -> str:
-        """The draft's weight format, defaults resolved."""
-        if self.quantization is not None:
-            return str(self.quantization).lower()
-        return "q4_0" if self.method == "self" else "auto"
-
-    @classmethod
-    def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:
-        """From a config, a dict or a JSON object string (the CLI's); None or {} means off."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise SpeculativeConfigError(f"speculative config is not valid JSON: {exc}") from exc
-        if not isinstance(value, Mapping):
-            raise SpeculativeConfigError(f"speculative config must be an object, got {type(value).__name__}")
-        if not value:
-            return None
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise SpeculativeConfigError(f"unknown speculative config keys: {sorted(unknown)}")
-        return cls(**value)
-
-
-def _is_fraction(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,8 @@ class ModelOutput:
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
     # What a draft model in the worker proposes each sequence verify next step (kvmosaic.spec.Proposal).
     proposals: dict[str, Any] = field(default_factory=dict)
+    draft_passes: int = 0  # the draft model's forward passes that proposed, this step
+    draft_seconds: float = 0.0  # the draft model's time within the step (not the target's)
 
     def new_tokens(self, seq_id: str) -> list[SampledToken]:
         """What the sequence gained this step, in order."""

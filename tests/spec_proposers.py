@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from kvmosaic.config import SpeculativeConfig
 from kvmosaic.executor.mock import next_token
+from kvmosaic.spec.config import SpeculativeConfig
 from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
 from kvmosaic.spec.speculator import Speculator
 

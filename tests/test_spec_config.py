@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from spec_proposers import ScriptedProposer
 
-from kvmosaic.config import EngineConfig, SpeculativeConfig, SpeculativeConfigError
+from kvmosaic.config import EngineConfig
 from kvmosaic.entrypoints.cli import build_parser
 from kvmosaic.request import Request
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.spec.config import SpeculativeConfig, SpeculativeConfigError
 from kvmosaic.spec.ngram import NgramProposer
 from kvmosaic.spec.speculator import Speculator, build_speculator
 

@@ -1,6 +1,7 @@
 """Draft-model speculation ("self": the target's weights quantized; "draft": a model file) on the
 embedded SmolLM2 model in float32: greedy output is the plain engine's token for token, with
-preemption (both modes) and prefix hits; the draft's K/V shares the target's blocks."""
+preemption (both modes) and prefix hits; a self-draft attends over the target's K/V, a draft file
+keeps its own K/V in the target's blocks."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 from test_spec_engine import GREEDY, PASSAGE, PROMPTS
 
 from kvmosaic import LLM, SamplingParams
-from kvmosaic.config import CacheConfig, ModelConfig, SpeculativeConfig, SpeculativeConfigError
+from kvmosaic.config import CacheConfig, ModelConfig
 from kvmosaic.model.loader import LoadedModel, load_model
 from kvmosaic.sample import verify as verify_module
 from kvmosaic.sample.rejection import verify_dense
+from kvmosaic.spec.config import SpeculativeConfig, SpeculativeConfigError
 from kvmosaic.spec.draft_model import check_same_vocab, load_draft
 from kvmosaic.spec.drafted import DraftedProposer
 from kvmosaic.spec.proposer import Proposal, ProposalRequest
@@ -29,8 +31,8 @@ def _tokens(outs) -> list[list[int]]:
 
 def _llm(cached_loader, speculative, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory", "64MiB")
-    if speculative is not None:  # a fixed cost: k must not depend on this host's timings
-        speculative = {"token_cost": 0.1, **speculative}
+    if speculative is not None:  # fixed costs: k must not depend on this host's timings
+        speculative = {"token_cost": 0.1, "draft_cost": 0.0, **speculative}
     return LLM(model_loader=cached_loader, dtype="float32", quantization=None, speculative=speculative, **kwargs)
 
 
@@ -44,6 +46,12 @@ def self_llm(cached_loader) -> LLM:
     return _llm(cached_loader, SELF)
 
 
+@pytest.fixture(scope="module")
+def draft_llm(cached_loader, default_model_path) -> LLM:
+    # the target's own file as the draft (its Q4_1 matrices run natively): nearly every proposal holds
+    return _llm(cached_loader, {"method": "draft", "model": default_model_path, "num_speculative_tokens": 4})
+
+
 def test_self_draft_greedy_is_plain_greedy(self_llm, reference):
     assert _tokens(self_llm.generate(PROMPTS, GREEDY)) == reference
     stats = self_llm.engine.stats()
@@ -51,11 +59,9 @@ def test_self_draft_greedy_is_plain_greedy(self_llm, reference):
     assert stats["prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
 
 
-def test_draft_model_file_greedy_is_plain_greedy(cached_loader, default_model_path, reference):
-    # the target's own file as the draft (its Q4_1 matrices run natively): nearly every proposal holds
-    llm = _llm(cached_loader, {"method": "draft", "model": default_model_path, "num_speculative_tokens": 4})
-    assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference
-    stats = llm.engine.stats()
+def test_draft_model_file_greedy_is_plain_greedy(draft_llm, reference):
+    assert _tokens(draft_llm.generate(PROMPTS, GREEDY)) == reference
+    stats = draft_llm.engine.stats()
     assert stats["spec_num_accepted_tokens"] > 0.9 * stats["spec_num_draft_tokens"] > 30
     assert stats["prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
 
@@ -72,27 +78,41 @@ def test_self_draft_with_preemption(cached_loader, reference, kwargs):
     assert stats["kv_blocks_used"] == 0
 
 
-def test_prefix_hit_blocks_carry_the_drafts_kv(cached_loader):
-    """A draft identical to the target (self, unquantized) accepts every greedy proposal, also
-    after a prefix hit, since the hit blocks hold the draft's K/V as well: wiping the draft's pool
-    before the hit makes its proposals fail."""
+def _acceptance_after_prefix_hit(llm: LLM, wipe=None) -> float:
     first, second = f"{PASSAGE} {PASSAGE} In short,", f"{PASSAGE} {PASSAGE} The moral is"
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate(first, params)
+    if wipe is not None:
+        wipe(llm.engine.executor.worker.kv_cache)
+    before = llm.engine.stats()
+    llm.generate(second, params)
+    after = llm.engine.stats()
+    assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
+    proposed = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    return (after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]) / proposed
 
-    def acceptance_after_hit(wipe: bool) -> float:
-        llm = _llm(cached_loader, {"method": "self", "quantization": "none", "num_speculative_tokens": 4})
-        llm.generate(first, params)
-        if wipe:
-            llm.engine.executor.worker.kv_cache.draft.device_pool.zero_()
-        before = llm.engine.stats()
-        llm.generate(second, params)
-        after = llm.engine.stats()
-        assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
-        proposed = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
-        return (after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]) / proposed
 
-    assert acceptance_after_hit(wipe=False) > 0.95
-    assert acceptance_after_hit(wipe=True) < 0.5
+def test_prefix_hit_blocks_carry_the_drafts_kv(cached_loader, default_model_path):
+    """A draft file identical to the target (dequantized to float32) accepts every greedy proposal,
+    also after a prefix hit, since the hit blocks hold the draft's K/V as well: wiping the draft's
+    pool before the hit makes its proposals fail."""
+    def same_model() -> LLM:
+        return _llm(cached_loader, {"method": "draft", "model": default_model_path, "quantization": "none",
+                                    "num_speculative_tokens": 4})
+
+    assert _acceptance_after_prefix_hit(same_model()) > 0.95
+    assert _acceptance_after_prefix_hit(same_model(), lambda cache: cache.draft.device_pool.zero_()) < 0.5
+
+
+def test_self_draft_attends_over_the_targets_kv(cached_loader):
+    """A self-draft has no pool of its own: a block costs what it costs without speculation, scratch
+    blocks for guesses sit past the pool's blocks, and an unquantized self-draft (the target itself)
+    accepts every greedy proposal, after a prefix hit too: its context is the target's K/V."""
+    llm = _llm(cached_loader, {"method": "self", "quantization": "none", "num_speculative_tokens": 4})
+    cache, model = llm.engine.executor.worker.kv_cache, llm.engine.model_config
+    assert cache.draft is None and cache.bytes_per_block == model.kv_bytes_per_token(torch.float32) * cache.block_size
+    assert cache.device_pool.shape[2] > cache.num_blocks == (64 << 20) // cache.bytes_per_block
+    assert _acceptance_after_prefix_hit(llm) > 0.95
 
 
 def test_seeded_sampling_reproduces_whatever_the_batch(self_llm):
@@ -120,8 +140,8 @@ def test_unseeded_sampling_verifies_against_the_drafts_q(self_llm, monkeypatch):
     assert seen and all(shape == (1, k, vocab) for k, shape in seen)
 
 
-def test_kv_blocks_hold_the_drafts_bytes(self_llm):
-    worker = self_llm.engine.executor.worker
+def test_kv_blocks_hold_the_drafts_bytes(draft_llm):
+    worker = draft_llm.engine.executor.worker
     cache, model = worker.kv_cache, worker.model_config
     per_block = 2 * model.kv_bytes_per_token(torch.float32) * cache.block_size  # the draft has the same shape
     assert cache.bytes_per_block == per_block and cache.num_blocks == (64 << 20) // per_block
@@ -183,29 +203,54 @@ class _RecordingRunner:
 
     def __init__(self) -> None:
         self.batches: list[list[tuple[list[int], int]]] = []
+        self.tables: list[list[int]] = []
 
     def compute_logits(self, pending):
         self.batches.append([(list(r.token_ids), r.start_pos) for r in pending])
+        self.tables.extend(list(r.block_table) for r in pending)
         rows = [r for r in pending if r.sample_ids]
         logits = torch.zeros(len(rows), 10)
         logits[:, 7] = 1.0
         return rows, logits
 
 
+def test_cache_sharing_drafter_runs_only_the_new_token_and_its_guesses():
+    """Over the target's K/V: nothing for sequences drafting nothing or not sampling (a prefill
+    chunk); a drafting one runs its new token at its position (after the tokens it kept: accepted
+    proposals count, rejected ones do not), then its guesses, past its blocks in scratch blocks."""
+    from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest
+    from kvmosaic.spec.drafter import CacheSharingDrafter
+
+    runner = _RecordingRunner()
+    drafter = CacheSharingDrafter(runner, num_blocks=8, num_scratch_blocks=2, max_positions=64)
+    greedy = SamplingParams(temperature=0.0)
+    chunk = ScheduledRequest("p", [1, 2, 3], 0, [0], greedy, num_draft_tokens=3)  # not sampled
+    idle = ScheduledRequest("i", [5], 6, [2, 3], greedy, sample_ids=["i"], sample_seeds=[None])
+    verify = ScheduledRequest("v", [4, 5, 6], 5, [4, 5], greedy, sample_ids=["v"], sample_seeds=[None],
+                              spec_token_ids=[5, 6], num_draft_tokens=3)
+    out = ModelOutput(sampled={"i": SampledToken(9, None), "v": SampledToken(8, None)},
+                      accepted={"v": [SampledToken(5, None)]})  # 5 accepted, 6 rejected: 8 sits at 5 + 2
+    work = drafter.propose([chunk, idle, verify], out)
+    assert runner.batches == [[([8], 7)], [([7], 8)], [([7], 9)]] and runner.tables[0] == [4, 5, 8]
+    assert work.proposals["v"].token_ids == [7, 7, 7] and set(work.proposals) == {"v"} and work.passes == 3
+    runner.batches.clear()
+    assert drafter.propose([idle], out).passes == 0 and runner.batches == []
+
+
 def test_decode_tokens_are_mirrored_only_when_the_sequence_drafts():
     # Prefill chunks are mirrored at once; decode tokens drafting nothing (k = 0) wait and go with
     # the next drafting step, as one row from the first unmirrored position.
     from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest
-    from kvmosaic.spec.draft_model import Drafter
+    from kvmosaic.spec.drafter import MirroringDrafter
 
     runner = _RecordingRunner()
-    drafter = Drafter(runner, num_blocks=8, num_scratch_blocks=2, max_positions=64)
+    drafter = MirroringDrafter(runner, num_blocks=8, num_scratch_blocks=2, max_positions=64)
     greedy = SamplingParams(temperature=0.0)
 
     def step(tokens, start, k, new_token):
         s = ScheduledRequest("a", tokens, start, [0, 1, 2], greedy, sample_ids=["a"], sample_seeds=[None],
                              num_draft_tokens=k)
-        return drafter.propose([s], ModelOutput(sampled={"a": SampledToken(new_token, None)}))
+        return drafter.propose([s], ModelOutput(sampled={"a": SampledToken(new_token, None)})).proposals
 
     assert step([1, 2, 3], 0, 0, 4) == {}  # the prompt: mirrored, no draft asked
     assert runner.batches == [[([1, 2, 3], 0)]]

@@ -3,10 +3,10 @@
 import pytest
 from spec_proposers import ScriptedProposer
 
-from kvmosaic.config import SpeculativeConfig
 from kvmosaic.core.spec_steps import SpeculationSteps
 from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.spec.config import SpeculativeConfig
 from kvmosaic.spec.speculator import Speculator
 from kvmosaic.spec.step_cost import StepCost
 
@@ -72,10 +72,33 @@ def test_measured_cost_sets_k():
     for tokens in (1, 9, 1, 9):
         cheap.observe_step(tokens, 0.004 + 0.00004 * tokens)
     assert cheap.token_cost == pytest.approx(0.01) and _k(cheap) == 6
+
+
+def test_draft_pass_cost_shortens_k():
+    """A draft pass costing c of the target's weights time raises the threshold to (B r + c) / (1 + B r).
+    With r = 0.01: before any pass is timed c is the prior 0.25, 0.26 / 1.01 at batch 1, so k = 1;
+    passes timed at 0.2 of T_weights give 0.21 / 1.01, so k = 2 (0.25 > 0.208 > 0.125); at batch 16,
+    0.36 / 1.16, k = 1; a configured draft_cost is kept; the n-gram proposer has no draft cost."""
     drafted = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8), ScriptedProposer([]))
-    for tokens in (1, 9, 1, 9):
-        drafted.observe_step(tokens, 0.004 + 0.00004 * tokens)
-    assert drafted.token_cost == 0.1  # the draft's own work hides in the timed steps: the prior stays
+    fixed = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8, draft_cost=0.0),
+                       ScriptedProposer([]))
+    ngram = Speculator(SpeculativeConfig(num_speculative_tokens=8), ScriptedProposer([]))
+    for speculator in (drafted, fixed, ngram):
+        for tokens in (1, 9, 1, 9):
+            speculator.observe_step(tokens, 0.004 + 0.00004 * tokens)
+    assert drafted.token_cost == pytest.approx(0.01) and drafted.draft_cost == 0.25 and _k(drafted) == 1
+    drafted.observe_draft(4, 4 * 0.0008)
+    assert drafted.draft_cost == pytest.approx(0.2) and _k(drafted) == 2 and _k(drafted, 16) == 1
+    assert fixed.draft_cost == 0.0 and _k(fixed) == 6 and ngram.draft_cost == 0.0 and _k(ngram) == 6
+
+
+def test_draft_passes_are_timed_apart():
+    """Seconds per drafting pass; a step whose draft only mirrored (no pass drafted) is not counted."""
+    speculator = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=4), ScriptedProposer([]))
+    steps = SpeculationSteps(speculator, kv_manager=None, max_model_len=64)
+    steps.observe_draft(0, 0.5)  # mirroring only: no drafting pass to time
+    steps.observe_draft(2, 0.002)
+    assert speculator.draft_pass_cost.pass_seconds() == pytest.approx(0.001)
 
 
 def test_only_decode_and_verification_steps_are_timed():

@@ -153,7 +153,8 @@ class Scheduler:
         """
         updated: list[Request] = []
         self.spec.receive(model_output.proposals)
-        self.spec.observe_step(scheduler_output.scheduled, step_seconds)
+        self.spec.observe_step(scheduler_output.scheduled, step_seconds - model_output.draft_seconds)
+        self.spec.observe_draft(model_output.draft_passes, model_output.draft_seconds)
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -39,6 +39,9 @@ class NoSpeculation:
     def observe_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         pass
 
+    def observe_draft(self, passes: int, seconds: float) -> None:
+        pass
+
     def free(self, request_id: str) -> None:
         pass
 
@@ -84,6 +87,11 @@ class SpeculationSteps(NoSpeculation):
         """Time a step of decode and verification rows only (a prefill chunk costs differently)."""
         if scheduled and seconds > 0.0 and all(s.num_tokens == 1 + len(s.spec_token_ids) for s in scheduled):
             self.speculator.observe_step(sum(s.num_tokens for s in scheduled), seconds)
+
+    def observe_draft(self, passes: int, seconds: float) -> None:
+        """The worker's draft model ran ``passes`` drafting passes in ``seconds`` this step."""
+        if passes > 0:
+            self.speculator.observe_draft(passes, seconds)
 
     def free(self, request_id: str) -> None:
         self.speculator.free(request_id)

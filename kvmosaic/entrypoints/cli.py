@@ -7,12 +7,13 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from kvmosaic.config import WEIGHT_QUANTIZATIONS, SpeculativeConfig, SpeculativeConfigError
+from kvmosaic.config import WEIGHT_QUANTIZATIONS
 from kvmosaic.entrypoints.llm import LLM
 from kvmosaic.eval import cli as eval_cli
 from kvmosaic.planner import cli as plan_cli
 from kvmosaic.quant.format import KV_CACHE_DTYPES
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.spec.config import SpeculativeConfig, SpeculativeConfigError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
 from kvmosaic.engine.factory import build_engine
 from kvmosaic.engine.protocol import EngineClient
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.spec.config import SpeculativeConfig
 
 Prompt = str | list[int]
 Messages = list[dict]

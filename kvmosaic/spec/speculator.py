@@ -4,9 +4,12 @@ counts what was proposed and accepted. The scheduler asks it for proposals and r
 Adaptive k. A step verifying B sequences with k_i proposals each costs about
 ``T = T_weights + (B + sum k_i) * T_token``: the weights are read once, every token adds compute.
 Proposal j of a sequence whose proposals are accepted with probability ``a`` adds an expected
-``a ** j`` tokens for ``T_token`` more time; it pays when ``a ** j / T_token`` beats the step's rate
-``B / T``, i.e. ``a ** j > B * r / (1 + B * r)`` with ``r = T_token / T_weights``, fitted from the engine's timed
-steps (``StepCost``; ``PRIOR_TOKEN_COST`` until they determine it) unless the configuration fixes it.
+``a ** j`` tokens for ``T_token`` more time, plus its share ``c * T_weights / B`` of a draft pass when
+a draft model proposes; it pays when that beats the step's rate ``B / T``, i.e.
+``a ** j > (B * r + c) / (1 + B * r)`` with ``r = T_token / T_weights`` fitted from the engine's timed
+steps (``StepCost``; ``PRIOR_TOKEN_COST`` until they determine it) and ``c`` a draft pass's time over
+``T_weights`` (``DraftCost``; ``PRIOR_DRAFT_COST`` until measured; 0 without a draft model), unless
+the configuration fixes them.
 So k is the largest j with ``a ** j`` above that threshold: long runs for predictable text at
 batch 1, none for sequences whose proposals keep failing or once the batch is compute-bound. ``a``
 is estimated per sequence from decayed counts (a truncated geometric: accepted tokens over accepted
@@ -27,16 +30,17 @@ from typing import TYPE_CHECKING
 from kvmosaic.spec.drafted import DraftedProposer
 from kvmosaic.spec.ngram import NgramProposer
 from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
-from kvmosaic.spec.step_cost import StepCost
+from kvmosaic.spec.step_cost import DraftCost, StepCost
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from kvmosaic.config import SpeculativeConfig
     from kvmosaic.request import Request
+    from kvmosaic.spec.config import SpeculativeConfig
 
 _DECAY = 0.9  # weight of the evidence one step older
 PRIOR_TOKEN_COST = 0.1  # r before the timed steps determine it
+PRIOR_DRAFT_COST = 0.25  # c before a draft pass is timed (a Q4_0 self-draft of a float32 target: ~0.2)
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,6 +79,7 @@ class Speculator:
         self.proposer = proposer
         self.stats = SpecStats()
         self.step_cost = StepCost()
+        self.draft_pass_cost = DraftCost()
         self._acceptance: dict[str, _Acceptance] = {}
 
     def propose(self, candidates: list[tuple[Request, int]], batch_size: int) -> dict[str, Proposal]:
@@ -123,16 +128,28 @@ class Speculator:
         """A decode / verification step (no prefill rows) of ``num_tokens`` rows took ``seconds``."""
         self.step_cost.observe(num_tokens, seconds)
 
+    def observe_draft(self, passes: int, seconds: float) -> None:
+        """The worker's draft model ran ``passes`` drafting passes in ``seconds`` (apart from the step)."""
+        self.draft_pass_cost.observe(passes, seconds)
+
     @property
     def token_cost(self) -> float:
-        """r: the configured cost, else the fitted one. A draft model works inside the same timed
-        steps, and its cost per step would read as fixed (weights) cost and lower r, so draft
-        methods keep the prior until their own cost is measured apart (not done yet)."""
+        """r: the configured cost, else the fitted one (the target's steps, the draft's time taken out)."""
         if self.config.token_cost is not None:
             return self.config.token_cost
-        if self.config.uses_draft_model:
-            return PRIOR_TOKEN_COST
         return self.step_cost.token_cost(PRIOR_TOKEN_COST)
+
+    @property
+    def draft_cost(self) -> float:
+        """c: a draft pass's time over the target's T_weights, configured or measured (0: no draft model)."""
+        if not self.config.uses_draft_model:
+            return 0.0
+        if self.config.draft_cost is not None:
+            return self.config.draft_cost
+        pass_seconds, weights_seconds = self.draft_pass_cost.pass_seconds(), self.step_cost.weights_seconds()
+        if pass_seconds is None or not weights_seconds:
+            return PRIOR_DRAFT_COST
+        return min(1.0, pass_seconds / weights_seconds)
 
     def free(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
@@ -154,7 +171,7 @@ class Speculator:
 
     def _threshold(self, batch_size: int) -> float:
         cost = batch_size * self.token_cost
-        return cost / (1.0 + cost)
+        return (cost + self.draft_cost) / (1.0 + cost)
 
     def _num_tokens(self, request_id: str, threshold: float) -> int:
         k = self._k(request_id, threshold)

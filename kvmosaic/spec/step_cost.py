@@ -3,9 +3,10 @@ engine's timed decode and verification steps, ``seconds = T_weights + tokens * T
 
 Adaptive k weighs a proposal's expected tokens against ``r = T_token / T_weights``. That ratio is
 not a constant of the engine: a float32 target reading 540 MB of weights per step hardly notices
-eight more rows, a Q4_1 one reading 80 MB through int8 dot products pays ~20% of a step per row, and
-a draft model's own work per proposed token adds to it. So the speculator fits it from the steps it
-sees and keeps the configured ``token_cost`` only until the steps spread over enough token counts.
+eight more rows, a Q4_1 one reading 80 MB through int8 dot products pays ~20% of a step per row. So
+the speculator fits it from the steps it sees and keeps the configured ``token_cost`` only until the
+steps spread over enough token counts. A draft model's passes are timed apart (``DraftCost``): they
+are no part of the target's step, and each one costs a share of it.
 """
 
 from __future__ import annotations
@@ -43,9 +44,32 @@ class StepCost:
         slope = (self.tokens_seconds / self.weight - mean_x * mean_y) / spread
         return mean_y - slope * mean_x, slope
 
+    def weights_seconds(self) -> float | None:
+        """T_weights: the fitted line's, else (undetermined) the mean step's; None before any step."""
+        line = self.line()
+        if line is not None and line[0] > 0.0:
+            return line[0]
+        return self.seconds / self.weight if self.weight > 0.0 else None
+
     def token_cost(self, prior: float) -> float:
         """``T_token / T_weights`` in [0, 1], or ``prior`` while the line is undetermined or not a cost."""
         line = self.line()
         if line is None or line[0] <= 0.0:
             return prior
         return min(1.0, max(0.0, line[1] / line[0]))
+
+
+@dataclasses.dataclass(slots=True)
+class DraftCost:
+    """Seconds per drafting pass of a draft model (a pass runs every drafting sequence's next row),
+    decayed like the step fit."""
+
+    passes: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, passes: int, seconds: float) -> None:
+        self.passes = self.passes * DECAY + passes
+        self.seconds = self.seconds * DECAY + seconds
+
+    def pass_seconds(self) -> float | None:
+        return self.seconds / self.passes if self.passes > 0.0 else None

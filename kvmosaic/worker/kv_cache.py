@@ -6,7 +6,7 @@ one byte record per token and layer (codes, scales and Oaken's sparse lists fuse
 prefix caching move every byte of it, and the memory budget buys as many more blocks as the record
 is smaller.
 
-A draft model (speculative decoding, ``kvmosaic.spec.draft_model``) keeps its K/V in a companion
+A draft model of another shape (speculative decoding, ``kvmosaic.spec.drafter``) keeps its K/V in a companion
 pool of its own shape (compute dtype) over the same block ids: a block holds the target's and the
 draft's K/V of the same tokens, so its bytes count both, and every swap and copy moves both. The
 companion has some extra blocks past the shared ones: scratch for the draft's own guesses beyond a
@@ -60,7 +60,9 @@ class KVCache:
                  draft: ModelConfig | None = None, num_scratch_blocks: int = 0) -> None:
         """``num_blocks`` / ``num_host_blocks``: the pool sizes decided by the worker (default: what
         the cache config's fixed budget buys). ``draft``: a draft model whose K/V share the blocks
-        (``self.draft``, with ``num_scratch_blocks`` more of its own)."""
+        (``self.draft``). ``num_scratch_blocks``: blocks past ``num_blocks`` for a draft's guesses
+        beyond a sequence's blocks, in the draft's pool, or without one in this pool (a draft
+        attending over the target's K/V writes its guesses there)."""
         self.block_size = cache.block_size
         self.dtype = dtype
         self.kv_cache_dtype = cache.kv_cache_dtype
@@ -77,7 +79,8 @@ class KVCache:
             per_slot, pool_dtype = (model.num_key_value_heads, model.head_dim), dtype
         else:
             per_slot, pool_dtype = (self.format.record_bytes,), torch.uint8
-        shape = (model.num_hidden_layers, 2, self.num_blocks, cache.block_size) + per_slot
+        own_scratch = 0 if draft is not None else num_scratch_blocks
+        shape = (model.num_hidden_layers, 2, self.num_blocks + own_scratch, cache.block_size) + per_slot
         # read in scattered blocks every step; pages are touched as blocks are first written
         self.device_pool = lazy_zeros_huge(shape, pool_dtype)
         host_shape = (model.num_hidden_layers, 2, self.num_host_blocks) + shape[3:]

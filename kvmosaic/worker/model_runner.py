@@ -14,7 +14,7 @@ from kvmosaic.sample.verify import Verification, verify
 from kvmosaic.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvmosaic.spec.draft_model import Drafter
+    from kvmosaic.spec.drafter import Drafter
 
 
 class ModelRunner:
@@ -41,7 +41,8 @@ class ModelRunner:
         requests, logits = self.compute_logits(sched.scheduled)
         out = self._sample(logits, requests)
         if self.drafter is not None:
-            out.proposals = self.drafter.propose(sched.scheduled, out)
+            work = self.drafter.propose(sched.scheduled, out)
+            out.proposals, out.draft_passes, out.draft_seconds = work.proposals, work.passes, work.seconds
         return out
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvmosaic.config import EngineConfig, ModelConfig, SpeculativeConfigError
+from kvmosaic.config import EngineConfig, ModelConfig
 from kvmosaic.model.layers.attention import KernelAttention, ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.model.layers.quant_attention import QuantizedAttention
@@ -22,7 +22,9 @@ from kvmosaic.ops.memory import release_free_memory
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.quant import thresholds as kv_thresholds
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.spec.draft_model import Drafter, load_draft, num_scratch_blocks
+from kvmosaic.spec.config import SpeculativeConfigError
+from kvmosaic.spec.draft_model import load_draft, num_scratch_blocks
+from kvmosaic.spec.drafter import CacheSharingDrafter, Drafter, MirroringDrafter
 from kvmosaic.worker import kv_sizing
 from kvmosaic.worker.kv_cache import KVCache, bytes_per_block, kv_format
 from kvmosaic.worker.model_runner import ModelRunner
@@ -72,22 +74,28 @@ class Worker:
             raise SpeculativeConfigError("a draft model keeps its K/V in the local pool only: "
                                          "not with blocks borrowed from other instances")
         self.draft_config = draft.config if draft is not None else None
+        self.draft_shares_cache = draft is not None and config.speculative.draft_shares_cache
         self.sizing: kv_sizing.KVSizing | None = None
         self.kv_cache = self._allocate_cache()
         backend = make_attention_backend(loaded.config, self.kv_cache, self.kernels, self.thresholds)
         self.attention = attention_wrapper(backend) if attention_wrapper is not None else backend
-        drafter = self._build_drafter(draft) if draft is not None else None
+        drafter = self._build_drafter(draft, loaded) if draft is not None else None
         self.runner = ModelRunner(self.model, self.attention, self.eos_token_ids, drafter)
         del loaded, backend, draft  # the loader's weights dict holds tensors the model copied (fused, packed)
         release_free_memory()  # what loading and the sizing run freed
 
-    def _build_drafter(self, draft: LoadedModel) -> Drafter:
-        """The draft model and its attention over the draft's companion pool (``KVCache.draft``)."""
+    def _build_drafter(self, draft: LoadedModel, target: LoadedModel) -> Drafter:
+        """The draft model over the target's attention (a self-draft) or over its own companion
+        pool (``KVCache.draft``)."""
         max_len = self.config.scheduler.max_model_len
-        model = LlamaForCausalLM(draft.config, draft.weights, self.kernels, max_positions=max_len).eval()
+        model = self.model if draft is target else LlamaForCausalLM(draft.config, draft.weights, self.kernels,
+                                                                     max_positions=max_len).eval()
+        if self.draft_shares_cache:
+            return CacheSharingDrafter(ModelRunner(model, self.attention, self.eos_token_ids),
+                                       self.kv_cache.num_blocks, self._num_scratch_blocks, max_len)
         backend = make_attention_backend(draft.config, self.kv_cache.draft, self.kernels)
-        return Drafter(ModelRunner(model, backend, self.eos_token_ids), self.kv_cache.num_blocks,
-                       self._num_scratch_blocks, max_len)
+        return MirroringDrafter(ModelRunner(model, backend, self.eos_token_ids), self.kv_cache.num_blocks,
+                                self._num_scratch_blocks, max_len)
 
     # ------------------------------------------------------------------ KV pool
     @property
@@ -101,8 +109,9 @@ class Worker:
         cfg, cache = self.config, self.config.cache
         fmt = kv_format(self.model_config, cache.kv_cache_dtype, self.thresholds, cache.kv_group_size)
         block_bytes = bytes_per_block(self.model_config, cache.block_size, cfg.torch_dtype, fmt)
-        if self.draft_config is not None:  # a block holds the draft's K/V of its tokens too
-            block_bytes += bytes_per_block(self.draft_config, cache.block_size, cfg.torch_dtype)
+        companion = None if self.draft_shares_cache else self.draft_config
+        if companion is not None:  # a block holds the draft's K/V of its tokens too
+            block_bytes += bytes_per_block(companion, cache.block_size, cfg.torch_dtype)
         host = 0  # recompute preemption never writes a host tier
         if cfg.uses_host_tier:
             host = cache.num_host_blocks if cache.num_host_blocks is not None else cache.swap_space // block_bytes
@@ -111,7 +120,7 @@ class Worker:
         else:
             num_blocks = cache.resolve_num_blocks(block_bytes)[0]
         return KVCache(self.model_config, cache, cfg.torch_dtype, self.thresholds, cache.kv_group_size,
-                       num_blocks=num_blocks, num_host_blocks=host, draft=self.draft_config,
+                       num_blocks=num_blocks, num_host_blocks=host, draft=companion,
                        num_scratch_blocks=self._num_scratch_blocks)
 
     def _size_pool(self, block_bytes: int, host_tier_bytes: int) -> int:
