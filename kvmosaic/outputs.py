@@ -29,6 +29,8 @@ class ScheduledRequest:
     # Tokens the worker's draft model should propose after this step, for the sequence's next one
     # (kvmosaic.spec.draft_model; 0: none, or proposals that need no model work).
     num_draft_tokens: int = 0
+    # Tokens a prompt lookup may propose instead, tried first (no model work when it finds them).
+    num_lookup_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -49,7 +49,8 @@ def self_llm(cached_loader) -> LLM:
 @pytest.fixture(scope="module")
 def draft_llm(cached_loader, default_model_path) -> LLM:
     # the target's own file as the draft (its Q4_1 matrices run natively): nearly every proposal holds
-    return _llm(cached_loader, {"method": "draft", "model": default_model_path, "num_speculative_tokens": 4})
+    return _llm(cached_loader, {"method": "draft", "model": default_model_path, "num_speculative_tokens": 4,
+                                "lookup_first": False})
 
 
 def test_self_draft_greedy_is_plain_greedy(self_llm, reference):
@@ -98,7 +99,7 @@ def test_prefix_hit_blocks_carry_the_drafts_kv(cached_loader, default_model_path
     pool before the hit makes its proposals fail."""
     def same_model() -> LLM:
         return _llm(cached_loader, {"method": "draft", "model": default_model_path, "quantization": "none",
-                                    "num_speculative_tokens": 4})
+                                    "num_speculative_tokens": 4, "lookup_first": False})
 
     assert _acceptance_after_prefix_hit(same_model()) > 0.95
     assert _acceptance_after_prefix_hit(same_model(), lambda cache: cache.draft.device_pool.zero_()) < 0.5
@@ -108,7 +109,8 @@ def test_self_draft_attends_over_the_targets_kv(cached_loader):
     """A self-draft has no pool of its own: a block costs what it costs without speculation, scratch
     blocks for guesses sit past the pool's blocks, and an unquantized self-draft (the target itself)
     accepts every greedy proposal, after a prefix hit too: its context is the target's K/V."""
-    llm = _llm(cached_loader, {"method": "self", "quantization": "none", "num_speculative_tokens": 4})
+    llm = _llm(cached_loader, {"method": "self", "quantization": "none", "num_speculative_tokens": 4,
+                               "lookup_first": False})
     cache, model = llm.engine.executor.worker.kv_cache, llm.engine.model_config
     assert cache.draft is None and cache.bytes_per_block == model.kv_bytes_per_token(torch.float32) * cache.block_size
     assert cache.device_pool.shape[2] > cache.num_blocks == (64 << 20) // cache.bytes_per_block
@@ -235,6 +237,29 @@ def test_cache_sharing_drafter_runs_only_the_new_token_and_its_guesses():
     assert work.proposals["v"].token_ids == [7, 7, 7] and set(work.proposals) == {"v"} and work.passes == 3
     runner.batches.clear()
     assert drafter.propose([idle], out).passes == 0 and runner.batches == []
+
+
+def test_prompt_lookup_comes_before_drafting():
+    """With lookup sizes, a sequence whose last tokens (after this step's new one) occurred earlier
+    takes what followed them (up to its lookup k) and is not drafted; one without a match is."""
+    from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest
+    from kvmosaic.spec.drafter import CacheSharingDrafter
+
+    runner = _RecordingRunner()
+    drafter = CacheSharingDrafter(runner, num_blocks=8, num_scratch_blocks=4, max_positions=64, lookup_sizes=(2, 3))
+    greedy = SamplingParams(temperature=0.0)
+
+    def decode(seq_id: str, prompt: list[int], outputs: list[int]) -> ScheduledRequest:
+        return ScheduledRequest(seq_id, outputs[-1:], len(prompt) + len(outputs) - 1, [0, 1, 2], greedy,
+                                sample_ids=[seq_id], sample_seeds=[None], prompt_token_ids=prompt,
+                                output_token_ids=outputs, num_draft_tokens=2, num_lookup_tokens=3)
+
+    copying = decode("c", [11, 12, 13, 14, 15, 16], [11])  # + new 12: "11 12" occurred, 13 14 15 followed
+    fresh = decode("f", [21, 22, 23], [24])  # + new 25: no repeat
+    out = ModelOutput(sampled={"c": SampledToken(12, None), "f": SampledToken(25, None)})
+    work = drafter.propose([copying, fresh], out)
+    assert work.proposals["c"].token_ids == [13, 14, 15] and work.proposals["c"].draft_probs is None
+    assert work.proposals["f"].token_ids == [7, 7] and runner.batches == [[([25], 4)], [([7], 5)]]
 
 
 def test_decode_tokens_are_mirrored_only_when_the_sequence_drafts():

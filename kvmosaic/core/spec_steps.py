@@ -72,7 +72,7 @@ class SpeculationSteps(NoSpeculation):
         candidates = self._limits(r for r, s in zip(requests, scheduled, strict=True) if len(s.sample_ids) == 1)
         lengths = self.speculator.draft_lengths(candidates, num_running) if candidates else {}
         for s in scheduled:
-            s.num_draft_tokens = lengths.get(s.request_id, 0)
+            s.num_draft_tokens, s.num_lookup_tokens = lengths.get(s.request_id, (0, 0))
 
     def roll_back(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """Forget the K/V of rejected proposals: they are recomputed as whatever tokens come next."""

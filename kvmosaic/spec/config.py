@@ -33,7 +33,9 @@ class SpeculativeConfig:
     it), a number fixes it (reproducible choices of k, whatever the host's speed),
     ``step_overhead`` what a step with proposals costs on top (it leaves the one-token decode path);
     ``draft_cost`` what one pass of a draft model costs relative to the target's decode step: None
-    times it (0.25 until timed), a number fixes it.
+    times it (0.25 until timed), a number fixes it; ``lookup_first`` (draft methods): a sequence whose
+    last tokens occurred earlier takes the prompt lookup's proposal (as ``ngram``, no draft passes)
+    and is drafted by the model only when the lookup finds nothing.
     """
 
     method: str = "ngram"
@@ -44,6 +46,7 @@ class SpeculativeConfig:
     token_cost: float | None = None
     step_overhead: float = 0.15
     draft_cost: float | None = None
+    lookup_first: bool = True
     model: str | None = None  # the draft model's path (method "draft")
     quantization: str | None = None  # the draft's weight format; None: q4_0 for "self", auto for "draft"
 
@@ -58,6 +61,7 @@ class SpeculativeConfig:
              "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "
              f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}"),
             (isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}"),
+            (isinstance(self.lookup_first, bool), f"lookup_first must be true or false, got {self.lookup_first!r}"),
             (self.token_cost is None or is_fraction(self.token_cost),
              f"token_cost must be None or in [0, 1], got {self.token_cost!r}"),
             (is_fraction(self.step_overhead), f"step_overhead must be in [0, 1], got {self.step_overhead!r}"),

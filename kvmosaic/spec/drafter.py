@@ -22,7 +22,9 @@ The draft's K/V of the sequence so far comes one of two ways:
 - ``MirroringDrafter`` (``draft``: another model): the draft keeps its own pools over the target's
   block ids (``KVCache.draft``) and mirrors the tokens the target computed and kept (see there).
 
-Guesses past a sequence's blocks go to scratch blocks (ids past the block pool's).
+Guesses past a sequence's blocks go to scratch blocks (ids past the block pool's). With a prompt
+lookup (``lookup_first``), a sequence whose last tokens occurred earlier takes what followed them
+there and is not drafted: copying text is where the lookup beats any draft, and it costs nothing.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ import itertools
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from kvmosaic.outputs import ModelOutput, ScheduledRequest
 from kvmosaic.sample.sampler import SamplingRow, random_sample, target_probs
+from kvmosaic.spec.ngram import lookup
 from kvmosaic.spec.proposer import Proposal
 
 
@@ -60,10 +63,13 @@ class _Draft:
 
 
 class Drafter(ABC):
-    def __init__(self, runner, num_blocks: int, num_scratch_blocks: int, max_positions: int) -> None:
+    def __init__(self, runner, num_blocks: int, num_scratch_blocks: int, max_positions: int,
+                 lookup_sizes: tuple[int, int] | None = None) -> None:
         """``runner``: a ModelRunner over the draft model and the attention its K/V lives in; block
-        ids ``num_blocks`` .. ``num_blocks + num_scratch_blocks - 1`` are scratch."""
+        ids ``num_blocks`` .. ``num_blocks + num_scratch_blocks - 1`` are scratch. ``lookup_sizes``:
+        (min, max) n-gram sizes of a prompt lookup tried before drafting (None: none)."""
         self.runner = runner
+        self.lookup_sizes = lookup_sizes
         self.block_size = runner.block_size
         self.num_blocks = num_blocks
         self.num_scratch_blocks = num_scratch_blocks
@@ -73,8 +79,9 @@ class Drafter(ABC):
     def propose(self, scheduled: list[ScheduledRequest], out: ModelOutput) -> DraftWork:
         """Draft for the sequences the step asked about (after what the subclass runs first)."""
         started = time.perf_counter()
+        looked_up = self._look_up(scheduled, out)
         drafts: dict[str, _Draft] = {}
-        pending = self._first_pass(scheduled, out, drafts, itertools.count(self.num_blocks))
+        pending = self._first_pass(scheduled, out, drafts, itertools.count(self.num_blocks), looked_up)
         passes = 0
         while pending:
             requests, logits = self.runner.compute_logits(pending)
@@ -90,13 +97,30 @@ class Drafter(ABC):
                     pending.append(draft.request)
         proposals = {seq_id: Proposal(d.token_ids, torch.cat(d.probs) if d.probs else None)
                      for seq_id, d in drafts.items()}
-        return DraftWork(proposals, passes, time.perf_counter() - started)
+        return DraftWork({**looked_up, **proposals}, passes, time.perf_counter() - started)
 
     @abstractmethod
     def _first_pass(self, scheduled: list[ScheduledRequest], out: ModelOutput, drafts: dict[str, _Draft],
-                    scratch: Iterator[int]) -> list[ScheduledRequest]:
+                    scratch: Iterator[int], looked_up: Container[str]) -> list[ScheduledRequest]:
         """The rows of the first pass; fills ``drafts`` with the sequences that draft (their first
-        row samples)."""
+        row samples); those in ``looked_up`` do not."""
+
+    def _look_up(self, scheduled: list[ScheduledRequest], out: ModelOutput) -> dict[str, Proposal]:
+        """Prompt-lookup proposals of the sequences asked for some, over their tokens after this step."""
+        if self.lookup_sizes is None:
+            return {}
+        found = {}
+        for s in scheduled:
+            sampled = out.sampled.get(s.request_id) if s.sample_ids else None
+            if sampled is None or s.num_lookup_tokens < 1:
+                continue
+            accepted = [t.token_id for t in out.accepted.get(s.request_id, ())]
+            tokens = [*s.prompt_token_ids, *s.output_token_ids, *accepted, sampled.token_id]
+            k = min(s.num_lookup_tokens, self.max_positions - len(tokens))
+            guess = lookup(tokens, k, *self.lookup_sizes) if k > 0 else []
+            if guess:
+                found[s.request_id] = Proposal(guess)
+        return found
 
     def _draft(self, s: ScheduledRequest, tokens: list[int], start: int, k: int, scratch: Iterator[int]) -> _Draft:
         """A sequence's first draft row: ``tokens`` from ``start``, the target's new token last."""
@@ -131,11 +155,11 @@ class Drafter(ABC):
 class CacheSharingDrafter(Drafter):
     """A draft of the target's own shape attending over the target's K/V: only drafting runs."""
 
-    def _first_pass(self, scheduled, out, drafts, scratch):
+    def _first_pass(self, scheduled, out, drafts, scratch, looked_up):
         rows = []
         for s in scheduled:
             sampled = out.sampled.get(s.request_id) if s.sample_ids else None
-            if sampled is None or s.num_draft_tokens < 1:
+            if sampled is None or s.num_draft_tokens < 1 or s.request_id in looked_up:
                 continue
             position = s.start_pos + s.num_tokens - len(s.spec_token_ids) + len(out.accepted.get(s.request_id, ()))
             k = self._draft_length(s, position + 1)
@@ -160,12 +184,13 @@ class MirroringDrafter(Drafter):
     prefix hits reuse, carry the draft's K/V. A block of decoded tokens a sequence never drafted over
     holds stale draft K/V; a prefix hit on it costs acceptance, never correctness."""
 
-    def __init__(self, runner, num_blocks: int, num_scratch_blocks: int, max_positions: int) -> None:
-        super().__init__(runner, num_blocks, num_scratch_blocks, max_positions)
+    def __init__(self, runner, num_blocks: int, num_scratch_blocks: int, max_positions: int,
+                 lookup_sizes: tuple[int, int] | None = None) -> None:
+        super().__init__(runner, num_blocks, num_scratch_blocks, max_positions, lookup_sizes)
         # Decoded tokens not yet mirrored, per sequence: (position of the first, the tokens).
         self._unmirrored: dict[str, tuple[int, list[int]]] = {}
 
-    def _first_pass(self, scheduled, out, drafts, scratch):
+    def _first_pass(self, scheduled, out, drafts, scratch, looked_up):
         rows: list[ScheduledRequest] = []
         unmirrored: dict[str, tuple[int, list[int]]] = {}
         for s in scheduled:
@@ -175,7 +200,7 @@ class MirroringDrafter(Drafter):
                 start, behind = s.start_pos, []
             tokens = [*behind, *kept]
             sampled = out.sampled.get(s.request_id) if s.sample_ids else None
-            k = self._draft_length(s, start + len(tokens) + 1)
+            k = 0 if s.request_id in looked_up else self._draft_length(s, start + len(tokens) + 1)
             if k < 1 or sampled is None:
                 if s.num_tokens - len(s.spec_token_ids) == 1 and sampled is not None:  # a decode: later
                     unmirrored[s.request_id] = (start, tokens)

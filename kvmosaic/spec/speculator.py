@@ -84,8 +84,9 @@ class Speculator:
 
     def propose(self, candidates: list[tuple[Request, int]], batch_size: int) -> dict[str, Proposal]:
         """Proposals for decoding sequences, each (request, most tokens it may take), in a batch of
-        ``batch_size`` sequences; sequences that get none are left out."""
-        threshold = self._threshold(batch_size)
+        ``batch_size`` sequences; sequences that get none are left out. A draft model's proposals
+        were paid for when drafted: only their verification is weighed now."""
+        threshold = self._threshold(batch_size, drafting=False)
         asks = []
         for request, limit in candidates:
             k = min(limit, self._num_tokens(request.request_id, threshold))
@@ -99,16 +100,21 @@ class Speculator:
             return {}
         return kept
 
-    def draft_lengths(self, candidates: list[tuple[Request, int]], batch_size: int) -> dict[str, int]:
+    def draft_lengths(self, candidates: list[tuple[Request, int]], batch_size: int) -> dict[str, tuple[int, int]]:
         """How many tokens the worker's draft model should propose after this step for sequences
         that may decode next, each (request, most tokens it may take): the k this step's
-        acceptance and batch size give; empty for proposers that need no model work."""
-        threshold = self._threshold(batch_size)
+        acceptance and batch size give with the draft's cost, and the k a prompt lookup tried
+        first may propose (without it; 0 unless ``lookup_first``); empty for proposers that need
+        no model work."""
+        drafting, lookup = self._threshold(batch_size), self._threshold(batch_size, drafting=False)
         lengths = {}
         for request, limit in candidates:
-            k = self.proposer.tokens_to_draft(min(limit, self._k(request.request_id, threshold)))
-            if k > 0:
-                lengths[request.request_id] = k
+            k = self.proposer.tokens_to_draft(min(limit, self._k(request.request_id, drafting)))
+            k_lookup = min(limit, self._k(request.request_id, lookup)) if self.config.lookup_first else 0
+            if self.proposer.tokens_to_draft(k_lookup) == 0:
+                k_lookup = 0
+            if k > 0 or k_lookup > 0:
+                lengths[request.request_id] = (k, k_lookup)
         return lengths
 
     def receive(self, proposals: Mapping[str, Proposal]) -> None:
@@ -169,9 +175,10 @@ class Speculator:
         acceptance = self._acceptance.get(request_id)
         return acceptance.rate if acceptance is not None else 0.5
 
-    def _threshold(self, batch_size: int) -> float:
+    def _threshold(self, batch_size: int, drafting: bool = True) -> float:
+        """What a proposal's acceptance must beat: with a draft pass's cost when it is still to be drafted."""
         cost = batch_size * self.token_cost
-        return (cost + self.draft_cost) / (1.0 + cost)
+        return (cost + (self.draft_cost if drafting else 0.0)) / (1.0 + cost)
 
     def _num_tokens(self, request_id: str, threshold: float) -> int:
         k = self._k(request_id, threshold)

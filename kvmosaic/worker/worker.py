@@ -87,15 +87,16 @@ class Worker:
     def _build_drafter(self, draft: LoadedModel, target: LoadedModel) -> Drafter:
         """The draft model over the target's attention (a self-draft) or over its own companion
         pool (``KVCache.draft``)."""
-        max_len = self.config.scheduler.max_model_len
+        max_len, spec = self.config.scheduler.max_model_len, self.config.speculative
+        lookup_sizes = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.lookup_first else None
         model = self.model if draft is target else LlamaForCausalLM(draft.config, draft.weights, self.kernels,
                                                                      max_positions=max_len).eval()
         if self.draft_shares_cache:
             return CacheSharingDrafter(ModelRunner(model, self.attention, self.eos_token_ids),
-                                       self.kv_cache.num_blocks, self._num_scratch_blocks, max_len)
+                                       self.kv_cache.num_blocks, self._num_scratch_blocks, max_len, lookup_sizes)
         backend = make_attention_backend(draft.config, self.kv_cache.draft, self.kernels)
         return MirroringDrafter(ModelRunner(model, backend, self.eos_token_ids), self.kv_cache.num_blocks,
-                                self._num_scratch_blocks, max_len)
+                                self._num_scratch_blocks, max_len, lookup_sizes)
 
     # ------------------------------------------------------------------ KV pool
     @property
