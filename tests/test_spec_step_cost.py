@@ -53,7 +53,7 @@ def test_old_steps_fade():
 
 
 def _k(speculator: Speculator, batch_size: int = 1) -> int:
-    return speculator._k("a", speculator._threshold(batch_size))
+    return speculator._k("a", speculator._threshold(batch_size), False)
 
 
 def test_measured_cost_sets_k():

@@ -51,6 +51,7 @@ class SpeculationSteps(NoSpeculation):
         self.speculator = speculator
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
+        self._looked_up: dict[str, bool] = {}  # whether each scheduled proposal came from a prompt lookup
 
     def propose(self, running: list[Request]) -> dict[str, Proposal]:
         """Proposals for the running sequences whose next step is one token (decoding, no forks pending)."""
@@ -64,6 +65,7 @@ class SpeculationSteps(NoSpeculation):
         num_spec = min(len(proposal.token_ids), budget - 1 - num_later)
         if num_spec < 1 or self.kv_manager.allocate_slots(request, 1 + num_spec) is None:
             return None
+        self._looked_up[request.request_id] = proposal.looked_up
         return proposal.first(num_spec)
 
     def ask_for_drafts(self, requests: Iterable[Request], scheduled: list[ScheduledRequest], num_running: int) -> None:
@@ -78,7 +80,8 @@ class SpeculationSteps(NoSpeculation):
         """Forget the K/V of rejected proposals: they are recomputed as whatever tokens come next."""
         request.num_computed_tokens -= num_proposed - num_accepted
         self.kv_manager.free_uncomputed_blocks(request)
-        self.speculator.record(request.request_id, num_proposed, num_accepted)
+        self.speculator.record(request.request_id, num_proposed, num_accepted,
+                               self._looked_up.pop(request.request_id, False))
 
     def receive(self, proposals: Mapping[str, Proposal]) -> None:
         self.speculator.receive(proposals)
@@ -94,6 +97,7 @@ class SpeculationSteps(NoSpeculation):
             self.speculator.observe_draft(passes, seconds)
 
     def free(self, request_id: str) -> None:
+        self._looked_up.pop(request_id, None)
         self.speculator.free(request_id)
 
     def _limits(self, requests: Iterable[Request]) -> list[tuple[Request, int]]:

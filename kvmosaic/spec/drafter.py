@@ -119,7 +119,7 @@ class Drafter(ABC):
             k = min(s.num_lookup_tokens, self.max_positions - len(tokens))
             guess = lookup(tokens, k, *self.lookup_sizes) if k > 0 else []
             if guess:
-                found[s.request_id] = Proposal(guess)
+                found[s.request_id] = Proposal(guess, looked_up=True)
         return found
 
     def _draft(self, s: ScheduledRequest, tokens: list[int], start: int, k: int, scratch: Iterator[int]) -> _Draft:

@@ -34,4 +34,4 @@ class NgramProposer(Proposer):
         self.max_n = max_n
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
-        return [Proposal(lookup(r.token_ids, r.max_tokens, self.min_n, self.max_n)) for r in requests]
+        return [Proposal(lookup(r.token_ids, r.max_tokens, self.min_n, self.max_n), looked_up=True) for r in requests]

@@ -27,10 +27,11 @@ class Proposal:
     # A draft model's distributions, a [len(token_ids), vocab] tensor the runner verifies against;
     # None: the tokens were chosen deterministically (one-hot q).
     draft_probs: Any = None
+    looked_up: bool = False  # found by a prompt lookup (its acceptance is tracked apart from a draft's)
 
     def first(self, n: int) -> Proposal:
         """The first ``n`` proposed tokens (and their distributions)."""
-        return Proposal(self.token_ids[:n], None if self.draft_probs is None else self.draft_probs[:n])
+        return Proposal(self.token_ids[:n], None if self.draft_probs is None else self.draft_probs[:n], self.looked_up)
 
 
 class Proposer(ABC):

@@ -12,9 +12,10 @@ steps (``StepCost``; ``PRIOR_TOKEN_COST`` until they determine it) and ``c`` a d
 the configuration fixes them.
 So k is the largest j with ``a ** j`` above that threshold: long runs for predictable text at
 batch 1, none for sequences whose proposals keep failing or once the batch is compute-bound. ``a``
-is estimated per sequence from decayed counts (a truncated geometric: accepted tokens over accepted
-tokens plus rejections, half a count of prior each, so 1/2 at first); steps without speculation
-decay the evidence too, so a sequence that stopped speculating probes again now and then.
+is estimated per sequence (apart for a draft model's and a prompt lookup's proposals) from decayed
+counts (a truncated geometric: accepted tokens over accepted tokens plus rejections, half a count
+of prior each, so 1/2 at first); steps without speculation decay the evidence too, so a sequence
+that stopped speculating probes again now and then.
 
 A step with any proposal also leaves the one-token decode path, ``c = step_overhead`` of a decode
 step more. The step's proposals are kept only if their expected tokens beyond what their compute
@@ -80,7 +81,10 @@ class Speculator:
         self.stats = SpecStats()
         self.step_cost = StepCost()
         self.draft_pass_cost = DraftCost()
-        self._acceptance: dict[str, _Acceptance] = {}
+        # per (sequence, looked up): a prompt lookup's and a draft model's proposals fare apart
+        self._acceptance: dict[tuple[str, bool], _Acceptance] = {}
+        self._split = config.uses_draft_model and config.lookup_first
+        self._sources = (False, True) if self._split else (False,)  # looked up, for the keys
 
     def propose(self, candidates: list[tuple[Request, int]], batch_size: int) -> dict[str, Proposal]:
         """Proposals for decoding sequences, each (request, most tokens it may take), in a batch of
@@ -89,13 +93,17 @@ class Speculator:
         threshold = self._threshold(batch_size, drafting=False)
         asks = []
         for request, limit in candidates:
-            k = min(limit, self._num_tokens(request.request_id, threshold))
+            k = min(limit, max(self._num_tokens(request.request_id, threshold, s) for s in self._sources))
             if k > 0:
                 asks.append(ProposalRequest(request.request_id, request.all_token_ids, k))
         if not asks:
             return {}
         proposals = self.proposer.propose(asks)
-        kept = {ask.request_id: p for ask, p in zip(asks, proposals, strict=True) if p.token_ids}
+        kept = {}
+        for ask, p in zip(asks, proposals, strict=True):
+            p = p.first(min(ask.max_tokens, self._k(ask.request_id, threshold, p.looked_up)))
+            if p.token_ids:
+                kept[ask.request_id] = p
         if self.config.adaptive and not self._worth_the_step(kept, threshold, batch_size):
             return {}
         return kept
@@ -109,8 +117,8 @@ class Speculator:
         drafting, lookup = self._threshold(batch_size), self._threshold(batch_size, drafting=False)
         lengths = {}
         for request, limit in candidates:
-            k = self.proposer.tokens_to_draft(min(limit, self._k(request.request_id, drafting)))
-            k_lookup = min(limit, self._k(request.request_id, lookup)) if self.config.lookup_first else 0
+            k = self.proposer.tokens_to_draft(min(limit, self._k(request.request_id, drafting, False)))
+            k_lookup = min(limit, self._k(request.request_id, lookup, True)) if self.config.lookup_first else 0
             if self.proposer.tokens_to_draft(k_lookup) == 0:
                 k_lookup = 0
             if k > 0 or k_lookup > 0:
@@ -121,11 +129,11 @@ class Speculator:
         """The worker's draft proposals from the step just run."""
         self.proposer.receive(proposals)
 
-    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+    def record(self, request_id: str, num_proposed: int, num_accepted: int, looked_up: bool = False) -> None:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_proposed
         self.stats.num_accepted_tokens += num_accepted
-        acceptance = self._acceptance.setdefault(request_id, _Acceptance())
+        acceptance = self._acceptance.setdefault(self._key(request_id, looked_up), _Acceptance())
         acceptance.decay()
         acceptance.accepted += num_accepted
         acceptance.rejected += num_accepted < num_proposed
@@ -158,21 +166,25 @@ class Speculator:
         return min(1.0, pass_seconds / weights_seconds)
 
     def free(self, request_id: str) -> None:
-        self._acceptance.pop(request_id, None)
+        for looked_up in (False, True):
+            self._acceptance.pop((request_id, looked_up), None)
         self.proposer.free(request_id)
 
     def _worth_the_step(self, proposals: dict[str, Proposal], threshold: float, batch_size: int) -> bool:
-        if any(request_id not in self._acceptance for request_id in proposals):
+        if any(self._key(request_id, p.looked_up) not in self._acceptance for request_id, p in proposals.items()):
             return True
         surplus = 0.0
         for request_id, proposal in proposals.items():
-            rate = self._rate(request_id)
+            rate = self._rate(request_id, proposal.looked_up)
             surplus += sum(rate ** j - threshold for j in range(1, len(proposal.token_ids) + 1))
         cost = batch_size * self.token_cost
         return surplus > batch_size * self.config.step_overhead / (1.0 + cost)
 
-    def _rate(self, request_id: str) -> float:
-        acceptance = self._acceptance.get(request_id)
+    def _key(self, request_id: str, looked_up: bool) -> tuple[str, bool]:
+        return request_id, looked_up and self._split
+
+    def _rate(self, request_id: str, looked_up: bool) -> float:
+        acceptance = self._acceptance.get(self._key(request_id, looked_up))
         return acceptance.rate if acceptance is not None else 0.5
 
     def _threshold(self, batch_size: int, drafting: bool = True) -> float:
@@ -180,18 +192,18 @@ class Speculator:
         cost = batch_size * self.token_cost
         return (cost + (self.draft_cost if drafting else 0.0)) / (1.0 + cost)
 
-    def _num_tokens(self, request_id: str, threshold: float) -> int:
-        k = self._k(request_id, threshold)
-        acceptance = self._acceptance.get(request_id)
+    def _num_tokens(self, request_id: str, threshold: float, looked_up: bool) -> int:
+        k = self._k(request_id, threshold, looked_up)
+        acceptance = self._acceptance.get(self._key(request_id, looked_up))
         if k == 0 and acceptance is not None:
             acceptance.decay()  # not speculating: let old failures fade so the sequence probes again
         return k
 
-    def _k(self, request_id: str, threshold: float) -> int:
+    def _k(self, request_id: str, threshold: float, looked_up: bool) -> int:
         k_max = self.config.num_speculative_tokens
         if not self.config.adaptive:
             return k_max
-        rate = self._rate(request_id)
+        rate = self._rate(request_id, looked_up)
         k, reach = 0, rate
         while k < k_max and reach > threshold:
             k, reach = k + 1, reach * rate
