@@ -10,6 +10,7 @@ prints a table and writes JSON.
 
     python benchmarks/speculative.py [--dtype float32] [--rounds 3] [--draft-model PATH]
     python benchmarks/speculative.py --rounds 1 --max-tokens 8 --workload-b 4x16x8   # a quick check
+    python benchmarks/speculative.py --workloads grounded-b16 --configs self-q4_0    # one cell against off
 """
 
 from __future__ import annotations
@@ -111,16 +112,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens of the prompt workloads")
     parser.add_argument("--workload-b", default="64x128x128", help="requests x prompt x output tokens")
+    parser.add_argument("--workloads", default=None, help="comma-separated workload names (default: all)")
+    parser.add_argument("--configs", default=None, help="comma-separated configurations (default: all; off is kept)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
     args = parser.parse_args()
     b_shape = tuple(int(x) for x in args.workload_b.split("x"))
+    chosen = {name: spec for name, spec in configurations(args).items()
+              if name == "off" or args.configs is None or name in args.configs.split(",")}
     llms = {name: LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
                       num_threads=args.threads, max_num_seqs=max(16, b_shape[0]), speculative=spec)
-            for name, spec in configurations(args).items()}
+            for name, spec in chosen.items()}
     vocab = next(iter(llms.values())).engine.model_config.vocab_size
     loads = workloads(args.max_tokens, b_shape, vocab)
+    if args.workloads is not None:
+        loads = {name: load for name, load in loads.items() if name in args.workloads.split(",")}
     for llm in llms.values():  # warm-up
         llm.generate(OPEN[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     runs: dict[tuple[str, str], list[dict]] = {(w, c): [] for w in loads for c in llms}
@@ -144,7 +151,7 @@ def main() -> None:
             print(f"{workload:<18}{name:<12}{row['tokens_per_s']:>9.1f}{row['speedup']:>9.2f}x{accept:>9}{length:>10}")
     meta = {"dtype": args.dtype, "quantization": args.quantization, "k": args.k, "rounds": args.rounds,
             "threads": args.threads, "isa": isa_summary(), "machine": platform.machine(),
-            "configs": configurations(args)}
+            "configs": chosen}
     out = Path(args.json) if args.json else RESULTS / f"speculative_{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": meta, "results": results}, indent=2))
