@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvmosaic.core.sequence_rules import check_stop, fork_seed
+from kvmosaic.core.sequence_rules import check_stop, scheduled_request
 from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
@@ -130,7 +130,8 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(plan)
         finished_ids, self._finished_ids = self._finished_ids, set()
-        scheduled = [self._scheduled_request(request, n, plan.proposals.get(request.request_id))
+        scheduled = [scheduled_request(request, n, plan.proposals.get(request.request_id),
+                                       self.kv_manager.get_block_table(request.request_id))
                      for request, n in plan.scheduled]
         self.spec.ask_for_drafts((r for r, _ in plan.scheduled), scheduled, len(self.running))
         return SchedulerOutput(
@@ -332,29 +333,3 @@ class Scheduler:
             self.swapped.remove(request)
         else:
             self.waiting.remove(request)
-
-    def _scheduled_request(self, request: Request, num_tokens: int, proposal: Proposal | None) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        spec = proposal.token_ids if proposal is not None else []
-        end = start + num_tokens - len(spec)
-        sample_ids: list[str] = []
-        sample_seeds: list[int | None] = []
-        if end == request.num_tokens:
-            sample_ids = [request.request_id]
-            sample_seeds = [request.seed]
-            for sample_index in range(1, request.num_forks + 1):
-                sample_ids.append(f"{request.group_id}#{sample_index}")
-                sample_seeds.append(fork_seed(request.seed, sample_index))
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + spec,
-            start_pos=start,
-            block_table=self.kv_manager.get_block_table(request.request_id),
-            sampling_params=request.sampling_params,
-            sample_ids=sample_ids,
-            sample_seeds=sample_seeds,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids),
-            spec_token_ids=list(spec),
-            draft_probs=proposal.draft_probs if proposal is not None else None,
-        )

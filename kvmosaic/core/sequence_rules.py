@@ -1,8 +1,15 @@
-"""Pure rules for one sequence: when its last token ends it, and the seed a forked sibling gets."""
+"""Pure rules for one sequence: when its last token ends it, the seed a forked sibling gets, and
+what the runner is handed to run it for a step."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvmosaic.spec.proposer import Proposal
 
 _FORK_SEED_STRIDE = 0x9E3779B1  # golden-ratio stride keeps sibling seeds far apart
 
@@ -38,3 +45,32 @@ def max_speculative_tokens(request: Request, max_model_len: int) -> int:
     if max_tokens is not None:
         limit = min(limit, max_tokens - request.num_output_tokens - 1)
     return max(0, limit)
+
+
+def scheduled_request(request: Request, num_tokens: int, proposal: Proposal | None,
+                      block_table: list[int]) -> ScheduledRequest:
+    """What the runner needs to run ``num_tokens`` of the sequence this step (its proposals last)."""
+    start = request.num_computed_tokens
+    spec = proposal.token_ids if proposal is not None else []
+    end = start + num_tokens - len(spec)
+    sample_ids: list[str] = []
+    sample_seeds: list[int | None] = []
+    if end == request.num_tokens:
+        sample_ids = [request.request_id]
+        sample_seeds = [request.seed]
+        for sample_index in range(1, request.num_forks + 1):
+            sample_ids.append(f"{request.group_id}#{sample_index}")
+            sample_seeds.append(fork_seed(request.seed, sample_index))
+    return ScheduledRequest(
+        request_id=request.request_id,
+        token_ids=request.all_token_ids[start:end] + spec,
+        start_pos=start,
+        block_table=block_table,
+        sampling_params=request.sampling_params,
+        sample_ids=sample_ids,
+        sample_seeds=sample_seeds,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=list(request.output_token_ids),
+        spec_token_ids=list(spec),
+        draft_probs=proposal.draft_probs if proposal is not None else None,
+    )
