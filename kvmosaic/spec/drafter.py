@@ -111,7 +111,7 @@ class Drafter(ABC):
             return {}
         found = {}
         for s in scheduled:
-            sampled = out.sampled.get(s.request_id) if s.sample_ids else None
+            sampled = _sampled(s, out)
             if sampled is None or s.num_lookup_tokens < 1:
                 continue
             accepted = [t.token_id for t in out.accepted.get(s.request_id, ())]
@@ -158,7 +158,7 @@ class CacheSharingDrafter(Drafter):
     def _first_pass(self, scheduled, out, drafts, scratch, looked_up):
         rows = []
         for s in scheduled:
-            sampled = out.sampled.get(s.request_id) if s.sample_ids else None
+            sampled = _sampled(s, out)
             if sampled is None or s.num_draft_tokens < 1 or s.request_id in looked_up:
                 continue
             position = s.start_pos + s.num_tokens - len(s.spec_token_ids) + len(out.accepted.get(s.request_id, ()))
@@ -199,7 +199,7 @@ class MirroringDrafter(Drafter):
             if start + len(behind) != s.start_pos:  # recomputed or rolled back since: nothing to carry
                 start, behind = s.start_pos, []
             tokens = [*behind, *kept]
-            sampled = out.sampled.get(s.request_id) if s.sample_ids else None
+            sampled = _sampled(s, out)
             k = 0 if s.request_id in looked_up else self._draft_length(s, start + len(tokens) + 1)
             if k < 1 or sampled is None:
                 if s.num_tokens - len(s.spec_token_ids) == 1 and sampled is not None:  # a decode: later
@@ -211,3 +211,8 @@ class MirroringDrafter(Drafter):
             rows.append(drafts[s.request_id].request)
         self._unmirrored = unmirrored  # sequences not scheduled this step drop theirs (stale K/V later)
         return rows
+
+
+def _sampled(s: ScheduledRequest, out: ModelOutput):
+    """The target's new token of the sequence this step (None: a prefill chunk that samples nothing)."""
+    return out.sampled.get(s.request_id) if s.sample_ids else None

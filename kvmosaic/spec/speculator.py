@@ -118,9 +118,7 @@ class Speculator:
         lengths = {}
         for request, limit in candidates:
             k = self.proposer.tokens_to_draft(min(limit, self._k(request.request_id, drafting, False)))
-            k_lookup = min(limit, self._k(request.request_id, lookup, True)) if self.config.lookup_first else 0
-            if self.proposer.tokens_to_draft(k_lookup) == 0:
-                k_lookup = 0
+            k_lookup = min(limit, self._k(request.request_id, lookup, True)) if self._split else 0
             if k > 0 or k_lookup > 0:
                 lengths[request.request_id] = (k, k_lookup)
         return lengths
