@@ -2,9 +2,10 @@
 on the default model, in interleaved rounds within one run (each round runs every configuration on
 every workload, the configurations' order rotating), greedy.
 
-Workloads: input-grounded prompts (rewrite or summarize a given passage, edit a given code file:
-what to write is in the prompt) and open-ended prompts (stories, questions), each at batch 1 and
-batch 16, and workload B (64 requests x 128 prompt tokens x 128 generated). Reports output tokens/s
+Workloads: input-grounded chat prompts (rewrite or correct a given ~110-token passage, edit a given
+code file: what to write is in the prompt) and open-ended ones (stories, questions), at batch 1 (three
+prompts one after another) and batch 16, each answer ending at its end of text or max_tokens; and
+workload B (64 requests x 128 random prompt tokens x 128 generated). Reports output tokens/s
 (median over rounds), speed-up over speculation off, acceptance rate and mean accepted length;
 prints a table and writes JSON.
 
@@ -21,6 +22,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -28,46 +30,64 @@ from kvmosaic import LLM, SamplingParams
 from kvmosaic.ops.cpu import isa_summary
 
 RESULTS = Path(__file__).parent / "results"
-PASSAGES = [
-    "The river rose slowly through the night. By morning the lower streets were under water, and the "
-    "baker, who had lived beside the bridge for forty years, carried his flour sacks up to the attic one by one.",
-    "Photosynthesis turns light into chemical energy. Plants take in carbon dioxide and water, and with the "
-    "energy of sunlight they build sugars, releasing oxygen into the air as a by-product.",
-    "The committee met on Tuesday to review the budget. After a long debate it agreed to fund the new library, "
-    "to delay the road repairs until spring, and to hire two more teachers for the school.",
-    "Marie Curie was the first person to win two Nobel Prizes in different sciences. She studied radioactivity, "
-    "discovered polonium and radium, and founded research institutes in Paris and Warsaw.",
-]
-CODE = [
+
+
+class Workload(NamedTuple):
+    batches: list[list[list[int]]]  # prompts (token ids), one generate call per batch
+    out_len: int
+    ignore_eos: bool
+# Input-grounded tasks as a user sends them to the instruct model (chat template): the ~110-token
+# passage or file to copy or edit is in the prompt, so the answer is mostly text the prompt holds.
+PASSAGE = (
+    "The river rose slowly through the night. By morning the lower streets were under water, and the baker, "
+    "who had lived beside the bridge for forty years, carried his flour sacks up to the attic one by one. His "
+    "neighbours came out in boats at noon. They passed bread and candles through the windows, and the children "
+    "counted the ducks that swam where the market had stood the day before. When the water fell three days "
+    "later, the streets were covered in mud, but the bakery opened again within a week, and the first loaves "
+    "were given away.")
+CODE = (
     "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
-    "    return 2 * (width + height)\n",
-    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
-    "        self.count += 1\n        return self.count\n",
+    "    return 2 * (width + height)\n\n\ndef scale(width, height, factor):\n"
+    "    return width * factor, height * factor\n\n\ndef is_square(width, height):\n"
+    "    return width == height\n\n\ndef describe(width, height):\n"
+    "    kind = 'square' if is_square(width, height) else 'rectangle'\n"
+    "    return f'{kind} of area {area(width, height)}'\n")
+GROUNDED_TASKS = [
+    f"Rewrite this passage in the past perfect tense:\n\n{PASSAGE}",
+    f"Add a docstring to each function in this file and print the whole file:\n\n{CODE}",
+    f"Fix the spelling in this text and return it in full:\n\n"
+    f"{PASSAGE.replace('slowly', 'slowwly').replace('neighbours', 'nieghbours')}",
+    f"Rename the parameter width to w everywhere in this code:\n\n{CODE}",
+    f"Copy this passage exactly, word for word:\n\n{PASSAGE}",
 ]
-GROUNDED = ([f"Rewrite the following passage in the same words, fixing nothing.\nPassage: {p}\nRewritten:"
-             for p in PASSAGES]
-            + [f"Summarize the passage, reusing its own words.\nPassage: {p}\nSummary:" for p in PASSAGES]
-            + [f"Add type hints to every function of this file and print the whole file.\n{c}\nWith hints:\n"
-               for c in CODE])
-OPEN = ["Write a short story about a lighthouse keeper.", "Why is the sky blue?",
-        "Tell me about the history of the bicycle.", "What should I cook for dinner tonight?",
-        "Write a poem about autumn leaves.", "Explain how a rainbow forms.",
-        "Describe a day in the life of a cat.", "What makes a good friend?"]
+OPEN_TASKS = ["Write a short story about a lighthouse keeper.", "Why is the sky blue?",
+              "Tell me about the history of the bicycle.", "What should I cook for dinner tonight?",
+              "Write a poem about autumn leaves.", "Explain how a rainbow forms.",
+              "Describe a day in the life of a cat.", "What makes a good friend?"]
 
 
-def _batch(prompts: list[str], size: int) -> list[str]:
-    return [prompts[i % len(prompts)] + ("" if i < len(prompts) else " " * (i // len(prompts)))
-            for i in range(size)]
+def _batch(prompts: list[list[int]], size: int) -> list[list[int]]:
+    """size prompts cycling through the given ones (repeats differ by a trailing token)."""
+    return [prompts[i % len(prompts)] + [198] * (i // len(prompts)) for i in range(size)]
 
 
-def workloads(max_tokens: int, b_shape: tuple[int, int, int], vocab: int) -> dict[str, tuple[list, int]]:
-    """name -> (prompts, output tokens)."""
+def chat_prompts(tokenizer, tasks: list[str]) -> list[list[int]]:
+    rendered = (tokenizer.apply_chat_template([{"role": "user", "content": t}], True) for t in tasks)
+    return [tokenizer.encode(r, add_special_tokens=False) for r in rendered]
+
+
+def workloads(tokenizer, max_tokens: int, b_shape: tuple[int, int, int], vocab: int) -> dict[str, Workload]:
+    """name -> its prompts run one batch at a time; prompt workloads stop at the end of the answer (or
+    max_tokens), workload B's random prompts always generate their out_len tokens."""
     num, prompt_len, out_len = b_shape
     gen = torch.Generator().manual_seed(0)
     random_prompts = [torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num)]
-    return {"grounded-b1": (GROUNDED[:1], max_tokens), "grounded-b16": (_batch(GROUNDED, 16), max_tokens),
-            "open-b1": (OPEN[:1], max_tokens), "open-b16": (_batch(OPEN, 16), max_tokens),
-            f"B-{num}x{prompt_len}/{out_len}": (random_prompts, out_len)}
+    grounded, open_ended = chat_prompts(tokenizer, GROUNDED_TASKS), chat_prompts(tokenizer, OPEN_TASKS)
+    return {"grounded-b1": Workload([[p] for p in grounded[:3]], max_tokens, False),
+            "grounded-b16": Workload([_batch(grounded, 16)], max_tokens, False),
+            "open-b1": Workload([[p] for p in open_ended[:3]], max_tokens, False),
+            "open-b16": Workload([_batch(open_ended, 16)], max_tokens, False),
+            f"B-{num}x{prompt_len}/{out_len}": Workload([random_prompts], out_len, True)}
 
 
 def configurations(args) -> dict[str, dict | None]:
@@ -80,12 +100,12 @@ def configurations(args) -> dict[str, dict | None]:
     return configs
 
 
-def run_once(llm: LLM, prompts: list, out_len: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+def run_once(llm: LLM, load: Workload) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=load.out_len, ignore_eos=load.ignore_eos)
     llm.engine.reset_prefix_cache()
     before = llm.engine.stats()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = [out for batch in load.batches for out in llm.generate(batch, params, use_tqdm=False)]
     seconds = time.perf_counter() - start
     after = llm.engine.stats()
     delta = {key: after.get(key, 0) - before.get(key, 0)
@@ -125,18 +145,18 @@ def main() -> None:
                       num_threads=args.threads, max_num_seqs=max(16, b_shape[0]), speculative=spec)
             for name, spec in chosen.items()}
     vocab = next(iter(llms.values())).engine.model_config.vocab_size
-    loads = workloads(args.max_tokens, b_shape, vocab)
+    loads = workloads(next(iter(llms.values())).tokenizer, args.max_tokens, b_shape, vocab)
     if args.workloads is not None:
         loads = {name: load for name, load in loads.items() if name in args.workloads.split(",")}
     for llm in llms.values():  # warm-up
-        llm.generate(OPEN[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        llm.generate(["Hello", "Why?"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     runs: dict[tuple[str, str], list[dict]] = {(w, c): [] for w in loads for c in llms}
     names = list(llms)
     for round_index in range(args.rounds):
         order = names[round_index % len(names):] + names[:round_index % len(names)]
-        for workload, (prompts, out_len) in loads.items():
+        for workload, load in loads.items():
             for name in order:
-                runs[workload, name].append(run_once(llms[name], prompts, out_len))
+                runs[workload, name].append(run_once(llms[name], load))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
     results = []
     print(f"\n{'workload':<18}{'config':<12}{'tok/s':>9}{'speed-up':>10}{'accept':>9}{'mean len':>10}")
