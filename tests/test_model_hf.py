@@ -12,7 +12,7 @@ from kvmosaic.model.layers.attention import KernelAttention
 from kvmosaic.model.loader import load_model
 from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.worker.model_runner import ModelRunner
+from kvmosaic.worker.model_runner import DECODE_ROW_SPAN, ModelRunner
 from kvmosaic.worker.worker import Worker
 
 transformers = pytest.importorskip("transformers")
@@ -133,6 +133,28 @@ def test_last_layer_skips_rows_without_logits(tmp_path, smollm_tokenizer_json):
     torch.testing.assert_close(picked, every_row[last_rows], atol=1e-5, rtol=1e-5)
 
 
+def test_short_spans_are_decode_rows(tmp_path, smollm_tokenizer_json):
+    """A span of up to DECODE_ROW_SPAN tokens (a verification, a short prompt tail) becomes decode
+    rows, each over the context up to itself; a longer prefill chunk stays a span, after them."""
+    _write_random_checkpoint(tmp_path, "llama", smollm_tokenizer_json)
+    runner = _runner(load_model(str(tmp_path), torch.float32))
+    long_chunk = list(range(3, 3 + DECODE_ROW_SPAN + 1))
+    reqs = [ScheduledRequest("p", long_chunk, 0, [9, 10, 11, 12], GREEDY, sample_ids=["p"], sample_seeds=[None]),
+            ScheduledRequest("v", [5, 6, 7, 8], 6, [4, 2, 7], GREEDY, sample_ids=["v"], sample_seeds=[None],
+                             spec_token_ids=[6, 7, 8]),
+            ScheduledRequest("d", [11], 2, [5], GREEDY, sample_ids=["d"], sample_seeds=[None])]
+    ids, positions, meta, last_rows = runner._prepare(sorted(reqs, key=lambda s: s.num_tokens > DECODE_ROW_SPAN))
+    assert ids.tolist() == [5, 6, 7, 8, 11, *long_chunk]
+    assert positions.tolist() == [6, 7, 8, 9, 2, *range(len(long_chunk))]
+    assert meta.num_decode_tokens == 5 and last_rows == [3, 4, 4 + len(long_chunk)]
+    assert meta.decode_context_lens.tolist() == [7, 8, 9, 10, 3]
+    assert meta.decode_block_tables.tolist() == [[4, 2, 7]] * 4 + [[5, 0, 0]]
+    assert meta.slot_mapping[:5].tolist() == [2 * 4 + 2, 2 * 4 + 3, 7 * 4, 7 * 4 + 1, 5 * 4 + 2]
+    [span] = meta.prefills
+    assert (span.token_start, span.num_tokens, span.context_len) == (5, len(long_chunk), len(long_chunk))
+    assert span.block_table.tolist() == [9, 10, 11, 12]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize(("dtype", "quantization"), [(torch.float32, None), (torch.bfloat16, None),
                                                      (torch.float32, "q4_1"), (torch.bfloat16, "q8_0")])
@@ -140,10 +162,11 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dt
     """Every step runs all layers in one kernel call (ops.layer_stack) when every product is packed;
     its logits equal the per-layer path's bit for bit: prefills, pure-decode steps (one team of
     threads for the whole stack) over three and over six sequences with different context lengths,
-    one whose unsampled row stops at the last attention, and mixed steps of decode rows with
-    multi-token spans (a speculated verification, a prefill chunk), where only the sampled rows go
-    past the last layer's attention; with q/k/v biases for qwen2, float and quantized weights,
-    float32 and bfloat16 activations, on every ISA level built."""
+    one whose unsampled row stops at the last attention, and mixed steps of decode rows (a speculated
+    verification and a prompt's short tail are decode rows too) with a prefill chunk longer than
+    DECODE_ROW_SPAN, where only the sampled rows go past the last layer's attention (a step of five
+    decode rows keeps two); with q/k/v biases for qwen2, float and quantized weights, float32 and
+    bfloat16 activations, on every ISA level built."""
     # quantized weights need 32-wide blocks of inputs; head size 64 takes the register-blocked attention
     _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json, head_dim=16 if quantization is None else 64)
     loaded = load_model(str(tmp_path), dtype, quantization)
@@ -162,7 +185,7 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dt
     looped = ModelRunner(other.model, LayerByLayer(loaded.config, other.kv_cache, other.kernels.ops), ())
     gen = torch.Generator().manual_seed(3)
     seqs = {name: [int(t) for t in torch.randint(3, 49152, (n,), generator=gen)]
-            for name, n in (("a", 3), ("b", 17), ("c", 9), ("d", 6), ("e", 5), ("f", 7))}
+            for name, n in (("a", 3), ("b", 17), ("c", 9), ("d", DECODE_ROW_SPAN + 8), ("e", 5), ("f", 7))}
     tables = {"a": [0, 1, 2, 3, 4], "b": [20, 6, 7, 8, 9, 10, 11], "c": [12, 13, 14, 15, 16, 17],
               "d": [21, 22, 23, 24, 25, 26], "e": [27, 28, 29], "f": [30, 31, 32]}
 
@@ -176,12 +199,15 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dt
             runner.compute_logits([request(name, seqs[name], 0)])
     steps = [[request(name, [seqs[name][-1] + step], len(seqs[name]) + step) for name in "abc"]
              for step in range(3)]
-    # a and c decode; b verifies three speculated tokens; d prefills its first chunk, then its rest
+    # a and c decode; b verifies three speculated tokens; d prefills its first chunk (a span), then its
+    # short rest (decode rows)
+    first = DECODE_ROW_SPAN + 4
     steps.append([request("a", [7], 6), request("c", [8], 12), request("b", [5, 6, 7, 8], 20, spec=3),
-                  request("d", seqs["d"][:4], 0)])
-    steps.append([request("a", [9], 7), request("d", seqs["d"][4:], 4)])
+                  request("d", seqs["d"][:first], 0)])
+    steps.append([request("a", [9], 7), request("d", seqs["d"][first:], first)])
     # six decode rows (the int8 activations of more than four rows are shared by the team)
-    steps.append([request("a", [10], 8), request("b", [11], 24), request("c", [12], 13), request("d", [13], 6),
+    steps.append([request("a", [10], 8), request("b", [11], 24), request("c", [12], 13),
+                  request("d", [13], len(seqs["d"])),
                   request("e", [14], 5), request("f", [15], 7)])
     # c samples nothing this step: its row stops after the last attention
     steps.append([request("a", [16], 9), request("c", [17], 14, sampled=False), request("e", [18], 6)])

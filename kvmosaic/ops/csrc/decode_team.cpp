@@ -114,7 +114,9 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
   at::Tensor gate_up = fused ? at::Tensor() : buffer(n, 2 * f, residual);
   at::Tensor kept_residual = compact ? buffer(kept, h, residual) : residual;
   at::Tensor kept_attn = compact ? buffer(kept, hq * d, residual) : attn;
-  QuantScratch scratch(n, weights.widest_input(), n <= kPrivateRows ? at::get_num_threads() : 1);
+  // a copy per thread when some linear quantizes its rows privately: the last layer's kept rows may be
+  // few even when the step's rows are many
+  QuantScratch scratch(n, weights.widest_input(), kept <= kPrivateRows ? at::get_num_threads() : 1);
 
   T* res = residual.data_ptr<T>();
   T* normed_p = normed.data_ptr<T>();
