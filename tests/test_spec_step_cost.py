@@ -8,7 +8,7 @@ from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.sampling_params import SamplingParams
 from kvmosaic.spec.config import SpeculativeConfig
 from kvmosaic.spec.speculator import Speculator
-from kvmosaic.spec.step_cost import StepCost
+from kvmosaic.spec.step_cost import SPIKE, DraftCost, StepCost
 
 
 def test_line_through_exact_steps():
@@ -115,3 +115,27 @@ def test_only_decode_and_verification_steps_are_timed():
     steps.observe_step([row([1])], 0.0)  # not timed by the engine
     steps.observe_step([], 0.01)
     assert speculator.step_cost.weight == 1.0 and speculator.step_cost.tokens == 4.0
+
+
+def test_one_spike_moves_the_costs_a_bounded_step():
+    """A 0.2 s outlier (a huge page faulted in, a garbage collection) counts as SPIKE times the
+    prediction: the draft's pass cost and the step line move by what that allows, worked out here."""
+    draft = DraftCost()
+    for _ in range(10):
+        draft.observe(2, 0.010)  # 5 ms a pass
+    draft.observe(1, 0.2)
+    weight = sum(0.97 ** i for i in range(10))  # the decayed passes and seconds before the spike
+    expected = (0.97 * weight * 0.010 + SPIKE * 0.005) / (0.97 * weight * 2 + 1)
+    assert draft.pass_seconds() == pytest.approx(expected)
+    assert draft.pass_seconds() < 0.0056
+
+    steps = StepCost()
+    for tokens in (1, 9) * 10:
+        steps.observe(tokens, 0.004 + 0.0008 * tokens)
+    capped = StepCost()
+    for tokens in (1, 9) * 10:
+        capped.observe(tokens, 0.004 + 0.0008 * tokens)
+    steps.observe(1, 0.2)
+    capped.observe(1, SPIKE * 0.0048)
+    assert steps.line() == pytest.approx(capped.line())
+    assert steps.line()[0] < 0.0055

@@ -7,6 +7,11 @@ eight more rows, a Q4_1 one reading 80 MB through int8 dot products pays ~20% of
 the speculator fits it from the steps it sees and keeps the configured ``token_cost`` only until the
 steps spread over enough token counts. A draft model's passes are timed apart (``DraftCost``): they
 are no part of the target's step, and each one costs a share of it.
+
+Both take a timing at most ``SPIKE`` times what they already predict: a step that first touches a
+huge page of the KV pool, or meets a garbage collection, says nothing about the next ones. One
+uncapped 0.2 s draft pass once raised the draft's cost past what a new sequence's prior acceptance
+could beat, and a cost that stops drafting is never measured again.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import dataclasses
 
 DECAY = 0.97  # weight of an observation one step older: the fit follows a few dozen recent steps
 MIN_SPREAD = 0.5  # variance of the token counts (tokens^2) below which the slope is not trusted
+SPIKE = 3.0  # a timing counts for at most this many times the current prediction
 
 
 @dataclasses.dataclass(slots=True)
@@ -27,6 +33,9 @@ class StepCost:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One decode / verification step (no prefill rows) of ``num_tokens`` rows took ``seconds``."""
+        line = self.line()
+        if line is not None and line[0] > 0.0:
+            seconds = min(seconds, SPIKE * (line[0] + num_tokens * max(0.0, line[1])))
         self.weight = self.weight * DECAY + 1.0
         self.tokens = self.tokens * DECAY + num_tokens
         self.tokens_sq = self.tokens_sq * DECAY + num_tokens * num_tokens
@@ -68,6 +77,9 @@ class DraftCost:
     seconds: float = 0.0
 
     def observe(self, passes: int, seconds: float) -> None:
+        known = self.pass_seconds()
+        if known is not None:
+            seconds = min(seconds, SPIKE * known * passes)
         self.passes = self.passes * DECAY + passes
         self.seconds = self.seconds * DECAY + seconds
 

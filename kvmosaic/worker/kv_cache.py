@@ -89,6 +89,12 @@ class KVCache:
         if draft is not None:
             self.draft = KVCache(draft, dataclasses.replace(cache, kv_cache_dtype="auto"), dtype,
                                  num_blocks=self.num_blocks + num_scratch_blocks, num_host_blocks=self.num_host_blocks)
+        # Scratch blocks sit past the pool's blocks, in pages no sequence touched: their first write
+        # faulted in a huge page per layer and K/V (~0.2 s on the default model) inside one draft pass,
+        # which the speculator then took for the draft's cost. Fault them in now.
+        scratch_pool = self.draft.device_pool if self.draft is not None else self.device_pool
+        if num_scratch_blocks:
+            scratch_pool[:, :, self.num_blocks:].zero_()
 
     def layer_pools(self) -> list[torch.Tensor]:
         """Layer i's [2, num_blocks, block_size, ...] view of the device pool."""
