@@ -92,9 +92,9 @@ def workloads(tokenizer, max_tokens: int, b_shape: tuple[int, int, int], vocab: 
 
 def configurations(args) -> dict[str, dict | None]:
     k = args.k
-    configs = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": k},
-               f"self-{args.self_quantization}": {"method": "self", "num_speculative_tokens": k,
-                                                   "quantization": args.self_quantization}}
+    configs = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": k}}
+    for quantization in args.self_quantization.split(","):
+        configs[f"self-{quantization}"] = {"method": "self", "num_speculative_tokens": k, "quantization": quantization}
     if args.draft_model:
         configs["draft"] = {"method": "draft", "model": args.draft_model, "num_speculative_tokens": k}
     return configs
@@ -126,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None, help="the target's weight format (default: float)")
-    parser.add_argument("--self-quantization", default="q4_0")
+    parser.add_argument("--self-quantization", default="q8_0", help="the self-draft's weight formats, comma-separated")
     parser.add_argument("--draft-model", default=None, help="a draft model file with the target's tokenizer")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--rounds", type=int, default=3)

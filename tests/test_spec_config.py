@@ -74,13 +74,41 @@ def test_adaptive_k_follows_acceptance_and_backs_off_with_the_batch():
     assert _k(speculator, "a", batch_size=16) == 0
     for _ in range(10):
         speculator.record("good", 8, 8)
-        speculator.record("bad", 3, 0)
     assert _k(speculator, "good") == 8
     assert _k(speculator, "good", batch_size=16) >= 4
-    assert _k(speculator, "bad") == 0
+    assert speculator.stats.mean_accepted_length == pytest.approx(1 + 80 / 10)
+    failing = Speculator(SpeculativeConfig(num_speculative_tokens=8, token_cost=0.1), ScriptedProposer([]))
+    for _ in range(10):
+        failing.record("bad", 3, 0)
+    assert _k(failing, "bad") == 0
     # steps without speculation let old failures fade: the sequence probes again
-    assert any(_k(speculator, "bad") > 0 for _ in range(20))
-    assert speculator.stats.mean_accepted_length == pytest.approx(1 + 80 / 20)
+    assert any(_k(failing, "bad") > 0 for _ in range(20))
+
+
+def test_a_new_sequence_starts_from_the_recent_acceptance_of_others():
+    """The prior of a sequence never verified is the pooled acceptance of recent verifications (one
+    count of it in the sequence's own estimate), never below 1/2."""
+    config = SpeculativeConfig(num_speculative_tokens=8, token_cost=0.1, draft_cost=0.5, method="self")
+    speculator = Speculator(config, ScriptedProposer([]))
+
+    def drafted(request_id: str) -> int:  # k to draft at batch 1: threshold (0.1 + 0.5) / 1.1 = 6 / 11
+        return speculator._k(request_id, speculator._threshold(1), False)
+
+    assert drafted("new") == 0  # 1/2 does not beat 6 / 11
+    for _ in range(4):
+        speculator.record("old", 8, 7)  # 7 accepted, then a rejection; four times
+    accepted, rejected = 7 * sum(0.9 ** i for i in range(4)), sum(0.9 ** i for i in range(4))
+    pooled = (accepted + 0.5) / (accepted + rejected + 1)
+    assert pooled ** 4 > 6 / 11 > pooled ** 5
+    assert drafted("new") == 4
+    speculator.record("new", 4, 0)  # its own rejection weighs against one count of the prior
+    pooled = (0.9 * accepted + 0.5) / (0.9 * (accepted + rejected) + 1 + 1)
+    assert pooled / 2 < 6 / 11 and drafted("new") == 0
+    # a pool of failures leaves the prior at 1/2: a new sequence of an n-gram proposer still probes
+    ngram = Speculator(SpeculativeConfig(num_speculative_tokens=8, token_cost=0.1), ScriptedProposer([]))
+    for _ in range(10):
+        ngram.record("old", 3, 0)
+    assert _k(ngram, "new") == 3
 
 
 def test_fixed_k_when_not_adaptive():

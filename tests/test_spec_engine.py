@@ -1,11 +1,14 @@
 """Speculative decoding on the embedded SmolLM2 model in float32: greedy output is the plain
-engine's, token for token, with preemption (both modes) and prefix hits; logprobs are the target's."""
+engine's, token for token, with preemption (both modes), prefix hits, chunked prefill, quantized KV
+caches and through the server's stream; logprobs are the target's."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from kvmosaic import LLM, SamplingParams
+from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and it barked at the fox "
            "until the fox ran away into the forest.")
@@ -85,3 +88,44 @@ def test_seeded_sampling_reproduces_whatever_the_batch(spec_llm):
     others = SamplingParams(temperature=1.0, max_tokens=12)
     batched = spec_llm.generate(PROMPTS, [params if i == 0 else others for i in range(len(PROMPTS))])
     assert batched[0].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "oaken"])
+def test_greedy_with_speculation_over_a_quantized_kv_cache(cached_loader, kv_cache_dtype):
+    """Rejected guesses' K/V records are overwritten in place by the next verification: with the
+    cache quantized, speculation still changes no token of the same engine's plain decoding."""
+    plain = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype)
+    expected = _tokens(plain.generate(PROMPTS, GREEDY))
+    spec = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype,
+               speculative=NGRAM)
+    assert _tokens(spec.generate(PROMPTS, GREEDY)) == expected
+    stats = spec.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 10 and stats["kv_blocks_used"] == 0
+
+
+def test_greedy_with_speculation_and_chunked_prefill(cached_loader, reference):
+    """Prompts prefilled 8 tokens a step while other sequences verify their proposals."""
+    chunked = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB", speculative=NGRAM,
+                  max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    assert _tokens(chunked.generate(PROMPTS, GREEDY)) == reference
+    stats = chunked.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 10 and stats["kv_blocks_used"] == 0
+
+
+def test_server_streams_accepted_tokens_as_they_come(cached_loader, reference):
+    """The OpenAI server over a speculating engine: the streamed text is plain greedy decoding's, and
+    a verification that accepts several tokens sends them in one chunk (fewer chunks than tokens)."""
+    engine = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB", speculative=NGRAM).engine
+    tokenizer = engine.tokenizer
+    with BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=GREEDY.max_tokens,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True})
+        chunks = list(stream)
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == tokenizer.decode(reference[0])
+    assert chunks[-1].usage.completion_tokens == GREEDY.max_tokens
+    assert 1 < len([t for t in texts if t]) < GREEDY.max_tokens
+    assert engine.stats()["spec_num_accepted_tokens"] > 0

@@ -13,9 +13,13 @@ the configuration fixes them.
 So k is the largest j with ``a ** j`` above that threshold: long runs for predictable text at
 batch 1, none for sequences whose proposals keep failing or once the batch is compute-bound. ``a``
 is estimated per sequence (apart for a draft model's and a prompt lookup's proposals) from decayed
-counts (a truncated geometric: accepted tokens over accepted tokens plus rejections, half a count
-of prior each, so 1/2 at first); steps without speculation decay the evidence too, so a sequence
-that stopped speculating probes again now and then.
+counts (a truncated geometric: accepted tokens over accepted tokens plus rejections, one count of
+prior); steps without speculation decay the evidence too, so a sequence that stopped speculating
+probes again now and then. The prior is what the engine's recent verifications of that source
+accepted, pooled over sequences, but never below 1/2: a new sequence of a draft that agrees with
+the target 87% of the time starts there (with a bfloat16 target, whose draft pass costs ~half a
+step, 1/2 stayed below the threshold and later requests never drafted), while one after many
+failing sequences still probes.
 
 A step with any proposal also leaves the one-token decode path, ``c = step_overhead`` of a decode
 step more. The step's proposals are kept only if their expected tokens beyond what their compute
@@ -49,9 +53,13 @@ class _Acceptance:
     accepted: float = 0.0
     rejected: float = 0.0
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
+    def rate(self, prior: float) -> float:
+        return (self.accepted + prior) / (self.accepted + self.rejected + 1.0)
+
+    def add(self, num_proposed: int, num_accepted: int) -> None:
+        self.decay()
+        self.accepted += num_accepted
+        self.rejected += num_accepted < num_proposed
 
     def decay(self) -> None:
         self.accepted *= _DECAY
@@ -83,6 +91,7 @@ class Speculator:
         self.draft_pass_cost = DraftCost()
         # per (sequence, looked up): a prompt lookup's and a draft model's proposals fare apart
         self._acceptance: dict[tuple[str, bool], _Acceptance] = {}
+        self._pooled = {False: _Acceptance(), True: _Acceptance()}  # by looked up (when split), all sequences
         self._split = config.uses_draft_model and config.lookup_first
         self._sources = (False, True) if self._split else (False,)  # looked up, for the keys
 
@@ -131,10 +140,9 @@ class Speculator:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_proposed
         self.stats.num_accepted_tokens += num_accepted
-        acceptance = self._acceptance.setdefault(self._key(request_id, looked_up), _Acceptance())
-        acceptance.decay()
-        acceptance.accepted += num_accepted
-        acceptance.rejected += num_accepted < num_proposed
+        key = self._key(request_id, looked_up)
+        self._acceptance.setdefault(key, _Acceptance()).add(num_proposed, num_accepted)
+        self._pooled[key[1]].add(num_proposed, num_accepted)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A decode / verification step (no prefill rows) of ``num_tokens`` rows took ``seconds``."""
@@ -182,8 +190,10 @@ class Speculator:
         return request_id, looked_up and self._split
 
     def _rate(self, request_id: str, looked_up: bool) -> float:
-        acceptance = self._acceptance.get(self._key(request_id, looked_up))
-        return acceptance.rate if acceptance is not None else 0.5
+        key = self._key(request_id, looked_up)
+        prior = max(0.5, self._pooled[key[1]].rate(0.5))
+        acceptance = self._acceptance.get(key)
+        return acceptance.rate(prior) if acceptance is not None else prior
 
     def _threshold(self, batch_size: int, drafting: bool = True) -> float:
         """What a proposal's acceptance must beat: with a draft pass's cost when it is still to be drafted."""
