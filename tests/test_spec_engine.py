@@ -99,8 +99,9 @@ def test_greedy_with_speculation_over_a_quantized_kv_cache(cached_loader, kv_cac
     spec = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype,
                speculative=NGRAM)
     assert _tokens(spec.generate(PROMPTS, GREEDY)) == expected
-    stats = spec.engine.stats()
-    assert stats["spec_num_accepted_tokens"] > 10 and stats["kv_blocks_used"] == 0
+    stats = spec.engine.stats()  # guesses were both accepted and rejected (rolled back)
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    assert stats["kv_blocks_used"] == 0
 
 
 def test_greedy_with_speculation_and_chunked_prefill(cached_loader, reference):
