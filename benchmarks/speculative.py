@@ -1,6 +1,6 @@
 """Speculative decoding: speculation off vs each proposer (n-gram, self-draft, a draft model file),
 on the default model, in interleaved rounds within one run (each round runs every configuration on
-every workload, the configurations' order rotating), greedy.
+every workload, batch by batch, the configurations' order rotating), greedy.
 
 Workloads: input-grounded chat prompts (rewrite or correct a given ~110-token passage, edit a given
 code file: what to write is in the prompt) and open-ended ones (stories, questions), at batch 1 (three
@@ -100,18 +100,30 @@ def configurations(args) -> dict[str, dict | None]:
     return configs
 
 
-def run_once(llm: LLM, load: Workload) -> dict:
+def run_once(llm: LLM, batch: list[list[int]], load: Workload) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=load.out_len, ignore_eos=load.ignore_eos)
     llm.engine.reset_prefix_cache()
     before = llm.engine.stats()
     start = time.perf_counter()
-    outs = [out for batch in load.batches for out in llm.generate(batch, params, use_tqdm=False)]
+    outs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.engine.stats()
     delta = {key: after.get(key, 0) - before.get(key, 0)
              for key in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"seconds": seconds, "tokens": tokens, **delta}
+
+
+def run_round(llms: dict[str, LLM], order: list[str], load: Workload) -> dict[str, dict]:
+    """One round of a workload: each batch runs under every configuration in turn before the next
+    batch, so a slow phase of the host (its bandwidth swings by a third within minutes) falls on all
+    configurations alike; a configuration's round sums its batches."""
+    totals: dict[str, dict] = {name: {} for name in order}
+    for batch in load.batches:
+        for name in order:
+            for key, value in run_once(llms[name], batch, load).items():
+                totals[name][key] = totals[name].get(key, 0) + value
+    return totals
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -155,8 +167,8 @@ def main() -> None:
     for round_index in range(args.rounds):
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for workload, load in loads.items():
-            for name in order:
-                runs[workload, name].append(run_once(llms[name], load))
+            for name, run in run_round(llms, order, load).items():
+                runs[workload, name].append(run)
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
     results = []
     print(f"\n{'workload':<18}{'config':<12}{'tok/s':>9}{'speed-up':>10}{'accept':>9}{'mean len':>10}")
