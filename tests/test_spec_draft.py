@@ -22,7 +22,7 @@ from kvmosaic.spec.drafted import DraftedProposer
 from kvmosaic.spec.proposer import Proposal, ProposalRequest
 from kvmosaic.worker.kv_cache import KVCache
 
-SELF = {"method": "self", "num_speculative_tokens": 4}  # q4_0 of the float32 target
+SELF = {"method": "self", "num_speculative_tokens": 4}  # q8_0 of the float32 target
 
 
 def _tokens(outs) -> list[list[int]]:
@@ -195,7 +195,7 @@ def test_vocab_mismatch_is_a_typed_error(default_model):
 
     with pytest.raises(SpeculativeConfigError, match="tokenizer differs"):
         check_same_vocab(default_model, LoadedModel(default_model.config, {}, Shifted()))
-    assert SpeculativeConfig(method="self").draft_quantization == "q4_0"
+    assert SpeculativeConfig(method="self").draft_quantization == "q8_0"
 
 
 class _RecordingRunner:

@@ -76,7 +76,7 @@ def test_measured_cost_sets_k():
 
 def test_draft_pass_cost_shortens_k():
     """A draft pass costing c of the target's weights time raises the threshold to (B r + c) / (1 + B r).
-    With r = 0.01: before any pass is timed c is the prior 0.25, 0.26 / 1.01 at batch 1, so k = 1;
+    With r = 0.01: before any pass is timed c is the prior 0.3, 0.31 / 1.01 at batch 1, so k = 1;
     passes timed at 0.2 of T_weights give 0.21 / 1.01, so k = 2 (0.25 > 0.208 > 0.125); at batch 16,
     0.36 / 1.16, k = 1; a configured draft_cost is kept; the n-gram proposer has no draft cost."""
     drafted = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8), ScriptedProposer([]))
@@ -86,7 +86,7 @@ def test_draft_pass_cost_shortens_k():
     for speculator in (drafted, fixed, ngram):
         for tokens in (1, 9, 1, 9):
             speculator.observe_step(tokens, 0.004 + 0.00004 * tokens)
-    assert drafted.token_cost == pytest.approx(0.01) and drafted.draft_cost == 0.25 and _k(drafted) == 1
+    assert drafted.token_cost == pytest.approx(0.01) and drafted.draft_cost == 0.3 and _k(drafted) == 1
     drafted.observe_draft(4, 4 * 0.0008)
     assert drafted.draft_cost == pytest.approx(0.2) and _k(drafted) == 2 and _k(drafted, 16) == 1
     assert fixed.draft_cost == 0.0 and _k(fixed) == 6 and ngram.draft_cost == 0.0 and _k(ngram) == 6

@@ -24,7 +24,7 @@ class SpeculativeConfig:
     ``ngram``: prompt lookup, the longest suffix of ``prompt_lookup_min`` .. ``prompt_lookup_max``
     tokens found earlier in the sequence proposes what followed it. ``draft``: a small model with
     the target's tokenizer (``model``: any path kvmosaic loads) proposes autoregressively; ``self``:
-    the target's own weights in ``quantization`` (default q4_0) do, over the target's own K/V
+    the target's own weights in ``quantization`` (default q8_0) do, over the target's own K/V
     (no second pool, nothing mirrored). ``quantization`` is the draft's
     weight format (WEIGHT_QUANTIZATIONS; default "auto" for ``draft``: the file's own). ``adaptive``: each sequence's k
     follows its measured acceptance (down to 0) and shrinks as the batch grows; ``token_cost`` is
@@ -48,7 +48,7 @@ class SpeculativeConfig:
     draft_cost: float | None = None
     lookup_first: bool = True
     model: str | None = None  # the draft model's path (method "draft")
-    quantization: str | None = None  # the draft's weight format; None: q4_0 for "self", auto for "draft"
+    quantization: str | None = None  # the draft's weight format; None: q8_0 for "self", auto for "draft"
 
     def __post_init__(self) -> None:
         checks = [
@@ -94,7 +94,7 @@ class SpeculativeConfig:
         """The draft's weight format, defaults resolved."""
         if self.quantization is not None:
             return str(self.quantization).lower()
-        return "q4_0" if self.method == "self" else "auto"
+        return "q8_0" if self.method == "self" else "auto"
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:
