@@ -66,19 +66,21 @@ def test_measured_cost_sets_k():
     for tokens in (1, 9, 1, 9):
         speculator.observe_step(tokens, 0.004 + 0.002 * tokens)
         fixed.observe_step(tokens, 0.004 + 0.002 * tokens)
-    assert speculator.token_cost == pytest.approx(0.5) and _k(speculator) == 1
-    assert fixed.token_cost == 0.1 and _k(fixed) == 3  # a configured cost is kept
+    assert speculator.token_cost() == pytest.approx(0.5) and _k(speculator) == 1
+    assert fixed.token_cost() == 0.1 and _k(fixed) == 3  # a configured cost is kept
     cheap = Speculator(SpeculativeConfig(num_speculative_tokens=8), ScriptedProposer([]))
     for tokens in (1, 9, 1, 9):
         cheap.observe_step(tokens, 0.004 + 0.00004 * tokens)
-    assert cheap.token_cost == pytest.approx(0.01) and _k(cheap) == 6
+    assert cheap.token_cost() == pytest.approx(0.01) and _k(cheap) == 6
 
 
 def test_draft_pass_cost_shortens_k():
     """A draft pass costing c of the target's weights time raises the threshold to (B r + c) / (1 + B r).
     With r = 0.01: before any pass is timed c is the prior 0.3, 0.31 / 1.01 at batch 1, so k = 1;
-    passes timed at 0.2 of T_weights give 0.21 / 1.01, so k = 2 (0.25 > 0.208 > 0.125); at batch 16,
-    0.36 / 1.16, k = 1; a configured draft_cost is kept; the n-gram proposer has no draft cost."""
+    passes timed at 0.2 of T_weights give 0.21 / 1.01, so k = 2 (0.25 > 0.208 > 0.125). Batch 16 is
+    another class of batch sizes: with nothing timed there, r and c are the priors 0.1 and 0.3,
+    (1.6 + 0.3) / 2.6 = 0.73 > 1/2, k = 0; a configured draft_cost is kept; the n-gram proposer has
+    no draft cost."""
     drafted = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8), ScriptedProposer([]))
     fixed = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8, draft_cost=0.0),
                        ScriptedProposer([]))
@@ -86,19 +88,19 @@ def test_draft_pass_cost_shortens_k():
     for speculator in (drafted, fixed, ngram):
         for tokens in (1, 9, 1, 9):
             speculator.observe_step(tokens, 0.004 + 0.00004 * tokens)
-    assert drafted.token_cost == pytest.approx(0.01) and drafted.draft_cost == 0.3 and _k(drafted) == 1
+    assert drafted.token_cost() == pytest.approx(0.01) and drafted.draft_cost() == 0.3 and _k(drafted) == 1
     drafted.observe_draft(4, 4 * 0.0008)
-    assert drafted.draft_cost == pytest.approx(0.2) and _k(drafted) == 2 and _k(drafted, 16) == 1
-    assert fixed.draft_cost == 0.0 and _k(fixed) == 6 and ngram.draft_cost == 0.0 and _k(ngram) == 6
+    assert drafted.draft_cost() == pytest.approx(0.2) and _k(drafted) == 2 and _k(drafted, 16) == 0
+    assert fixed.draft_cost() == 0.0 and _k(fixed) == 6 and ngram.draft_cost() == 0.0 and _k(ngram) == 6
 
 
 def test_draft_passes_are_timed_apart():
     """Seconds per drafting pass; a step whose draft only mirrored (no pass drafted) is not counted."""
     speculator = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=4), ScriptedProposer([]))
     steps = SpeculationSteps(speculator, kv_manager=None, max_model_len=64)
-    steps.observe_draft(0, 0.5)  # mirroring only: no drafting pass to time
-    steps.observe_draft(2, 0.002)
-    assert speculator.draft_pass_cost.pass_seconds() == pytest.approx(0.001)
+    steps.observe_draft([], 0, 0.5)  # mirroring only: no drafting pass to time
+    steps.observe_draft([], 2, 0.002)
+    assert speculator.costs.draft(1).pass_seconds() == pytest.approx(0.001)
 
 
 def test_only_decode_and_verification_steps_are_timed():
@@ -114,7 +116,8 @@ def test_only_decode_and_verification_steps_are_timed():
     steps.observe_step([row([1]), row([5, 6, 7])], 0.02)  # a prefill chunk: not timed
     steps.observe_step([row([1])], 0.0)  # not timed by the engine
     steps.observe_step([], 0.01)
-    assert speculator.step_cost.weight == 1.0 and speculator.step_cost.tokens == 4.0
+    assert speculator.costs.step(2).weight == 1.0 and speculator.costs.step(2).tokens == 4.0
+    assert speculator.costs.step(1).weight == 0.0
 
 
 def test_one_spike_moves_the_costs_a_bounded_step():
@@ -139,3 +142,35 @@ def test_one_spike_moves_the_costs_a_bounded_step():
     capped.observe(1, SPIKE * 0.0048)
     assert steps.line() == pytest.approx(capped.line())
     assert steps.line()[0] < 0.0055
+
+
+def test_each_class_of_batch_sizes_has_its_own_costs():
+    """Steps and draft passes are fitted per class of batch sizes (1, 2-3, 4-7, 8-15, 16-31, ...): the
+    default model's float32 steps cost 13.8 ms up to ~4 rows, then ~1.07 ms a row, and its Q8_0 draft
+    pass 4.2 ms for one row, 13.2 for 16. Batch 1: r = 0.6 / 13.6, c = 4.2 / 13.6 = 0.31; batch 16:
+    the line through 16 + 16 j rows is 7.1 ms + 1.07 ms a row, r = 0.15, c = 13.2 / 7.1 > 1: the
+    threshold passes 1 and nothing is drafted; an n-gram proposal (no draft pass) at acceptance
+    0.85 still gets k = 2, (16 r) / (1 + 16 r) = 0.71 < 0.85 ** 2."""
+    config = SpeculativeConfig(method="self", num_speculative_tokens=8)
+    speculator = Speculator(config, ScriptedProposer([]))
+    for rows in (1, 9, 1, 5):
+        speculator.observe_step(rows, 0.0136 + 0.0006 * rows, batch_size=1)
+    speculator.observe_draft(3, 3 * 0.0042, batch_size=1)
+    for j in (0, 1, 2, 0, 3):
+        speculator.observe_step(16 + 16 * j, 0.0071 + 0.00107 * (16 + 16 * j), batch_size=16)
+    speculator.observe_draft(2, 2 * 0.0132, batch_size=16)
+    assert speculator.token_cost(1) == pytest.approx(0.6 / 13.6)
+    assert speculator.draft_cost(1) == pytest.approx(4.2 / 13.6)
+    assert speculator.token_cost(16) == pytest.approx(1.07 / 7.1) == speculator.token_cost(31)
+    assert speculator.draft_cost(16) == pytest.approx(13.2 / 7.1)
+    assert speculator._threshold(16) > 1.0
+    for _ in range(6):
+        speculator.record("a", 8, 7)
+    rate = speculator._rate("a", False)
+    assert rate == pytest.approx(0.874, abs=1e-3)
+    assert speculator._k("a", speculator._threshold(16), False) == 0
+    r16 = 16 * 1.07 / 7.1
+    no_draft = r16 / (1 + r16)
+    assert rate ** 2 > no_draft > rate ** 3
+    assert speculator._k("a", speculator._threshold(16, drafting=False), False) == 2
+    assert speculator._k("a", speculator._threshold(1), False) >= 7  # threshold 0.338 at batch 1

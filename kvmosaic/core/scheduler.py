@@ -155,7 +155,7 @@ class Scheduler:
         updated: list[Request] = []
         self.spec.receive(model_output.proposals)
         self.spec.observe_step(scheduler_output.scheduled, step_seconds - model_output.draft_seconds)
-        self.spec.observe_draft(model_output.draft_passes, model_output.draft_seconds)
+        self.spec.observe_draft(scheduler_output.scheduled, model_output.draft_passes, model_output.draft_seconds)
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -39,7 +39,7 @@ class NoSpeculation:
     def observe_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         pass
 
-    def observe_draft(self, passes: int, seconds: float) -> None:
+    def observe_draft(self, scheduled: list[ScheduledRequest], passes: int, seconds: float) -> None:
         pass
 
     def free(self, request_id: str) -> None:
@@ -89,12 +89,12 @@ class SpeculationSteps(NoSpeculation):
     def observe_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         """Time a step of decode and verification rows only (a prefill chunk costs differently)."""
         if scheduled and seconds > 0.0 and all(s.num_tokens == 1 + len(s.spec_token_ids) for s in scheduled):
-            self.speculator.observe_step(sum(s.num_tokens for s in scheduled), seconds)
+            self.speculator.observe_step(sum(s.num_tokens for s in scheduled), seconds, len(scheduled))
 
-    def observe_draft(self, passes: int, seconds: float) -> None:
-        """The worker's draft model ran ``passes`` drafting passes in ``seconds`` this step."""
+    def observe_draft(self, scheduled: list[ScheduledRequest], passes: int, seconds: float) -> None:
+        """The worker's draft model ran ``passes`` drafting passes in ``seconds`` after this step."""
         if passes > 0:
-            self.speculator.observe_draft(passes, seconds)
+            self.speculator.observe_draft(passes, seconds, len(scheduled))
 
     def free(self, request_id: str) -> None:
         self._looked_up.pop(request_id, None)

@@ -8,8 +8,9 @@ Proposal j of a sequence whose proposals are accepted with probability ``a`` add
 a draft model proposes; it pays when that beats the step's rate ``B / T``, i.e.
 ``a ** j > (B * r + c) / (1 + B * r)`` with ``r = T_token / T_weights`` fitted from the engine's timed
 steps (``StepCost``; ``PRIOR_TOKEN_COST`` until they determine it) and ``c`` a draft pass's time over
-``T_weights`` (``DraftCost``; ``PRIOR_DRAFT_COST`` until measured; 0 without a draft model), unless
-the configuration fixes them.
+``T_weights`` (``DraftCost``; ``PRIOR_DRAFT_COST`` until measured; 0 without a draft model), both
+from steps of about B sequences (``BatchCosts``: the line is not the same at batch 1 and 16),
+unless the configuration fixes them.
 So k is the largest j with ``a ** j`` above that threshold: long runs for predictable text at
 batch 1, none for sequences whose proposals keep failing or once the batch is compute-bound. ``a``
 is estimated per sequence (apart for a draft model's and a prompt lookup's proposals) from decayed
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 from kvmosaic.spec.drafted import DraftedProposer
 from kvmosaic.spec.ngram import NgramProposer
 from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
-from kvmosaic.spec.step_cost import DraftCost, StepCost
+from kvmosaic.spec.step_cost import BatchCosts
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -87,8 +88,7 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.stats = SpecStats()
-        self.step_cost = StepCost()
-        self.draft_pass_cost = DraftCost()
+        self.costs = BatchCosts()
         # per (sequence, looked up): a prompt lookup's and a draft model's proposals fare apart
         self._acceptance: dict[tuple[str, bool], _Acceptance] = {}
         self._pooled = {False: _Acceptance(), True: _Acceptance()}  # by looked up (when split), all sequences
@@ -144,32 +144,35 @@ class Speculator:
         self._acceptance.setdefault(key, _Acceptance()).add(num_proposed, num_accepted)
         self._pooled[key[1]].add(num_proposed, num_accepted)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A decode / verification step (no prefill rows) of ``num_tokens`` rows took ``seconds``."""
-        self.step_cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, batch_size: int = 1) -> None:
+        """A decode / verification step (no prefill rows) of ``num_tokens`` rows of ``batch_size``
+        sequences took ``seconds``."""
+        self.costs.observe_step(batch_size, num_tokens, seconds)
 
-    def observe_draft(self, passes: int, seconds: float) -> None:
-        """The worker's draft model ran ``passes`` drafting passes in ``seconds`` (apart from the step)."""
-        self.draft_pass_cost.observe(passes, seconds)
+    def observe_draft(self, passes: int, seconds: float, batch_size: int = 1) -> None:
+        """The worker's draft model ran ``passes`` drafting passes in ``seconds`` (apart from the step)
+        after a step of ``batch_size`` sequences."""
+        self.costs.observe_draft(batch_size, passes, seconds)
 
-    @property
-    def token_cost(self) -> float:
-        """r: the configured cost, else the fitted one (the target's steps, the draft's time taken out)."""
+    def token_cost(self, batch_size: int = 1) -> float:
+        """r at this batch size: the configured cost, else the one fitted to steps of about as many
+        sequences (the target's steps, the draft's time taken out)."""
         if self.config.token_cost is not None:
             return self.config.token_cost
-        return self.step_cost.token_cost(PRIOR_TOKEN_COST)
+        return self.costs.step(batch_size).token_cost(PRIOR_TOKEN_COST)
 
-    @property
-    def draft_cost(self) -> float:
-        """c: a draft pass's time over the target's T_weights, configured or measured (0: no draft model)."""
+    def draft_cost(self, batch_size: int = 1) -> float:
+        """c at this batch size: a draft pass's time over the target's T_weights, configured or
+        measured at about as many sequences (0: no draft model). Above 1 no proposal is drafted."""
         if not self.config.uses_draft_model:
             return 0.0
         if self.config.draft_cost is not None:
             return self.config.draft_cost
-        pass_seconds, weights_seconds = self.draft_pass_cost.pass_seconds(), self.step_cost.weights_seconds()
+        pass_seconds = self.costs.draft(batch_size).pass_seconds()
+        weights_seconds = self.costs.step(batch_size).weights_seconds()
         if pass_seconds is None or not weights_seconds:
             return PRIOR_DRAFT_COST
-        return min(1.0, pass_seconds / weights_seconds)
+        return pass_seconds / weights_seconds
 
     def free(self, request_id: str) -> None:
         for looked_up in (False, True):
@@ -183,7 +186,7 @@ class Speculator:
         for request_id, proposal in proposals.items():
             rate = self._rate(request_id, proposal.looked_up)
             surplus += sum(rate ** j - threshold for j in range(1, len(proposal.token_ids) + 1))
-        cost = batch_size * self.token_cost
+        cost = batch_size * self.token_cost(batch_size)
         return surplus > batch_size * self.config.step_overhead / (1.0 + cost)
 
     def _key(self, request_id: str, looked_up: bool) -> tuple[str, bool]:
@@ -197,8 +200,8 @@ class Speculator:
 
     def _threshold(self, batch_size: int, drafting: bool = True) -> float:
         """What a proposal's acceptance must beat: with a draft pass's cost when it is still to be drafted."""
-        cost = batch_size * self.token_cost
-        return (cost + (self.draft_cost if drafting else 0.0)) / (1.0 + cost)
+        cost = batch_size * self.token_cost(batch_size)
+        return (cost + (self.draft_cost(batch_size) if drafting else 0.0)) / (1.0 + cost)
 
     def _num_tokens(self, request_id: str, threshold: float, looked_up: bool) -> int:
         k = self._k(request_id, threshold, looked_up)
