@@ -174,3 +174,17 @@ def test_each_class_of_batch_sizes_has_its_own_costs():
     assert rate ** 2 > no_draft > rate ** 3
     assert speculator._k("a", speculator._threshold(16, drafting=False), False) == 2
     assert speculator._k("a", speculator._threshold(1), False) >= 7  # threshold 0.338 at batch 1
+
+
+def test_undetermined_weight_time_takes_the_prior_rows_out():
+    """Steps of one row count only (every sequence of 64 verifying 8 proposals: 576 rows, 0.6 s)
+    determine no line; T_weights is then the mean step over 1 + 576 * 0.1, not 0.6 s, and a 42 ms
+    draft pass costs 4.1 of it, not 0.07: nothing more is drafted."""
+    speculator = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8), ScriptedProposer([]))
+    for _ in range(3):
+        speculator.observe_step(576, 0.6, batch_size=64)
+    speculator.observe_draft(8, 8 * 0.042, batch_size=64)
+    assert speculator.costs.step(64).line() is None and speculator.token_cost(64) == 0.1
+    assert speculator.costs.step(64).weights_seconds(0.1) == pytest.approx(0.6 / 58.6)
+    assert speculator.draft_cost(64) == pytest.approx(0.042 * 58.6 / 0.6)
+    assert speculator._threshold(64) > 1.0

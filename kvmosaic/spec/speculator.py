@@ -169,7 +169,7 @@ class Speculator:
         if self.config.draft_cost is not None:
             return self.config.draft_cost
         pass_seconds = self.costs.draft(batch_size).pass_seconds()
-        weights_seconds = self.costs.step(batch_size).weights_seconds()
+        weights_seconds = self.costs.step(batch_size).weights_seconds(PRIOR_TOKEN_COST)
         if pass_seconds is None or not weights_seconds:
             return PRIOR_DRAFT_COST
         return pass_seconds / weights_seconds

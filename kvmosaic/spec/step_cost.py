@@ -59,12 +59,16 @@ class StepCost:
         slope = (self.tokens_seconds / self.weight - mean_x * mean_y) / spread
         return mean_y - slope * mean_x, slope
 
-    def weights_seconds(self) -> float | None:
-        """T_weights: the fitted line's, else (undetermined) the mean step's; None before any step."""
+    def weights_seconds(self, prior: float) -> float | None:
+        """T_weights: the fitted line's, else (undetermined) the mean step's over ``1 + tokens * prior``
+        (r = ``prior``: steps that all verified 8 proposals for 64 sequences are not 576 rows of weight
+        time, and taken for it they made a draft pass look free); None before any step."""
         line = self.line()
         if line is not None and line[0] > 0.0:
             return line[0]
-        return self.seconds / self.weight if self.weight > 0.0 else None
+        if self.weight <= 0.0:
+            return None
+        return self.seconds / (self.weight + self.tokens * prior)
 
     def token_cost(self, prior: float) -> float:
         """``T_token / T_weights`` in [0, 1], or ``prior`` while the line is undetermined or not a cost."""
