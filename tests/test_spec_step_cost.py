@@ -78,9 +78,9 @@ def test_draft_pass_cost_shortens_k():
     """A draft pass costing c of the target's weights time raises the threshold to (B r + c) / (1 + B r).
     With r = 0.01: before any pass is timed c is the prior 0.3, 0.31 / 1.01 at batch 1, so k = 1;
     passes timed at 0.2 of T_weights give 0.21 / 1.01, so k = 2 (0.25 > 0.208 > 0.125). Batch 16 is
-    another class of batch sizes: with nothing timed there, r and c are the priors 0.1 and 0.3,
-    (1.6 + 0.3) / 2.6 = 0.73 > 1/2, k = 0; a configured draft_cost is kept; the n-gram proposer has
-    no draft cost."""
+    another class of batch sizes with nothing timed: the nearest class seen (batch 1) prices it,
+    (0.16 + 0.2) / 1.16 = 0.31, k = 1; a configured draft_cost is kept; the n-gram proposer has no
+    draft cost."""
     drafted = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8), ScriptedProposer([]))
     fixed = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8, draft_cost=0.0),
                        ScriptedProposer([]))
@@ -90,7 +90,7 @@ def test_draft_pass_cost_shortens_k():
             speculator.observe_step(tokens, 0.004 + 0.00004 * tokens)
     assert drafted.token_cost() == pytest.approx(0.01) and drafted.draft_cost() == 0.3 and _k(drafted) == 1
     drafted.observe_draft(4, 4 * 0.0008)
-    assert drafted.draft_cost() == pytest.approx(0.2) and _k(drafted) == 2 and _k(drafted, 16) == 0
+    assert drafted.draft_cost() == pytest.approx(0.2) and _k(drafted) == 2 and _k(drafted, 16) == 1
     assert fixed.draft_cost() == 0.0 and _k(fixed) == 6 and ngram.draft_cost() == 0.0 and _k(ngram) == 6
 
 
@@ -117,7 +117,7 @@ def test_only_decode_and_verification_steps_are_timed():
     steps.observe_step([row([1])], 0.0)  # not timed by the engine
     steps.observe_step([], 0.01)
     assert speculator.costs.step(2).weight == 1.0 and speculator.costs.step(2).tokens == 4.0
-    assert speculator.costs.step(1).weight == 0.0
+    assert set(speculator.costs.steps) == {2}  # the class of 2-3 sequences only
 
 
 def test_one_spike_moves_the_costs_a_bounded_step():
@@ -188,3 +188,20 @@ def test_undetermined_weight_time_takes_the_prior_rows_out():
     assert speculator.costs.step(64).weights_seconds(0.1) == pytest.approx(0.6 / 58.6)
     assert speculator.draft_cost(64) == pytest.approx(0.042 * 58.6 / 0.6)
     assert speculator._threshold(64) > 1.0
+
+
+def test_a_class_not_yet_seen_takes_the_nearest_larger_one():
+    """Batch 16 timed, then the batch shrinks to 5 (class 4-7, never timed): it takes batch 16's costs,
+    not the priors; batch 40 (never timed, nothing larger) takes batch 16's too; with nothing timed
+    at all the priors hold."""
+    speculator = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8), ScriptedProposer([]))
+    assert speculator.token_cost(5) == 0.1 and speculator.draft_cost(5) == 0.3
+    speculator.observe_step(1, 0.0137, batch_size=1)
+    speculator.observe_step(2, 0.0144, batch_size=1)
+    for j in (0, 1, 2, 0):
+        speculator.observe_step(16 + 16 * j, 0.0071 + 0.00107 * (16 + 16 * j), batch_size=16)
+    speculator.observe_draft(1, 0.0132, batch_size=16)
+    assert speculator.token_cost(5) == speculator.token_cost(16) == speculator.token_cost(40)
+    assert speculator.token_cost(5) == pytest.approx(1.07 / 7.1)
+    assert speculator.draft_cost(5) == pytest.approx(13.2 / 7.1) and speculator._threshold(5) > 1.0
+    assert speculator.token_cost(1) == pytest.approx(0.7 / 13.0)

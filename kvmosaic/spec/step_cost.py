@@ -102,10 +102,24 @@ def batch_class(batch_size: int) -> int:
     return max(1, batch_size).bit_length()
 
 
+def _nearest(seen: dict, batch_size: int):
+    """The class of ``batch_size`` if seen, else the nearest larger class seen, else the nearest smaller
+    one (None: none seen). A larger batch's costs are the cautious guess: a batch of 16 that shrinks as
+    its requests finish passes through 8-15, 4-7, ... and, priced at the priors there, drafted 6 deep."""
+    wanted = batch_class(batch_size)
+    if wanted in seen:
+        return seen[wanted]
+    larger = [c for c in seen if c > wanted]
+    if larger:
+        return seen[min(larger)]
+    smaller = [c for c in seen if c < wanted]
+    return seen[max(smaller)] if smaller else None
+
+
 @dataclasses.dataclass(slots=True)
 class BatchCosts:
-    """The step line and the draft-pass cost of each class of batch sizes (a class not yet seen has
-    empty ones, whose callers fall back to their priors)."""
+    """The step line and the draft-pass cost of each class of batch sizes; a class not yet seen takes
+    the nearest one seen (``_nearest``), and with none seen, empty ones whose callers use their priors."""
 
     steps: dict[int, StepCost] = dataclasses.field(default_factory=dict)
     drafts: dict[int, DraftCost] = dataclasses.field(default_factory=dict)
@@ -117,7 +131,7 @@ class BatchCosts:
         self.drafts.setdefault(batch_class(batch_size), DraftCost()).observe(passes, seconds)
 
     def step(self, batch_size: int) -> StepCost:
-        return self.steps.get(batch_class(batch_size)) or StepCost()
+        return _nearest(self.steps, batch_size) or StepCost()
 
     def draft(self, batch_size: int) -> DraftCost:
-        return self.drafts.get(batch_class(batch_size)) or DraftCost()
+        return _nearest(self.drafts, batch_size) or DraftCost()
