@@ -197,7 +197,7 @@ def test_a_class_not_yet_seen_takes_the_nearest_larger_one():
     speculator = Speculator(SpeculativeConfig(method="self", num_speculative_tokens=8), ScriptedProposer([]))
     assert speculator.token_cost(5) == 0.1 and speculator.draft_cost(5) == 0.3
     speculator.observe_step(1, 0.0137, batch_size=1)
-    speculator.observe_step(2, 0.0144, batch_size=1)
+    speculator.observe_step(3, 0.0151, batch_size=1)
     for j in (0, 1, 2, 0):
         speculator.observe_step(16 + 16 * j, 0.0071 + 0.00107 * (16 + 16 * j), batch_size=16)
     speculator.observe_draft(1, 0.0132, batch_size=16)
