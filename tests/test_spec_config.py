@@ -101,6 +101,7 @@ def test_a_new_sequence_starts_from_the_recent_acceptance_of_others():
     pooled = (accepted + 0.5) / (accepted + rejected + 1)
     assert pooled ** 4 > 6 / 11 > pooled ** 5
     assert drafted("new") == 4
+    assert speculator._rate("other", False, batch_size=16) == 0.5  # in a batch a sequence earns its k
     speculator.record("new", 4, 0)  # its own rejection weighs against one count of the prior
     pooled = (0.9 * accepted + 0.5) / (0.9 * (accepted + rejected) + 1 + 1)
     assert pooled / 2 < 6 / 11 and drafted("new") == 0

@@ -16,11 +16,13 @@ batch 1, none for sequences whose proposals keep failing or once the batch is co
 is estimated per sequence (apart for a draft model's and a prompt lookup's proposals) from decayed
 counts (a truncated geometric: accepted tokens over accepted tokens plus rejections, one count of
 prior); steps without speculation decay the evidence too, so a sequence that stopped speculating
-probes again now and then. The prior is what the engine's recent verifications of that source
-accepted, pooled over sequences, but never below 1/2: a new sequence of a draft that agrees with
-the target 87% of the time starts there (with a bfloat16 target, whose draft pass costs ~half a
-step, 1/2 stayed below the threshold and later requests never drafted), while one after many
-failing sequences still probes.
+probes again now and then. In single-stream steps the prior is what the engine's recent
+verifications of that source accepted, pooled over sequences, but never below 1/2: a new sequence
+of a draft that agrees with the target 87% of the time starts there (with a bfloat16 target, whose
+draft pass costs ~half a step, 1/2 stayed below the threshold and later requests never drafted),
+while one after many failing sequences still probes. In larger batches the prior stays 1/2 and a
+sequence earns its k: there the fitted costs under-price speculation (self-draft on open text at
+batch 16 with the pooled prior: 0.77x), which is the open part of the cost model.
 
 A step with any proposal also leaves the one-token decode path, ``c = step_overhead`` of a decode
 step more. The step's proposals are kept only if their expected tokens beyond what their compute
@@ -102,7 +104,7 @@ class Speculator:
         threshold = self._threshold(batch_size, drafting=False)
         asks = []
         for request, limit in candidates:
-            k = min(limit, max(self._num_tokens(request.request_id, threshold, s) for s in self._sources))
+            k = min(limit, max(self._num_tokens(request.request_id, threshold, s, batch_size) for s in self._sources))
             if k > 0:
                 asks.append(ProposalRequest(request.request_id, request.all_token_ids, k))
         if not asks:
@@ -110,7 +112,7 @@ class Speculator:
         proposals = self.proposer.propose(asks)
         kept = {}
         for ask, p in zip(asks, proposals, strict=True):
-            p = p.first(min(ask.max_tokens, self._k(ask.request_id, threshold, p.looked_up)))
+            p = p.first(min(ask.max_tokens, self._k(ask.request_id, threshold, p.looked_up, batch_size)))
             if p.token_ids:
                 kept[ask.request_id] = p
         if self.config.adaptive and not self._worth_the_step(kept, threshold, batch_size):
@@ -126,8 +128,8 @@ class Speculator:
         drafting, lookup = self._threshold(batch_size), self._threshold(batch_size, drafting=False)
         lengths = {}
         for request, limit in candidates:
-            k = self.proposer.tokens_to_draft(min(limit, self._k(request.request_id, drafting, False)))
-            k_lookup = min(limit, self._k(request.request_id, lookup, True)) if self._split else 0
+            k = self.proposer.tokens_to_draft(min(limit, self._k(request.request_id, drafting, False, batch_size)))
+            k_lookup = min(limit, self._k(request.request_id, lookup, True, batch_size)) if self._split else 0
             if k > 0 or k_lookup > 0:
                 lengths[request.request_id] = (k, k_lookup)
         return lengths
@@ -184,7 +186,7 @@ class Speculator:
             return True
         surplus = 0.0
         for request_id, proposal in proposals.items():
-            rate = self._rate(request_id, proposal.looked_up)
+            rate = self._rate(request_id, proposal.looked_up, batch_size)
             surplus += sum(rate ** j - threshold for j in range(1, len(proposal.token_ids) + 1))
         cost = batch_size * self.token_cost(batch_size)
         return surplus > batch_size * self.config.step_overhead / (1.0 + cost)
@@ -192,9 +194,9 @@ class Speculator:
     def _key(self, request_id: str, looked_up: bool) -> tuple[str, bool]:
         return request_id, looked_up and self._split
 
-    def _rate(self, request_id: str, looked_up: bool) -> float:
+    def _rate(self, request_id: str, looked_up: bool, batch_size: int = 1) -> float:
         key = self._key(request_id, looked_up)
-        prior = max(0.5, self._pooled[key[1]].rate(0.5))
+        prior = max(0.5, self._pooled[key[1]].rate(0.5)) if batch_size == 1 else 0.5
         acceptance = self._acceptance.get(key)
         return acceptance.rate(prior) if acceptance is not None else prior
 
@@ -203,18 +205,18 @@ class Speculator:
         cost = batch_size * self.token_cost(batch_size)
         return (cost + (self.draft_cost(batch_size) if drafting else 0.0)) / (1.0 + cost)
 
-    def _num_tokens(self, request_id: str, threshold: float, looked_up: bool) -> int:
-        k = self._k(request_id, threshold, looked_up)
+    def _num_tokens(self, request_id: str, threshold: float, looked_up: bool, batch_size: int) -> int:
+        k = self._k(request_id, threshold, looked_up, batch_size)
         acceptance = self._acceptance.get(self._key(request_id, looked_up))
         if k == 0 and acceptance is not None:
             acceptance.decay()  # not speculating: let old failures fade so the sequence probes again
         return k
 
-    def _k(self, request_id: str, threshold: float, looked_up: bool) -> int:
+    def _k(self, request_id: str, threshold: float, looked_up: bool, batch_size: int = 1) -> int:
         k_max = self.config.num_speculative_tokens
         if not self.config.adaptive:
             return k_max
-        rate = self._rate(request_id, looked_up)
+        rate = self._rate(request_id, looked_up, batch_size)
         k, reach = 0, rate
         while k < k_max and reach > threshold:
             k, reach = k + 1, reach * rate
