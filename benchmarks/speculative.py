@@ -71,18 +71,17 @@ def _batch(prompts: list[list[int]], size: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] + [198] * (i // len(prompts)) for i in range(size)]
 
 
-def chat_prompts(tokenizer, tasks: list[str]) -> list[list[int]]:
-    rendered = (tokenizer.apply_chat_template([{"role": "user", "content": t}], True) for t in tasks)
-    return [tokenizer.encode(r, add_special_tokens=False) for r in rendered]
+def chat_prompts(llm: LLM, tasks: list[str]) -> list[list[int]]:
+    return [llm.encode_chat([{"role": "user", "content": t}]) for t in tasks]
 
 
-def workloads(tokenizer, max_tokens: int, b_shape: tuple[int, int, int], vocab: int) -> dict[str, Workload]:
+def workloads(llm: LLM, max_tokens: int, b_shape: tuple[int, int, int], vocab: int) -> dict[str, Workload]:
     """name -> its prompts run one batch at a time; prompt workloads stop at the end of the answer (or
     max_tokens), workload B's random prompts always generate their out_len tokens."""
     num, prompt_len, out_len = b_shape
     gen = torch.Generator().manual_seed(0)
     random_prompts = [torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num)]
-    grounded, open_ended = chat_prompts(tokenizer, GROUNDED_TASKS), chat_prompts(tokenizer, OPEN_TASKS)
+    grounded, open_ended = chat_prompts(llm, GROUNDED_TASKS), chat_prompts(llm, OPEN_TASKS)
     return {"grounded-b1": Workload([[p] for p in grounded[:3]], max_tokens, False),
             "grounded-b16": Workload([_batch(grounded, 16)], max_tokens, False),
             "open-b1": Workload([[p] for p in open_ended[:3]], max_tokens, False),
@@ -157,7 +156,7 @@ def main() -> None:
                       num_threads=args.threads, max_num_seqs=max(16, b_shape[0]), speculative=spec)
             for name, spec in chosen.items()}
     vocab = next(iter(llms.values())).engine.model_config.vocab_size
-    loads = workloads(next(iter(llms.values())).tokenizer, args.max_tokens, b_shape, vocab)
+    loads = workloads(next(iter(llms.values())), args.max_tokens, b_shape, vocab)
     if args.workloads is not None:
         loads = {name: load for name, load in loads.items() if name in args.workloads.split(",")}
     for llm in llms.values():  # warm-up

@@ -122,9 +122,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        token_lists = [self.encode_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(token_lists, sampling_params, use_tqdm)
+
+    def encode_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        """One conversation's prompt token ids through the model's chat template."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
