@@ -47,7 +47,7 @@ from pathlib import Path
 from peer_runners.common import DTYPES, FIRST_TOKENS, WEIGHT_FORMATS, WORKLOADS
 from peer_runners.models import CT2_DIR, HF_DIR, PEERS, ROOT, THREADS, base_env, gguf_for, prepare_models
 from peer_runners.report import BUSY, CHECK_TOKENS, succeeded, table, token_check
-from peer_runners.roofline import roofline_lines, roofline_rows
+from peer_runners.roofline import read_bandwidth, roofline_lines, roofline_rows
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -198,10 +198,17 @@ def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], t
                     tag = f" r{round_no}" if rounds > 1 else ""
                     print(f"  {engine.label:16} {dtype:9} {workload}{tag} ...", end=" ", flush=True)
                     wait_for_quiet(quiet_wait)
+                    probes = [read_bandwidth()] if workload == "A" else []
                     res = run_one(engine, dtype, workload, timeout)
+                    if probes:  # the roofline of this run: the bandwidth just before and after it
+                        probes.append(read_bandwidth())
+                        if None not in probes:
+                            res.update(read_bandwidth=sum(probes) / 2, read_bandwidth_probes=probes)
                     res.update(engine=engine.key, dtype=dtype, workload=workload)
                     done = (res.get("error") or res.get("unsupported")
                             or f"{res['tokens_per_s']:.1f} {res['metric']} ({res['seconds']:.2f} s)")
+                    if res.get("read_bandwidth_probes"):
+                        done += " [read " + "/".join(f"{b / 1e9:.1f}" for b in res["read_bandwidth_probes"]) + " GB/s]"
                     print(f"{done}; others used {100 * res.get('other_cpu_share', 0):.0f}% CPU", flush=True)
                     key = (engine.key, dtype, workload)
                     kept = best.get(key)

@@ -38,6 +38,21 @@ def test_kernel_matches_reference_every_row_tail(level_kernels, quantization, dt
         assert torch.equal(out, ref), f"{rows} rows: max diff {(out.float() - ref.float()).abs().max()}"
 
 
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_equal_the_dequantized_rows(level_kernels, quantization, dtype):
+    """An embedding lookup through a tied quantized head: the kernel's rows are the reference's, bit
+    for bit, in every lane of the 16-column groups, at every ISA level built."""
+    w = _weight(quantization)
+    packed = qw.interleave(w)
+    index = torch.tensor([0, 17, 47, 1, 15, 16, 17])
+    rows = level_kernels.ops.quantized_rows(packed.codes, packed.scale, packed.min, index, dtype)
+    assert rows.dtype == dtype and torch.equal(rows, qw.dequantize_rows(packed, index, dtype))
+    assert torch.equal(rows.float()[1], qw.dequantize(w)[17].to(dtype).float())
+    with pytest.raises(RuntimeError, match="out of range"):
+        level_kernels.ops.quantized_rows(packed.codes, packed.scale, packed.min, torch.tensor([48]), dtype)
+
+
 def test_reference_is_close_to_float_product():
     w = _weight("q8_0")
     x = torch.randn(3, 256)

@@ -5,24 +5,65 @@ Runs in the main venv (it imports kvmosaic's planner), called by benchmarks/peer
 
 from __future__ import annotations
 
+import dataclasses
+
 from peer_runners.common import WEIGHT_FORMATS, WORKLOADS
+from peer_runners.models import THREADS, gguf_for
 from peer_runners.report import succeeded
+
+BANDWIDTH_BUDGET_S = 1.5  # per probe; one before and one after each A run
+
+
+def read_bandwidth() -> float | None:
+    """This machine's read bandwidth now (bytes/s, the planner's streaming probe on THREADS threads),
+    or None without the planner. A shared host's bandwidth moved between 35 and 64 GB/s within
+    minutes here, so an A run is set against probes taken just before and after it, not one probe
+    for the whole matrix."""
+    try:
+        import torch
+
+        from kvmosaic.planner.probe import measure_read_bandwidth
+    except ImportError:
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return measure_read_bandwidth(BANDWIDTH_BUDGET_S)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def weight_bytes_per_param(dtype: str, num_params: int) -> float:
+    """Bytes a decode step reads per weight: a GGUF format counts its file's tensors as stored (the
+    shipped Q4_1 file keeps its tied embedding / LM head in Q8_0, a third of its bytes); a float dtype
+    its element size."""
+    from kvmosaic.planner.roofline import dtype_bytes
+
+    if dtype not in WEIGHT_FORMATS:
+        return dtype_bytes(dtype)
+    path = gguf_for(dtype)
+    if not path.is_file():
+        return dtype_bytes(dtype)
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors) / num_params
 
 
 def roofline_rows(results: list[dict]) -> list[dict] | None:
     """kvmosaic against this machine's roofline, from the planner (kvmosaic/planner).
 
-    A: a decode step reads the weights and the KV cache once: their bytes / measured read bandwidth,
-       against the measured seconds per token.
+    A: a decode step reads the weights and the KV cache once: their bytes / the read bandwidth probed
+       around that run (the mean of the probes just before and after it), against the measured
+       seconds per token.
     B: prefill matmul FLOPs / measured matmul FLOP/s plus 128 decode steps of 64 sequences, each the
        larger of its FLOP and weight-read times (plus KV reads), against the measured wall time.
-    q8_0 / q4_1 weights count their GGUF bytes (scales included), with float32 KV and fp32 matmuls.
+    q8_0 / q4_1 weights count their GGUF files' bytes (scales included, tensors in the formats the file
+    stores them), with float32 KV and fp32 matmuls.
     Attention FLOPs and activations are ignored. Returns None when the planner is not there.
     """
     try:
         from kvmosaic.planner import MODEL_PRESETS, param_count, roofline_step_time
         from kvmosaic.planner.probe import probe
-        from kvmosaic.planner.roofline import dtype_bytes
     except ImportError:
         return None
     ours = [r for r in results if r["engine"] == "kvmosaic" and succeeded(r) and r["workload"] in ("A", "B")]
@@ -41,10 +82,13 @@ def roofline_rows(results: list[dict]) -> list[dict] | None:
         if rate.flops is None:
             rows.append({"workload": work.name, "dtype": dtype, "missing": f"no {compute} matmul figure: {rate.path}"})
             continue
-        weight_size = dtype_bytes(dtype)
+        weight_size = weight_bytes_per_param(dtype, param_count(model))
         kv_size = 4 if dtype in WEIGHT_FORMATS else weight_size
         batch, context = work.num_prompts, work.prompt_len + work.max_tokens // 2
-        step = roofline_step_time(model, hw, batch, context, weight_size, kv_size, compute_dtype=compute)
+        spec = hw
+        if work.name == "A" and res.get("read_bandwidth"):
+            spec = dataclasses.replace(hw, hbm_bandwidth=res["read_bandwidth"])
+        step = roofline_step_time(model, spec, batch, context, weight_size, kv_size, compute_dtype=compute)
         if work.name == "A":
             roof, measured, unit = step.total_s, 1 / res["tokens_per_s"], "s/token"
         else:
@@ -52,7 +96,8 @@ def roofline_rows(results: list[dict]) -> list[dict] | None:
             roof, measured, unit = prefill + work.max_tokens * step.total_s, res["seconds"], "s"
         rows.append({"workload": work.name, "dtype": dtype, "unit": unit, "roofline": roof,
                      "measured": measured, "efficiency": roof / measured,
-                     "read_bandwidth": hw.hbm_bandwidth, "matmul_flops": rate.flops, "matmul_path": rate.path})
+                     "read_bandwidth": spec.hbm_bandwidth, "weight_bytes_per_param": weight_size,
+                     "matmul_flops": rate.flops, "matmul_path": rate.path})
     return rows
 
 
@@ -65,7 +110,8 @@ def roofline_lines(rows: list[dict] | None) -> list[str]:
         return ["roofline: planner not available"]
     if not rows:
         return ["roofline: no kvmosaic A or B result to compare"]
-    lines = ["kvmosaic vs roofline (planner probe of this machine; A: weights+KV bytes / read bandwidth, "
+    lines = ["kvmosaic vs roofline (planner probes of this machine; A: weights+KV bytes / read bandwidth probed "
+             "around that run, "
              "B: prefill FLOPs + 128 decode steps of 64 at max(FLOP, weight-read) time):"]
     for r in rows:
         if "missing" in r:

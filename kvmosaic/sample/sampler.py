@@ -114,8 +114,10 @@ def _ban_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if len(greedy) == len(rows):  # the common all-greedy batch: no scatter into a result tensor
+        return logits.argmax(dim=-1)
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy:
         token_ids[greedy] = _take_rows(logits, greedy).argmax(dim=-1)
     random = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -119,19 +119,12 @@ class ModelRunner:
             decode_mask=None,
             prefills=prefills,
         )
-        if decode_tables:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decode_tables, decode_lens)
+        if decode_tables:  # the reference attention's mask is built from the lengths when it runs
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                                    dtype=torch.long)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, last_rows)
-
-    def _decode_tables(self, tables: list[list[int]], lens: list[int]):
-        width = max(len(t) for t in tables)
-        padded = torch.zeros((len(tables), width), dtype=torch.long)
-        for row, table in enumerate(tables):
-            padded[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-        span = torch.arange(width * self.block_size)
-        mask = span[None, :] < torch.tensor(lens)[:, None]
-        return padded, mask[:, None, None, :]
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> ModelOutput:
         rows: list[SamplingRow] = []

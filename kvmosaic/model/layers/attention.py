@@ -47,7 +47,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset)
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] long (padded with block 0)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool; None: from decode_context_lens
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_context_lens: torch.Tensor | None = None  # [D] long
     positions: torch.Tensor | None = None  # [num_tokens] long
@@ -79,7 +79,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     k = k_cache.index_select(0, tables.flatten()).view(d, context, hk, dim).transpose(1, 2)
     v = v_cache.index_select(0, tables.flatten()).view(d, context, hk, dim).transpose(1, 2)
     q = q.view(d, hk, hq // hk, dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+    mask = meta.decode_mask
+    if mask is None:  # the C++ kernels never need it, so the runner leaves it to this path
+        mask = (torch.arange(context)[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(d, hq, dim)
 
 

@@ -100,6 +100,7 @@ class QuantizedKernel:
         self.codes, self.scale, self.min = self.weight.codes, self.weight.scale, self.weight.min
         self.bias = None if bias is None else bias.float().contiguous()
         self._kernel = ops.quantized_linear
+        self._rows = ops.quantized_rows
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, self.codes, self.scale, self.min, self.bias)
@@ -108,7 +109,7 @@ class QuantizedKernel:
         return self.codes, self.scale, _NONE if self.min is None else self.min
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return qw.dequantize_rows(self.weight, index, dtype)
+        return self._rows(self.codes, self.scale, self.min, index, dtype)
 
 
 class QuantizedReference:

@@ -26,6 +26,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_swiglu", &packed_swiglu, "silu(x G^T) * (x U^T) on a packed gate/up weight");
   m.def("quantized_linear", &quantized_linear, "x [M, K] times a q8 / q4 weight in the interleaved layout",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("mins") = py::none(), py::arg("bias") = py::none());
+  m.def("quantized_rows", [](const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                             const at::Tensor& index, py::object dtype) {
+    return quantized_rows(codes, scale, mins, index, torch::python::detail::py_object_to_dtype(dtype));
+  }, "rows of a q8 / q4 weight in the interleaved layout, dequantized (an embedding lookup)", py::arg("codes"),
+        py::arg("scale"), py::arg("mins"), py::arg("index"), py::arg("dtype"));
   py::class_<kvops::StackWeights, std::shared_ptr<kvops::StackWeights>>(
       m, "StackWeights", "the decoder layers' weights for layer_stack, checked once",
       py::module_local())  // each ISA level's module has its own

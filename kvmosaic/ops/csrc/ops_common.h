@@ -71,3 +71,5 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // qlinear.cpp: linears on quantized (q8 / q4) weights in the interleaved layout of kvmosaic/quant/weights.py.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias);
+at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                          const at::Tensor& index, at::ScalarType dtype);

@@ -244,3 +244,72 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const 
   else TORCH_CHECK(false, "quantized_linear: activations must be float32 or bfloat16");
   return out;
 }
+
+namespace {
+
+// Rows of the float weight from the interleaved layout: w[n, k] = code * scale (+ min), rounded as
+// the reference dequantization rounds (a float product, then a float sum).
+template <typename T, typename S>
+void rows_of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* mins, const int64_t* index,
+             int64_t count, int64_t k, T* out) {
+  const int64_t blocks = k / kQBlock;
+  const bool q4 = mins != nullptr;
+  const int64_t group_bytes = k * kCols / (q4 ? 2 : 1);
+  const auto* code_p = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const S* scale_p = static_cast<const S*>(scale.data_ptr());
+  const S* min_p = q4 ? static_cast<const S*>(mins->data_ptr()) : nullptr;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t group = index[r] / kCols, lane = index[r] % kCols;
+    const uint8_t* gc = code_p + group * group_bytes;
+    T* row = out + r * k;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const int64_t b = kk / kQBlock;
+      const float sc = static_cast<float>(scale_p[(group * blocks + b) * kCols + lane]);
+      float v;
+      if (q4) {  // byte [k / 8, lane, k % 4] holds k % 8 < 4 in its low nibble, the rest in its high one
+        const uint8_t byte = gc[((kk / 8) * kCols + lane) * 4 + kk % 4];
+        const float code = static_cast<float>(kk % 8 < 4 ? byte & 0x0F : byte >> 4);
+        v = code * sc + static_cast<float>(min_p[(group * blocks + b) * kCols + lane]);
+      } else {
+        v = static_cast<float>(static_cast<int8_t>(gc[((kk / 4) * kCols + lane) * 4 + kk % 4])) * sc;
+      }
+      row[kk] = static_cast<T>(v);
+    }
+  }
+}
+
+}  // namespace
+
+// Rows `index` of a q8 / q4 weight in the interleaved layout, dequantized: an embedding lookup
+// through a tied quantized LM head, without a float copy of the table.
+at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                          const at::Tensor& index, at::ScalarType dtype) {
+  const bool q4 = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 == mins.has_value() && (q4 || codes.scalar_type() == at::kChar),
+              "quantized_rows: q4 (uint8) codes come with mins, q8 (int8) without");
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && scale.dim() == 3 && scale.size(2) == kCols &&
+                  (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat),
+              "quantized_rows: weight is not in the interleaved layout");
+  const int64_t n = scale.size(0) * kCols, k = scale.size(1) * kQBlock;
+  TORCH_CHECK(codes.numel() == n * k / (q4 ? 2 : 1), "quantized_rows: codes do not match the scales");
+  if (q4)
+    TORCH_CHECK(mins->sizes() == scale.sizes() && mins->scalar_type() == scale.scalar_type() && mins->is_contiguous(),
+                "quantized_rows: mins mismatch");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quantized_rows: rows are float32 or bfloat16");
+  const at::Tensor idx = index.to(at::kLong).contiguous().view({-1});
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < idx.numel(); ++r)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "quantized_rows: index ", ip[r], " out of range for ", n, " rows");
+  at::Tensor out = at::empty({idx.numel(), k}, scale.options().dtype(dtype));
+  const at::Tensor* mp = q4 ? &*mins : nullptr;
+  const bool half = scale.scalar_type() == at::kHalf;
+  if (dtype == at::kFloat) {
+    if (half) rows_of<float, c10::Half>(codes, scale, mp, ip, idx.numel(), k, out.data_ptr<float>());
+    else rows_of<float, float>(codes, scale, mp, ip, idx.numel(), k, out.data_ptr<float>());
+  } else {
+    auto* op = out.data_ptr<c10::BFloat16>();
+    if (half) rows_of<c10::BFloat16, c10::Half>(codes, scale, mp, ip, idx.numel(), k, op);
+    else rows_of<c10::BFloat16, float>(codes, scale, mp, ip, idx.numel(), k, op);
+  }
+  return out;
+}
