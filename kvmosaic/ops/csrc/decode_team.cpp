@@ -77,6 +77,31 @@ void team_linear(const Team& team, const StackLinear& l, const T* x, int64_t m, 
   quantized_groups(l.quant, rows, m, out, l.out, s.begin, s.end);
 }
 
+// The first bytes of this thread's share of a quantized linear's weights, asked for into L2 before the
+// barrier in front of that linear: the faster thread waits there, and the short kernels between two
+// products (norm, rotary, attention) leave the memory idle. Measured on the default model, Q4_1, one
+// stream, AVX-512 host: 281 -> 297 tok/s (best of 3 runs each, 3 interleaved rounds); 8 to 128 KiB
+// all gave about the same, prefetching 1-4 KiB ahead inside a product gave nothing.
+constexpr int64_t kPrefetchBytes = 16 << 10;
+
+void prefetch_share(const Team& team, const StackLinear& l) {
+  if (!l.quantized) return;
+  const QuantizedWeight& w = l.quant;
+  const bool q4 = w.mins != nullptr;
+  const int64_t group_bytes = w.k * 16 / (q4 ? 2 : 1);
+  const int64_t scale_bytes = (w.k / 32) * 16 * (w.half_scales ? 2 : 4);
+  const Share s = team.share(w.groups);
+  const int64_t groups = std::min<int64_t>(s.end - s.begin, std::max<int64_t>(1, kPrefetchBytes / group_bytes));
+  const char* codes = reinterpret_cast<const char*>(w.codes) + s.begin * group_bytes;
+  for (int64_t b = 0; b < groups * group_bytes; b += 64) __builtin_prefetch(codes + b, 0, 2);
+  const char* sc = static_cast<const char*>(w.scale) + s.begin * scale_bytes;
+  const char* mn = q4 ? static_cast<const char*>(w.mins) + s.begin * scale_bytes : nullptr;
+  for (int64_t b = 0; b < groups * scale_bytes; b += 64) {
+    __builtin_prefetch(sc + b, 0, 2);
+    if (mn != nullptr) __builtin_prefetch(mn + b, 0, 2);
+  }
+}
+
 at::Tensor buffer(int64_t rows, int64_t cols, const at::Tensor& like) { return at::empty({rows, cols}, like.options()); }
 
 // The rows that go on past the last attention, or none when they are all rows in order.
@@ -143,8 +168,10 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
       Share s = team.share(n);
       norm_rows(res, i == 0 ? nullptr : carry_p, static_cast<const T*>(layer.input_norm), normed_p, h, feps,
                 s.begin, s.end);
+      if (i == 0) prefetch_share(team, layer.qkv);
       team.sync();
       team_linear(team, layer.qkv, normed_p, n, qkv_p, scratch);
+      prefetch_share(team, layer.o);
       team.sync();
       RopeStep<T> r = rope;
       r.k_cache = static_cast<T*>(caches.k(i));
@@ -174,12 +201,14 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
         m = kept;
       }
       team_linear(team, layer.o, attn_rows, m, o_p, scratch);
+      prefetch_share(team, layer.gate_up);
       team.sync();
       s = team.share(m);
       norm_rows(rows, o_p, static_cast<const T*>(layer.post_norm), normed_p, h, feps, s.begin, s.end);
       team.sync();
       if (fused) {
         team_linear(team, layer.gate_up, normed_p, m, act_p, scratch);
+        prefetch_share(team, layer.down);
       } else {
         team_linear(team, layer.gate_up, normed_p, m, gate_up_p, scratch);
         team.sync();
@@ -188,6 +217,7 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
       }
       team.sync();
       team_linear(team, layer.down, act_p, m, carry_p, scratch);
+      if (i + 1 < layers) prefetch_share(team, weights.plan()[i + 1].qkv);
       team.sync();
     }
   });
