@@ -42,6 +42,15 @@ class ScheduledRequest:
         return 1 + len(self.spec_token_ids) if self.sample_ids else 0
 
 
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """K/V computed elsewhere (a prefill worker) to store into device blocks before the forward pass.
+    ``data`` is in the pool's own layout, [layers, 2, len(block_ids), block_size, ...]."""
+
+    block_ids: tuple[int, ...]
+    data: Any
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -49,6 +58,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    kv_loads: list[KVLoad] = field(default_factory=list)  # after the moves: K/V that arrived from elsewhere
     finished_request_ids: set[str] = field(default_factory=set)  # state the runner may drop
     preempted_request_ids: list[str] = field(default_factory=list)
 

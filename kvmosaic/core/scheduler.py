@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 from kvmosaic.core.sequence_rules import check_stop, scheduled_request
 from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
-from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvmosaic.core.kv_arrivals import KVArrivals
+from kvmosaic.outputs import KVLoad, ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class _StepPlan:
     preempted: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
     proposals: dict[str, Proposal] = field(default_factory=dict)  # request id -> proposals it verifies
 
     def add(self, request: Request, num_tokens: int) -> None:
@@ -48,11 +50,13 @@ class _StepPlan:
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_manager: KVCacheManager, eos_token_ids: Iterable[int] = (),
-        speculator: Speculator | None = None,
+        speculator: Speculator | None = None, arrivals: KVArrivals | None = None,
     ) -> None:
-        """``speculator``: proposes tokens for decoding sequences to verify (None: no speculation)."""
+        """``speculator``: proposes tokens for decoding sequences to verify (None: no speculation);
+        ``arrivals``: prompt K/V computed elsewhere, loaded instead of computed on admission."""
         self.config = config
         self.kv_manager = kv_manager
+        self.arrivals = arrivals if arrivals is not None else KVArrivals(kv_manager.block_size)
         self.speculator = speculator
         self.spec = (SpeculationSteps(speculator, kv_manager, config.max_model_len) if speculator is not None
                      else NoSpeculation())
@@ -95,6 +99,16 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already scheduled")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_prefilled(self, request: Request) -> None:
+        """Queue a sequence whose prompt ran elsewhere and whose first token was sampled there; it
+        finishes at once when that token ends it (then ``request.is_finished`` after the call)."""
+        self.add_request(request)
+        stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+        if stop is not None:
+            self.waiting.remove(request)
+            self._finish(request, stop[0])
+            request.stop_reason = stop[1]
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish sequences from outside (abort, stop string): free their blocks and drop them from queues."""
@@ -139,6 +153,7 @@ class Scheduler:
             blocks_to_swap_out=plan.swap_out,
             blocks_to_swap_in=plan.swap_in,
             blocks_to_copy=self.kv_manager.take_pending_copies(),
+            kv_loads=plan.kv_loads,
             finished_request_ids=finished_ids,
             preempted_request_ids=plan.preempted,
         )
@@ -246,13 +261,18 @@ class Scheduler:
             if not self._has_seq_room(request):
                 return
             hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.budget, self.config.prefill_chunk)
-            if self.kv_manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+            num_arrived = self.arrivals.num_external_tokens(request, num_hit_tokens)
+            num_known = num_hit_tokens + num_arrived
+            num_new_tokens = min(request.num_tokens - num_known, plan.budget, self.config.prefill_chunk)
+            table = self.kv_manager.allocate_slots(request, num_arrived + num_new_tokens, hit_blocks)
+            if table is None:
                 return
             self.waiting.popleft()
+            if num_arrived:
+                plan.kv_loads.append(self.arrivals.take_load(request, table, num_hit_tokens, num_arrived))
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens  # first admission only: a metric of the prompt
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_known
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.add(request, num_new_tokens)
@@ -322,6 +342,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_manager.free(request)
+        self.arrivals.discard(request.request_id)
         self.spec.free(request.request_id)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)

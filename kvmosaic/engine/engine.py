@@ -12,12 +12,13 @@ import time
 
 from kvmosaic.config import EngineConfig
 from kvmosaic.core.block_allocator import BlockAllocator
+from kvmosaic.core.kv_arrivals import ArrivedKV, KVArrivals
 from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.core.scheduler import Scheduler
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.engine.output_processor import OutputProcessor
 from kvmosaic.executor.base import Executor
-from kvmosaic.outputs import RequestOutput, SchedulerOutput
+from kvmosaic.outputs import ModelOutput, RequestOutput, SampledToken, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
 from kvmosaic.spec.speculator import Speculator, build_speculator
@@ -29,11 +30,12 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None, *,
                  allocator: BlockAllocator | None = None,
                  kv_lock: contextlib.AbstractContextManager | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, arrivals: KVArrivals | None = None) -> None:
         """``executor``: where steps run (default: a local worker built from ``config``);
         ``allocator``: blocks beyond the local pool; ``kv_lock``: held around scheduling and
         bookkeeping, not the forward pass (other threads may then lend this pool's blocks);
-        ``speculator``: proposes tokens to verify (default: the one ``config.speculative`` asks for)."""
+        ``speculator``: proposes tokens to verify (default: the one ``config.speculative`` asks for);
+        ``arrivals``: where K/V of requests prefilled elsewhere land (``insert``)."""
         if executor is None:
             from kvmosaic.executor.local import LocalExecutor  # the model stack loads only when needed
 
@@ -46,7 +48,9 @@ class Engine:
         self.kv_manager = KVCacheManager(executor.num_blocks, cache.block_size, executor.num_host_blocks,
                                          cache.enable_prefix_caching, allocator)
         self.speculator = speculator if speculator is not None else build_speculator(self.config.speculative)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, executor.eos_token_ids, self.speculator)
+        self.arrivals = arrivals if arrivals is not None else KVArrivals(cache.block_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, executor.eos_token_ids, self.speculator,
+                                   self.arrivals)
         self.processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -67,6 +71,14 @@ class Engine:
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request; raises ValueError on bad input, leaving the engine untouched."""
+        request, prompt_text = self.make_request(request_id, prompt, params, arrival_time)
+        self.scheduler.add_request(request)
+        self.processor.add_group(request, prompt_text)
+        return request.request_id
+
+    def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> tuple[Request, str | None]:
+        """The validated request ``add_request`` would queue, and the prompt's text; ValueError on bad input."""
         params = params if params is not None else SamplingParams()
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.processor.groups:
@@ -74,9 +86,30 @@ class Engine:
         prompt_text, token_ids = self._tokenize(prompt)
         params = self._fit_max_tokens(params, len(token_ids))
         request = Request(request_id, token_ids, params, arrival_time if arrival_time is not None else time.monotonic())
-        self.scheduler.add_request(request)
+        return request, prompt_text
+
+    def insert(self, request_id: str, prompt: str | list[int], params: SamplingParams, first: SampledToken,
+               kv: ArrivedKV | None = None, arrival_time: float | None = None) -> str:
+        """Continue a request whose prompt ran elsewhere (JetStream's insert): ``first`` is the token
+        sampled there, ``kv`` its prompt's K/V (None: recompute the prompt here). The first token's
+        output comes from the next step(); ValueError on bad input, leaving the engine untouched."""
+        if (params.best_of or 1) > 1:
+            raise ValueError("a prefilled request continues one sequence: n and best_of must be 1")
+        request, prompt_text = self.make_request(request_id, prompt, params, arrival_time)
+        if kv is not None and kv.num_tokens != request.num_prompt_tokens:
+            raise ValueError(f"the K/V of {kv.num_tokens} tokens does not match a prompt of "
+                             f"{request.num_prompt_tokens}")
+        request.append_output_token(first.token_id)
+        if kv is not None:
+            self.arrivals.offer(request.request_id, kv)
+        self.scheduler.add_prefilled(request)
         self.processor.add_group(request, prompt_text)
-        return request_id
+        outputs, stopped, failed = self.processor.process([request], ModelOutput(sampled={request.request_id: first}))
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._pending_outputs += outputs
+        self._pending_outputs += [self._fail_group(group_id, message) for group_id, message in failed.items()]
+        return request.request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -30,6 +30,11 @@ class Executor(ABC):
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Apply the step's block moves, run its tokens, sample one token per sample id."""
 
+    def read_kv_blocks(self, block_ids: list[int]) -> object:
+        """A copy of these device blocks' K/V in the pool's own layout (what a ``KVLoad`` carries):
+        how a prefill worker hands a prompt's KV on. Executors that cannot raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read KV blocks out")
+
     def describe(self) -> str:
         """One line for the start-up log."""
         return f"{type(self).__name__}: {self.num_blocks} KV blocks, {self.num_host_blocks} host blocks"

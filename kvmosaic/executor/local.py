@@ -29,6 +29,9 @@ class LocalExecutor(Executor):
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         return self.worker.execute(sched)
 
+    def read_kv_blocks(self, block_ids: list[int]) -> object:
+        return self.worker.kv_cache.read_blocks(block_ids)
+
     def describe(self) -> str:
         cache, cfg = self.worker.kv_cache, self.config
         return (f"{self.model_config.name or self.model_config.architecture}: {cache.num_blocks} KV blocks of "

@@ -86,6 +86,9 @@ class MockExecutor(Executor):
             self.device[device] = list(self.host[host])
         for src, dst in sched.blocks_to_copy:
             self.device[dst] = list(self.device[src])
+        for load in sched.kv_loads:
+            for block_id, slots in zip(load.block_ids, load.data, strict=True):
+                self.device[block_id] = list(slots)
         # Every write of the step lands before any read, as a layer writes its KV before attending.
         for s in sched.scheduled:
             for offset, token in enumerate(s.token_ids):
@@ -117,6 +120,9 @@ class MockExecutor(Executor):
             if i == len(proposals) or emitted[-1] != proposals[i]:
                 return emitted
         raise AssertionError("unreachable")
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[list[int]]:
+        return [list(self.device[block_id]) for block_id in block_ids]
 
     def read_context(self, block_table: list[int], length: int) -> list[int]:
         """The tokens in the first ``length`` slots of a block table."""

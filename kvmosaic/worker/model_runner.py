@@ -44,6 +44,8 @@ class ModelRunner:
         self.kv_cache.swap_out(sched.blocks_to_swap_out)
         self.kv_cache.swap_in(sched.blocks_to_swap_in)
         self.kv_cache.copy(sched.blocks_to_copy)
+        for load in sched.kv_loads:
+            self.kv_cache.write_blocks(list(load.block_ids), load.data)
         if not sched.scheduled:
             return ModelOutput()
         requests, logits = self.compute_logits(sched.scheduled)
