@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,3 +130,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+
+
+def ended_output(request_id: str, last: RequestOutput | None, reason: str, message: str | None) -> RequestOutput:
+    """The final output of a request ended from outside its engine (finish ``reason``, ``message`` as the
+    stop reason), carrying what ``last`` had streamed so far."""
+    if last is None:
+        completion = CompletionOutput(0, "", [], None, None, reason, message)
+        return RequestOutput(request_id, None, [], [completion], True, None)
+    outputs = [dataclasses.replace(c, finish_reason=reason, stop_reason=message) for c in last.outputs]
+    return RequestOutput(request_id, last.prompt, last.prompt_token_ids, outputs, True, last.metrics)

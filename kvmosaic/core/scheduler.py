@@ -20,9 +20,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvmosaic.core.kv_arrivals import KVArrivals
 from kvmosaic.core.sequence_rules import check_stop, scheduled_request
 from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
-from kvmosaic.core.kv_arrivals import KVArrivals
 from kvmosaic.outputs import KVLoad, ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 

@@ -38,6 +38,7 @@ class PrefixKV:
 class Prefix:
     request_id: str
     prompt: str | list[int]  # as the user gave it (the decode side detokenizes against it)
+    prompt_token_ids: list[int]
     params: SamplingParams
     first: SampledToken  # the token sampled after the prompt, with its logprobs when asked
     kv: PrefixKV | Any | None  # None: the decode side recomputes the prompt; a connector may put a handle here

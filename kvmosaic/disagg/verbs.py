@@ -62,7 +62,7 @@ class PrefillEngine:
             raise
         finally:
             self.exporter.discard(request_id)
-        return Prefix(request_id, prompt, params, first_token(out), kv, arrival_time,
+        return Prefix(request_id, prompt, out.prompt_token_ids, params, first_token(out), kv, arrival_time,
                       time.perf_counter() - started, out.metrics.num_cached_tokens if out.metrics else 0)
 
     def _run(self, request_id: str) -> RequestOutput:

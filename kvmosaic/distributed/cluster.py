@@ -9,7 +9,6 @@ error; the gManager writes off its debts and the others recompute what they had 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -21,7 +20,7 @@ from kvmosaic.config import DistributedConfig, EngineConfig
 from kvmosaic.distributed.gmanager import GManager
 from kvmosaic.distributed.instance import Instance
 from kvmosaic.distributed.swaps import resolve_cycles
-from kvmosaic.outputs import CompletionOutput, RequestOutput
+from kvmosaic.outputs import RequestOutput, ended_output
 from kvmosaic.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ class Cluster:
                 self._instance_died(target, exc)
         last = self.last_output.pop(request_id, None)
         if emit_output:
-            self._pending.append(_failed_output(request_id, last, "abort", None))
+            self._pending.append(ended_output(request_id, last, "abort", None))
 
     def has_unfinished(self) -> bool:
         return bool(self.route) or bool(self._pending)
@@ -166,7 +165,7 @@ class Cluster:
             if target == instance_id:
                 del self.route[request_id]
                 reason = f"engine instance {instance_id} failed while running the request"
-                failed.append(_failed_output(request_id, self.last_output.pop(request_id, None), "abort", reason))
+                failed.append(ended_output(request_id, self.last_output.pop(request_id, None), "abort", reason))
         return failed
 
     def kill_instance(self, instance_id: int) -> None:
@@ -229,14 +228,6 @@ class Cluster:
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
-
-
-def _failed_output(request_id: str, last: RequestOutput | None, reason: str, message: str | None) -> RequestOutput:
-    if last is None:
-        completion = CompletionOutput(0, "", [], None, None, reason, message)
-        return RequestOutput(request_id, None, [], [completion], True, None)
-    outputs = [dataclasses.replace(c, finish_reason=reason, stop_reason=message) for c in last.outputs]
-    return RequestOutput(request_id, last.prompt, last.prompt_token_ids, outputs, True, last.metrics)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:

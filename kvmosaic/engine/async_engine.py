@@ -225,7 +225,7 @@ class AsyncEngine:
     def _refusal(self, request_id: str, exc: Exception) -> Exception:
         """ValueError: the request is bad, as is. Anything else is a bug: logged, and the request withdrawn
         in case the engine took part of it."""
-        if isinstance(exc, ValueError):
+        if isinstance(exc, ValueError | QueueFullError):  # a bad request, or a full engine-side queue (503)
             return exc
         logger.error("the engine raised while adding request %s", request_id, exc_info=exc)
         try:

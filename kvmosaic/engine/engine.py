@@ -4,7 +4,6 @@ output processor, and runs each step on an executor; it holds no tensors itself.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import itertools
 import logging
@@ -17,6 +16,7 @@ from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.core.scheduler import Scheduler
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.engine.output_processor import OutputProcessor
+from kvmosaic.engine.request_checks import fit_max_tokens, tokenize_prompt
 from kvmosaic.executor.base import Executor
 from kvmosaic.outputs import ModelOutput, RequestOutput, SampledToken, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
@@ -112,32 +112,10 @@ class Engine:
         return request.request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            try:
-                prompt.encode("utf-8")
-                return prompt, self.tokenizer.encode(prompt)
-            except Exception as exc:  # noqa: BLE001  (a lone surrogate, or anything the tokenizer rejects)
-                raise ValueError(f"prompt is not valid text: {exc}") from exc
-        token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, token_ids
+        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def _fit_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ValueError(f"prompt has {prompt_len} tokens; the context length is {limit}")
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=limit - prompt_len)
-        if prompt_len + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
-            )
+        params = fit_max_tokens(params, prompt_len, self.max_model_len)
         if not self.scheduler.can_ever_fit(prompt_len + params.max_tokens):
             slots = self.kv_manager.num_reachable_blocks * self.kv_manager.block_size
             raise ValueError(
