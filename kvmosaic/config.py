@@ -254,3 +254,28 @@ class DistributedConfig:
     def dead_after(self) -> float:
         """Seconds without a heartbeat after which the gManager declares an instance dead."""
         return self.heartbeat_interval * self.missed_heartbeats
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Disaggregated prefill and decode (``kvmosaic.disagg``): prefill workers and decode workers
+    joined by bounded queues; on Ray when built by ``build_engine``."""
+
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    ray_address: str | None = None  # None: start a local Ray runtime
+    max_pending_prefills: int = 64  # requests queued for prefill; more are refused (503)
+    max_pending_inserts: int = 8  # prefixes queued per decode worker; more hold the prefill threads back
+    max_routed_blocks: int = 65536  # prompt block hashes remembered to route prompts to their blocks
+    step_wait: float = 0.02  # seconds step() waits for the first output
+    rpc_timeout: float = 60.0  # seconds an insert, generate, abort or stats call may take
+    prefill_timeout: float = 600.0  # seconds one prefill may take
+    transfer_timeout: float = 30.0  # seconds a decode worker waits for a prefix's K/V before recomputing it
+
+    def __post_init__(self) -> None:
+        if self.prefill_workers < 1 or self.decode_workers < 1:
+            raise ValueError("disaggregated serving needs at least one prefill and one decode worker")
+        if min(self.max_pending_prefills, self.max_pending_inserts, self.max_routed_blocks) < 1:
+            raise ValueError("disaggregation queue bounds must be >= 1")
+        if min(self.step_wait, self.rpc_timeout, self.prefill_timeout, self.transfer_timeout) <= 0:
+            raise ValueError("disaggregation timeouts must be > 0")

@@ -65,3 +65,15 @@ def cached_loader(default_model: LoadedModel):
         return cache[key]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def ray_runtime():
+    """One local Ray runtime for the whole test session."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
+    yield ray
+    if started:
+        ray.shutdown()

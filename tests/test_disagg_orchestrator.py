@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from kvmosaic.disagg.orchestrator import DisaggConfig, DisaggregatedEngine, WorkerLost
+from kvmosaic.config import DisaggConfig
+from kvmosaic.disagg.orchestrator import DisaggregatedEngine, WorkerLost
 from kvmosaic.disagg.verbs import DecodeEngine, PrefillEngine
 from kvmosaic.engine.output_sink import QueueFullError
 from kvmosaic.executor.mock import MockExecutor

@@ -43,17 +43,6 @@ def params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
 
 
-@pytest.fixture(scope="session")
-def ray_runtime():
-    """One local Ray runtime for the whole test session."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def cluster(ray_runtime):
     dist = DistributedConfig(num_instances=2, heartbeat_interval=0.2, missed_heartbeats=25, dgfm_interval=0)

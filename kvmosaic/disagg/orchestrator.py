@@ -19,10 +19,11 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvmosaic.config import EngineConfig, ModelConfig
+from kvmosaic.config import DisaggConfig, EngineConfig, ModelConfig
 from kvmosaic.core.block_hash import hash_request_blocks
 from kvmosaic.disagg.prefix import Prefix
 from kvmosaic.engine.output_sink import QueueFullError
@@ -60,18 +61,6 @@ class DecodeWorker(Protocol):
     def shutdown(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class DisaggConfig:
-    max_pending_prefills: int = 64  # requests queued for prefill; more are refused
-    max_pending_inserts: int = 8  # prefixes queued per decode worker; more hold the prefill threads back
-    max_routed_blocks: int = 65536  # prompt block hashes remembered for routing
-    step_wait: float = 0.02  # seconds step() waits for the first output
-
-    def __post_init__(self) -> None:
-        if min(self.max_pending_prefills, self.max_pending_inserts, self.max_routed_blocks) < 1:
-            raise ValueError("disaggregation queue bounds must be >= 1")
-
-
 @dataclass(slots=True)
 class _Job:
     request_id: str
@@ -89,7 +78,8 @@ class _Abort:
 class DisaggregatedEngine:
     def __init__(self, prefill_workers: list[PrefillWorker], decode_workers: list[DecodeWorker], *,
                  config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer,
-                 disagg: DisaggConfig | None = None) -> None:
+                 disagg: DisaggConfig | None = None, on_shutdown: Callable[[], None] | None = None) -> None:
+        """``on_shutdown``: called last by ``shutdown()`` (e.g. to stop the Ray runtime the workers run on)."""
         if not prefill_workers or not decode_workers:
             raise ValueError("disaggregated serving needs at least one prefill and one decode worker")
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
@@ -107,6 +97,7 @@ class DisaggregatedEngine:
         self._routes: OrderedDict[int, int] = OrderedDict()  # prompt block hash -> decode worker
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._on_shutdown = on_shutdown
         self.counters = {"disagg_prefills": 0, "disagg_kv_bytes": 0, "disagg_prefill_seconds": 0.0,
                          "disagg_recomputed_prefills": 0, "disagg_prefill_retries": 0}
         self._threads = [threading.Thread(target=self._prefill_loop, args=(i,), name=f"kvmosaic-prefill-{i}",
@@ -199,6 +190,9 @@ class DisaggregatedEngine:
                 logger.debug("worker shutdown failed", exc_info=True)
         for thread in self._threads:
             thread.join(timeout=10.0)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+            self._on_shutdown = None
 
     # -------------------------------------------------------------- the stages
     def _prefill_loop(self, index: int) -> None:

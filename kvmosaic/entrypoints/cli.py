@@ -140,7 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_waiting=args.max_waiting, max_n=args.max_n, shutdown_grace=args.shutdown_grace,
                           log_level=args.log_level, access_log=args.access_log)
     llm = _make_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    instances=args.instances, ray_address=args.ray_address, enable_borrowing=not args.no_borrowing)
+                    instances=args.instances, ray_address=args.ray_address, enable_borrowing=not args.no_borrowing,
+                    prefill_workers=args.prefill_workers, decode_workers=args.decode_workers)
     try:
         return run_server(llm.engine, config)
     finally:
@@ -164,6 +165,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="engine instances as Ray actors lending each other KV blocks (each gets --kv-cache-memory)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local runtime")
     p.add_argument("--no-borrowing", action="store_true", help="with --instances: never borrow blocks across instances")
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="disaggregated serving: prefill workers as Ray actors (with --decode-workers)")
+    p.add_argument("--decode-workers", type=int, default=0,
+                   help="disaggregated serving: decode workers as Ray actors; prompts' K/V moves to them")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
+from kvmosaic.config import CacheConfig, DisaggConfig, DistributedConfig, EngineConfig, SchedulerConfig
 from kvmosaic.engine.factory import build_engine
 from kvmosaic.engine.protocol import EngineClient
 from kvmosaic.outputs import RequestOutput
@@ -42,6 +42,8 @@ class LLM:
         instances: int = 1,
         ray_address: str | None = None,
         enable_borrowing: bool = True,
+        prefill_workers: int = 0,
+        decode_workers: int = 0,
         quantization: str | None = "auto",
         speculative: SpeculativeConfig | dict | str | None = None,
         model_loader=None,
@@ -54,8 +56,10 @@ class LLM:
         ``q4_0``, ``q4_1``, ``q4_k``: quantized at load). ``speculative``: speculative decoding, e.g.
         ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``
         (``SpeculativeConfig``; a bad one raises ``SpeculativeConfigError``). ``model_loader(path, dtype)`` reads the
-        weights of an in-process engine instead (its own weight format)."""
-        distributed = instances > 1 or bool(ray_address)
+        weights of an in-process engine instead (its own weight format). ``prefill_workers`` /
+        ``decode_workers`` > 0: disaggregated prefill and decode, that many workers of each as Ray
+        actors (``kvmosaic.disagg``; the prompt's K/V moves from a prefill to a decode worker)."""
+        distributed = instances > 1 or (bool(ray_address) and not (prefill_workers or decode_workers))
         if distributed and num_threads is None:  # the instances share the cores
             num_threads = max(1, (os.cpu_count() or 1) // instances)
         config = EngineConfig(
@@ -79,7 +83,11 @@ class LLM:
         )
         dist = DistributedConfig(num_instances=instances, ray_address=ray_address,
                                  enable_borrowing=enable_borrowing) if distributed else None
-        self.engine: EngineClient = build_engine(config, dist, model_loader)
+        disagg = (DisaggConfig(prefill_workers=max(1, prefill_workers), decode_workers=max(1, decode_workers),
+                               ray_address=ray_address) if prefill_workers or decode_workers else None)
+        if disagg is not None:
+            dist = None  # ray_address goes to the workers
+        self.engine: EngineClient = build_engine(config, dist, model_loader, disagg)
 
     def shutdown(self) -> None:
         """Stop the instance actors of a cluster (a no-op for one in-process engine)."""

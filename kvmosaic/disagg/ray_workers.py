@@ -1,0 +1,185 @@
+"""Prefill and decode workers as Ray actors, and the proxies the orchestrator calls them through.
+
+The K/V of a prefix travels through Ray's object store: the prefill actor puts the blocks' bytes
+there (a numpy view, so on one node the decode actor maps the same shared memory, and across nodes
+Ray moves it over TCP) and returns a small ``KVHandle``; the decode actor fetches it inside
+``insert``, with a timeout. The object is owned by the prefill actor, so when that actor dies the
+fetch fails at once; a failed or late fetch makes the decode worker recompute the prompt. Every
+call from the orchestrator has a timeout, and an actor that died or did not answer in time is a
+``WorkerLost``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from kvmosaic.config import DisaggConfig, EngineConfig
+from kvmosaic.disagg.orchestrator import DisaggregatedEngine, WorkerLost
+from kvmosaic.disagg.prefix import Prefix, PrefixKV
+from kvmosaic.outputs import RequestOutput
+from kvmosaic.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    """Where a prefix's K/V waits in the object store, and how to view its bytes again."""
+
+    ref: Any  # ray.ObjectRef of a uint8 numpy array
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    num_tokens: int
+    block_size: int
+    kv_cache_dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
+
+
+def put_kv(kv: PrefixKV) -> KVHandle:
+    data = kv.data.contiguous()
+    raw = data.view(torch.uint8) if data.dtype != torch.uint8 else data
+    ref = ray.put(raw.reshape(-1).numpy())
+    return KVHandle(ref, data.dtype, tuple(data.shape), kv.num_tokens, kv.block_size, kv.kv_cache_dtype)
+
+
+def get_kv(handle: KVHandle, timeout: float) -> PrefixKV:
+    raw = torch.from_numpy(ray.get(handle.ref, timeout=timeout).copy())  # the store's copy is read-only
+    data = raw.view(handle.dtype).reshape(handle.shape)
+    return PrefixKV(data, handle.num_tokens, handle.block_size, handle.kv_cache_dtype)
+
+
+class PrefillActor:
+    def __init__(self, config: EngineConfig) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from kvmosaic.disagg.verbs import PrefillEngine  # the model loads in the actor process
+
+        self.engine = PrefillEngine(config)
+
+    def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                arrival_time: float) -> Prefix:
+        prefix = self.engine.prefill(request_id, prompt, params, arrival_time)
+        return dataclasses.replace(prefix, kv=put_kv(prefix.kv)) if prefix.kv is not None else prefix
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+class DecodeActor:
+    def __init__(self, config: EngineConfig, transfer_timeout: float) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from kvmosaic.disagg.verbs import DecodeEngine
+
+        self.engine = DecodeEngine(config)
+        self.transfer_timeout = transfer_timeout
+        self.transfer = {"disagg_kv_bytes_received": 0, "disagg_transfer_seconds": 0.0, "disagg_failed_transfers": 0}
+
+    def info(self) -> dict:
+        engine = self.engine.engine
+        return {"tokenizer": engine.tokenizer, "model_config": engine.model_config, "config": engine.config}
+
+    def insert(self, prefix: Prefix) -> str:
+        kv = prefix.kv
+        if isinstance(kv, KVHandle):
+            started = time.perf_counter()
+            try:
+                kv = get_kv(kv, self.transfer_timeout)
+                self.transfer["disagg_kv_bytes_received"] += kv.nbytes
+            except Exception as exc:  # noqa: BLE001  (lost with its owner, or late: recompute the prompt here)
+                logger.warning("K/V of request %s did not arrive (%s); recomputing its prompt", prefix.request_id, exc)
+                self.transfer["disagg_failed_transfers"] += 1
+                kv = None
+            self.transfer["disagg_transfer_seconds"] += time.perf_counter() - started
+        return self.engine.insert(dataclasses.replace(prefix, kv=kv))
+
+    def generate(self) -> list[RequestOutput]:
+        return self.engine.generate()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), **self.transfer}
+
+
+class _Proxy:
+    def __init__(self, handle, timeout: float) -> None:
+        self.handle, self.timeout = handle, timeout
+
+    def _call(self, method: str, *args, timeout: float | None = None):
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout or self.timeout)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                ray.exceptions.ActorUnavailableError) as exc:
+            raise WorkerLost(f"{type(exc).__name__}: {exc}") from exc
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def shutdown(self) -> None:
+        ray.kill(self.handle, no_restart=True)
+
+
+class RayPrefillWorker(_Proxy):
+    def __init__(self, handle, timeout: float, prefill_timeout: float) -> None:
+        super().__init__(handle, timeout)
+        self.prefill_timeout = prefill_timeout
+
+    def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                arrival_time: float) -> Prefix:
+        return self._call("prefill", request_id, prompt, params, arrival_time, timeout=self.prefill_timeout)
+
+    def kill(self) -> None:
+        """End the actor abruptly (fault injection)."""
+        ray.kill(self.handle, no_restart=True)
+
+
+class RayDecodeWorker(_Proxy):
+    def insert(self, prefix: Prefix) -> str:
+        return self._call("insert", prefix)
+
+    def generate(self) -> list[RequestOutput]:
+        return self._call("generate")
+
+    def abort(self, request_id: str) -> None:
+        self._call("abort", request_id)
+
+    def kill(self) -> None:
+        ray.kill(self.handle, no_restart=True)
+
+
+def build_disaggregated(config: EngineConfig, disagg: DisaggConfig) -> DisaggregatedEngine:
+    """Prefill and decode actors on Ray (a local runtime unless ``disagg.ray_address``), each loading
+    the model itself, behind a ``DisaggregatedEngine``."""
+    from kvmosaic.distributed.cluster import ensure_ray
+
+    owns_ray = ensure_ray(disagg.ray_address)
+    if config.num_threads is None:  # the workers share the cores
+        workers = disagg.prefill_workers + disagg.decode_workers
+        config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // workers))
+    prefill_actor = ray.remote(PrefillActor).options(num_cpus=0)
+    decode_actor = ray.remote(DecodeActor).options(num_cpus=0)
+    prefills = [prefill_actor.remote(config) for _ in range(disagg.prefill_workers)]
+    decodes = [decode_actor.remote(config, disagg.transfer_timeout) for _ in range(disagg.decode_workers)]
+    info = ray.get(decodes[0].info.remote(), timeout=disagg.prefill_timeout)  # waits for the model to load
+    ray.get([h.stats.remote() for h in [*prefills, *decodes]], timeout=disagg.prefill_timeout)
+
+    def stop_ray() -> None:
+        if owns_ray:
+            ray.shutdown()
+
+    return DisaggregatedEngine(
+        [RayPrefillWorker(h, disagg.rpc_timeout, disagg.prefill_timeout) for h in prefills],
+        [RayDecodeWorker(h, disagg.rpc_timeout) for h in decodes],
+        config=info["config"], model_config=info["model_config"], tokenizer=info["tokenizer"], disagg=disagg,
+        on_shutdown=stop_ray)
