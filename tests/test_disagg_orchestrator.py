@@ -37,9 +37,10 @@ def run(engine: DisaggregatedEngine, prompts: dict[str, str]) -> dict[str, tuple
     return drain(engine)
 
 
-def drain(engine: DisaggregatedEngine) -> dict[str, tuple[list[int], str | None, object]]:
+def drain(engine: DisaggregatedEngine, seconds: float = DEADLINE) -> dict[str, tuple[list[int], str | None, object]]:
+    """Final (tokens, finish reason, stop reason) of every request; fails if the engine hangs."""
     done = {}
-    deadline = time.monotonic() + DEADLINE
+    deadline = time.monotonic() + seconds
     while engine.has_unfinished():
         assert time.monotonic() < deadline, "the orchestrator hangs"
         for out in engine.step():

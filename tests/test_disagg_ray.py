@@ -9,6 +9,7 @@ import time
 
 import pytest
 from test_disagg_model import GREEDY, PROMPTS, colocated, config
+from test_disagg_orchestrator import drain
 
 from kvmosaic.config import DisaggConfig
 
@@ -18,18 +19,6 @@ from kvmosaic.disagg.ray_workers import DecodeActor, PrefillActor, build_disaggr
 DEADLINE = 120.0
 
 
-def drain(engine) -> dict[str, tuple[list[int], str | None, object]]:
-    done = {}
-    deadline = time.monotonic() + DEADLINE
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, "the disaggregated engine hangs"
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = (c.token_ids, c.finish_reason, c.stop_reason)
-    return done
-
-
 @pytest.mark.slow
 def test_ray_workers_equal_colocated_and_survive_lost_workers(ray_runtime, cached_loader):
     cfg = config("auto")
@@ -37,7 +26,7 @@ def test_ray_workers_equal_colocated_and_survive_lost_workers(ray_runtime, cache
     try:
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(str(i), prompt, GREEDY)
-        done = drain(engine)
+        done = drain(engine, DEADLINE)
         assert {rid: tokens for rid, (tokens, _, _) in done.items()} == colocated(cfg, cached_loader)
         stats = engine.stats()
         assert stats["disagg_kv_bytes_received"] > 0 and stats["disagg_failed_transfers"] == 0
@@ -45,7 +34,7 @@ def test_ray_workers_equal_colocated_and_survive_lost_workers(ray_runtime, cache
 
         engine.prefill_workers[0].kill()
         engine.add_request("lost-prefill", PROMPTS[0], GREEDY)
-        done = drain(engine)
+        done = drain(engine, DEADLINE)
         assert done["lost-prefill"][1] == "abort" and "prefill worker" in done["lost-prefill"][2]
         with pytest.raises(RuntimeError, match="every prefill worker is lost"):
             engine.add_request("refused", PROMPTS[0], GREEDY)
