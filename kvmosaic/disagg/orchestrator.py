@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvmosaic.config import DisaggConfig, EngineConfig, ModelConfig
@@ -67,7 +67,6 @@ class _Job:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
-    tried: set[int] = field(default_factory=set)  # prefill workers that were lost with it
 
 
 @dataclass(slots=True)
@@ -220,7 +219,6 @@ class DisaggregatedEngine:
         logger.error("prefill worker %d lost: %s", index, exc)
         with self._lock:
             self._lost_prefill.add(index)
-            job.tried.add(index)
             others = len(self._lost_prefill) < len(self.prefill_workers)
         if not others:
             self._fail(job.request_id, f"every prefill worker is lost (the last: {exc})")
