@@ -191,7 +191,9 @@ def test_full_waiting_queue_answers_503_then_recovers(http):
 
 def test_batch_larger_than_the_waiting_queue_is_refused_whole(http):
     aborted = metric(http, "kvmosaic_request_aborted_total")
-    refused = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2})
+    # long enough that neither admitted prompt can finish before it is withdrawn
+    body = {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1000, "ignore_eos": True}
+    refused = http.post("/v1/completions", json=body)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full", refused.text
     wait_idle(http)  # the two prompts admitted before the refusal were withdrawn, the queue count is back to 0
     assert metric(http, "kvmosaic_request_aborted_total") == aborted + 2
