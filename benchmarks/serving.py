@@ -161,9 +161,10 @@ async def run_load(args: argparse.Namespace, specs: list[RequestSpec], deadline:
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
     if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     arr = np.asarray(values) * scale
-    return {"mean": float(arr.mean()), **{f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}}
+    return {"mean": float(arr.mean()), **{f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)},
+            "max": float(arr.max())}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:

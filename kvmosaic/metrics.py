@@ -8,6 +8,7 @@ touch the engine itself.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -69,22 +70,53 @@ _DIST_SERIES: dict[str, tuple[str, str, str]] = {
     "dist_remote_seconds": ("dist_remote_attention_seconds", "Time spent in distributed attention", "counter"),
 }
 
+# Disaggregated prefill and decode (``kvmosaic serve --prefill-workers P --decode-workers D``).
+_DISAGG_SERIES: dict[str, tuple[str, str, str]] = {
+    "disagg_prefill_workers_alive": ("disagg_prefill_workers_alive", "Prefill workers not lost", "gauge"),
+    "disagg_decode_workers_alive": ("disagg_decode_workers_alive", "Decode workers not lost", "gauge"),
+    "disagg_pending_prefills": ("disagg_pending_prefills", "Requests waiting for a prefill worker", "gauge"),
+    "disagg_prefills": ("disagg_prefills", "Prompts prefilled by the prefill workers", "counter"),
+    "disagg_prefill_seconds": ("disagg_prefill_seconds", "Time the prefill workers spent on prefills", "counter"),
+    "disagg_prefill_retries": ("disagg_prefill_retries", "Prefills sent again after their worker was lost",
+                               "counter"),
+    "disagg_recomputed_prefills": ("disagg_recomputed_prefills", "Prompts a decode worker recomputed", "counter"),
+    "disagg_kv_bytes_sent": ("disagg_kv_bytes_sent", "Prompt K/V bytes the prefill workers exported", "counter"),
+    "disagg_export_seconds": ("disagg_export_seconds", "Time spent reading out and publishing prompt K/V",
+                              "counter"),
+    "disagg_kv_bytes_received": ("disagg_kv_bytes_received", "Prompt K/V bytes the decode workers fetched",
+                                 "counter"),
+    "disagg_transfer_seconds": ("disagg_transfer_seconds", "Time the decode workers spent fetching prompt K/V",
+                                "counter"),
+    "disagg_failed_transfers": ("disagg_failed_transfers", "Prompt K/V fetches that failed or timed out",
+                                "counter"),
+}
+# per worker, labelled by role and index
+_WORKER_SERIES = {"kv_blocks_used": ("disagg_worker_kv_blocks_used", "KV blocks used in one worker's pool"),
+                  "num_running": ("disagg_worker_requests_running", "Sequences running in one worker")}
+
 
 class EngineStatsCollector(Collector):
     """Turns the latest engine stats snapshot into gauges and counters at scrape time."""
 
     def __init__(self) -> None:
-        self.snapshot: Mapping[str, float] = {}
+        self.snapshot: Mapping[str, Any] = {}  # numbers, and per-worker dicts under 'workers'
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.snapshot
         for key, (name, doc, kind) in _ENGINE_SERIES.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(f"{PREFIX}_{name}", doc, value=float(snapshot.get(key, 0)))
-        for key, (name, doc, kind) in (_SPEC_SERIES | _DIST_SERIES).items():
+        for key, (name, doc, kind) in (_SPEC_SERIES | _DIST_SERIES | _DISAGG_SERIES).items():
             if key in snapshot:
                 family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                 yield family(f"{PREFIX}_{name}", doc, value=float(snapshot[key]))
+        workers = snapshot.get("workers")
+        if workers:
+            for key, (name, doc) in _WORKER_SERIES.items():
+                family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["role", "worker"])
+                for (role, index), values in sorted(workers.items()):
+                    family.add_metric([role, str(index)], float(values.get(key, 0)))
+                yield family
 
 
 class ServerMetrics:
@@ -110,7 +142,7 @@ class ServerMetrics:
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last output token",
                              buckets=_LATENCY_BUCKETS, registry=reg)
 
-    def set_engine_stats(self, stats: Mapping[str, float]) -> None:
+    def set_engine_stats(self, stats: Mapping[str, Any]) -> None:
         self.engine_stats.snapshot = dict(stats)
 
     def observe_finished(self, output: RequestOutput) -> None:

@@ -3,6 +3,8 @@ every sequence that sampled in a step, before the scheduler can free or reuse it
 
 from __future__ import annotations
 
+import time
+
 from kvmosaic.disagg.prefix import PrefixKV
 from kvmosaic.executor.base import Executor
 from kvmosaic.outputs import ModelOutput, SchedulerOutput
@@ -16,6 +18,7 @@ class KVExportExecutor(Executor):
         self.tokenizer = inner.tokenizer
         self.eos_token_ids = inner.eos_token_ids
         self._exports: dict[str, PrefixKV] = {}
+        self.counters = {"disagg_kv_bytes_sent": 0, "disagg_export_seconds": 0.0}
 
     @property
     def num_blocks(self) -> int:
@@ -33,8 +36,11 @@ class KVExportExecutor(Executor):
                 continue
             num_tokens = s.start_pos + s.num_tokens
             table = s.block_table[: -(-num_tokens // cache.block_size)]
-            self._exports[s.request_id] = PrefixKV(self.inner.read_kv_blocks(table), num_tokens, cache.block_size,
-                                                   cache.kv_cache_dtype)
+            started = time.perf_counter()
+            kv = PrefixKV(self.inner.read_kv_blocks(table), num_tokens, cache.block_size, cache.kv_cache_dtype)
+            self._exports[s.request_id] = kv
+            self.counters["disagg_kv_bytes_sent"] += kv.nbytes
+            self.counters["disagg_export_seconds"] += time.perf_counter() - started
         return out
 
     def take(self, request_id: str) -> PrefixKV | None:

@@ -34,6 +34,7 @@ from kvmosaic.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how long an idle thread waits before looking at the stop flag again
+STATS_SECONDS = 0.25  # how stale a worker's stats may get while nothing in it ends
 
 
 class WorkerLost(RuntimeError):
@@ -97,7 +98,9 @@ class DisaggregatedEngine:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._on_shutdown = on_shutdown
-        self.counters = {"disagg_prefills": 0, "disagg_kv_bytes": 0, "disagg_prefill_seconds": 0.0,
+        self._worker_stats: dict[tuple[str, int], dict] = {}  # (role, index) -> its last stats
+        self._stats_at: dict[tuple[str, int], float] = {}
+        self.counters = {"disagg_prefills": 0, "disagg_prefill_seconds": 0.0,
                          "disagg_recomputed_prefills": 0, "disagg_prefill_retries": 0}
         self._threads = [threading.Thread(target=self._prefill_loop, args=(i,), name=f"kvmosaic-prefill-{i}",
                                           daemon=True) for i in range(len(prefill_workers))]
@@ -162,21 +165,23 @@ class DisaggregatedEngine:
         return outputs
 
     def stats(self) -> dict:
-        total: dict[str, float] = {}
-        for d, worker in enumerate(self.decode_workers):
-            if d in self._lost_decode:
-                continue
-            try:
-                for key, value in worker.stats().items():
+        """Engine stats summed over the live workers (K/V blocks of both sides), as each worker's thread
+        last read them (a Ray actor answers one call at a time, so asking it here would wait for its
+        step); ``workers`` holds each live worker's own."""
+        total: dict = {}
+        with self._lock:
+            workers = {key: dict(value) for key, value in self._worker_stats.items()}
+        for (role, _), values in workers.items():
+            for key, value in values.items():
+                if role == "decode" or key.startswith(("kv_blocks", "disagg_")):
                     total[key] = total.get(key, 0) + value
-            except WorkerLost:
-                continue
         queries = total.get("prefix_cache_queries", 0)
         total["prefix_cache_hit_rate"] = total.get("prefix_cache_hits", 0) / queries if queries else 0.0
         total["disagg_pending_prefills"] = self._prefills.qsize()
         total["disagg_prefill_workers_alive"] = len(self.prefill_workers) - len(self._lost_prefill)
         total["disagg_decode_workers_alive"] = len(self.decode_workers) - len(self._lost_decode)
         total.update(self.counters)
+        total["workers"] = workers
         return total
 
     def shutdown(self) -> None:
@@ -200,11 +205,17 @@ class DisaggregatedEngine:
             try:
                 job = self._prefills.get(timeout=POLL_SECONDS)
             except queue.Empty:
+                try:
+                    self._read_stats("prefill", index, worker)
+                except WorkerLost as exc:
+                    self._prefill_worker_lost(index, None, exc)
+                    return
                 continue
             if job is None or job.request_id not in self._live:
                 continue  # aborted while it waited
             try:
                 prefix = worker.prefill(job.request_id, job.prompt, job.params, job.arrival_time)
+                self._read_stats("prefill", index, worker, force=True)
             except WorkerLost as exc:
                 self._prefill_worker_lost(index, job, exc)
                 return
@@ -215,17 +226,22 @@ class DisaggregatedEngine:
             self.counters["disagg_prefill_seconds"] += prefix.prefill_seconds
             self._route(prefix)
 
-    def _prefill_worker_lost(self, index: int, job: _Job, exc: Exception) -> None:
+    def _prefill_worker_lost(self, index: int, job: _Job | None, exc: Exception) -> None:
+        if self._stop.is_set():  # shutdown() stopped it
+            return
         logger.error("prefill worker %d lost: %s", index, exc)
         with self._lock:
             self._lost_prefill.add(index)
+            self._worker_stats.pop(("prefill", index), None)
             others = len(self._lost_prefill) < len(self.prefill_workers)
         if not others:
-            self._fail(job.request_id, f"every prefill worker is lost (the last: {exc})")
+            if job is not None:
+                self._fail(job.request_id, f"every prefill worker is lost (the last: {exc})")
             self._drain_prefills("every prefill worker is lost")
             return
-        self.counters["disagg_prefill_retries"] += 1
-        self._prefills.put(job)  # another prefill thread takes it
+        if job is not None:
+            self.counters["disagg_prefill_retries"] += 1
+            self._prefills.put(job)  # another prefill thread takes it
 
     def _drain_prefills(self, message: str) -> None:
         while True:
@@ -284,8 +300,10 @@ class DisaggregatedEngine:
                     elif isinstance(item, Prefix):
                         self._insert(worker, item)
                 outputs = worker.generate() if busy or items else []
+                self._read_stats("decode", index, worker, force=any(out.finished for out in outputs))
             except Exception as exc:  # noqa: BLE001  (lost, or broken: its requests fail loudly, others go on)
-                self._decode_worker_lost(index, exc)
+                if not self._stop.is_set():  # else shutdown() stopped it
+                    self._decode_worker_lost(index, exc)
                 return
             busy = self._deliver(outputs, index)
 
@@ -313,10 +331,23 @@ class DisaggregatedEngine:
                 self._outputs.put(out)
             return any(target == index for target in self._live.values())
 
+    def _read_stats(self, role: str, index: int, worker: PrefillWorker | DecodeWorker, force: bool = False) -> None:
+        """Refresh a worker's stats on the thread that drives it: when forced (something in it ended),
+        else at most every STATS_SECONDS."""
+        key = (role, index)
+        now = time.monotonic()
+        if not force and now - self._stats_at.get(key, -STATS_SECONDS) < STATS_SECONDS:
+            return
+        values = worker.stats()
+        with self._lock:
+            self._worker_stats[key] = values
+            self._stats_at[key] = now
+
     def _decode_worker_lost(self, index: int, exc: Exception) -> None:
         logger.error("decode worker %d lost: %s", index, exc)
         with self._lock:
             self._lost_decode.add(index)
+            self._worker_stats.pop(("decode", index), None)
             lost = [rid for rid, target in self._live.items() if target == index]
         for request_id in lost:
             self._fail(request_id, f"decode worker {index} was lost while running the request: {exc}")

@@ -69,7 +69,12 @@ class PrefillActor:
     def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float) -> Prefix:
         prefix = self.engine.prefill(request_id, prompt, params, arrival_time)
-        return dataclasses.replace(prefix, kv=put_kv(prefix.kv)) if prefix.kv is not None else prefix
+        if prefix.kv is None:
+            return prefix
+        started = time.perf_counter()
+        handle = put_kv(prefix.kv)
+        self.engine.exporter.counters["disagg_export_seconds"] += time.perf_counter() - started
+        return dataclasses.replace(prefix, kv=handle)
 
     def stats(self) -> dict:
         return self.engine.stats()

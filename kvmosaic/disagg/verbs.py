@@ -76,7 +76,7 @@ class PrefillEngine:
                 return out
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return {**self.engine.stats(), **self.exporter.counters}
 
     def shutdown(self) -> None:
         self.engine.shutdown()
