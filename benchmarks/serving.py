@@ -139,7 +139,8 @@ async def run_load(args: argparse.Namespace, specs: list[RequestSpec], deadline:
     """Send specs at the arrival process; with a deadline, cycle through specs until it passes."""
     rng = np.random.default_rng(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    # idle connections expire before the server's keep-alive (5 s) closes them under a new request
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
 
         async def one(spec: RequestSpec) -> RequestResult:

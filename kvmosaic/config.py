@@ -271,6 +271,7 @@ class DisaggConfig:
     rpc_timeout: float = 60.0  # seconds an insert, generate, abort or stats call may take
     prefill_timeout: float = 600.0  # seconds one prefill may take
     transfer_timeout: float = 30.0  # seconds a decode worker waits for a prefix's K/V before recomputing it
+    kv_transfer_dtype: str = "auto"  # "auto": the cache's own format; "int8": a float cache's K/V as int8 records
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -279,3 +280,5 @@ class DisaggConfig:
             raise ValueError("disaggregation queue bounds must be >= 1")
         if min(self.step_wait, self.rpc_timeout, self.prefill_timeout, self.transfer_timeout) <= 0:
             raise ValueError("disaggregation timeouts must be > 0")
+        if self.kv_transfer_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_transfer_dtype must be 'auto' or 'int8', got {self.kv_transfer_dtype!r}")

@@ -6,11 +6,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from kvmosaic.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvmosaic.disagg import wire
 from kvmosaic.disagg.verbs import DecodeEngine, PrefillEngine
 from kvmosaic.engine.engine import Engine
 from kvmosaic.executor.local import LocalExecutor
+from kvmosaic.quant import int_quant
+from kvmosaic.quant.format import KVFormat
 from kvmosaic.sampling_params import SamplingParams
 
 SYSTEM = "You are a careful assistant who answers questions about geography in one short sentence. "
@@ -63,3 +67,32 @@ def test_disaggregated_greedy_equals_colocated(cached_loader, kv_cache_dtype):
     stats = decode.stats()
     assert stats["prefix_cache_hits"] > 0  # the second SYSTEM prompt loaded only its own blocks
     assert stats["kv_blocks_used"] == 0 and prefill.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
+def test_int8_transfer_of_a_float_cache_loads_the_dequantized_prompt_kv(cached_loader):
+    """The decode pool holds exactly the int8 codec's reconstruction of the prefill side's K/V, sent in
+    (4 + 64) / 256 of the float32 bytes; greedy tokens still follow the float32 colocated engine."""
+    cfg = config("auto")
+    prefill = PrefillEngine(cfg, LocalExecutor(cfg, cached_loader), transfer_dtype="int8")
+    exact = PrefillEngine(cfg, LocalExecutor(cfg, cached_loader))
+    decode = DecodeEngine(cfg, LocalExecutor(cfg, cached_loader))
+    prompt = PROMPTS[3]
+    sent = prefill.prefill("q", prompt, GREEDY).kv
+    floats = exact.prefill("f", prompt, GREEDY).kv
+    assert sent.wire == "int8:3x64" and sent.nbytes * 256 == floats.nbytes * (4 + 64)
+    heads, dim = floats.data.shape[-2:]
+    fmt = KVFormat("int8", heads, dim)
+    expected = int_quant.decode(int_quant.encode(floats.data.reshape(-1, heads, dim), fmt), fmt)
+    assert torch.equal(wire.decode(sent).data, expected.reshape(floats.data.shape))
+    assert (expected.reshape(floats.data.shape) - floats.data).abs().max() < 0.05 * floats.data.abs().max()
+
+    decode.insert(prefill.prefill("0", prompt, GREEDY))
+    done = tokens_of(decode.generate())  # the insert's blocks are written in this step
+    table = decode.engine.kv_manager.get_block_table("0")[: floats.data.shape[2]]
+    tokens = floats.num_tokens  # the slots after them hold the first generated token by now
+    loaded = decode.engine.executor.read_kv_blocks(table).flatten(2, 3)[:, :, :tokens]
+    assert torch.equal(loaded, expected.reshape(floats.data.shape).flatten(2, 3)[:, :, :tokens])
+    while decode.has_work():
+        done |= tokens_of(decode.generate())
+    assert done["0"] == colocated(cfg, cached_loader)["3"]

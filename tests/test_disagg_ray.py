@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 from test_disagg_model import GREEDY, PROMPTS, colocated, config
 from test_disagg_orchestrator import drain
 
@@ -69,3 +70,16 @@ def test_a_transfer_that_times_out_is_recomputed(ray_runtime, cached_loader):
     finally:
         ray.kill(prefill, no_restart=True)
         ray.kill(decode, no_restart=True)
+
+
+def test_the_object_store_round_trip_keeps_bytes_layout_and_wire(ray_runtime):
+    from kvmosaic.disagg import wire
+    from kvmosaic.disagg.prefix import PrefixKV
+    from kvmosaic.disagg.ray_workers import get_kv, put_kv
+
+    data = torch.randn(2, 2, 3, 4, 3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for kv in (PrefixKV(data, 10, 4, "auto"), wire.encode(PrefixKV(data, 10, 4, "auto"), "int8")):
+        back = get_kv(put_kv(kv), timeout=DEADLINE)
+        assert torch.equal(back.data, kv.data) and back.data.dtype == kv.data.dtype
+        assert (back.num_tokens, back.block_size, back.kv_cache_dtype, back.wire) == (10, 4, "auto", kv.wire)
+    assert wire.decode(back).data.shape == data.shape and back.wire == "int8:3x8"

@@ -15,12 +15,14 @@ from kvmosaic.sampling_params import SamplingParams
 class PrefixKV:
     """A prompt's K/V in the pool's own layout: a tensor [layers, 2, blocks, block_size, ...]
     (records of the cache's format when it is quantized), or per block a list of token ids from the
-    mock executor. It travels in the cache's format, so both sides must use the same one."""
+    mock executor. Both sides must use the same cache format; a float cache's K/V may travel as int8
+    records (``kvmosaic.disagg.wire``)."""
 
     data: Any
     num_tokens: int
     block_size: int
     kv_cache_dtype: str
+    wire: str = "auto"  # "auto": the cache's own format; "int8:HxD": a float cache's values as int8 records
 
     def blocks(self, first: int, last: int) -> Any:
         if isinstance(self.data, torch.Tensor):

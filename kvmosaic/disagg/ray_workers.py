@@ -40,6 +40,7 @@ class KVHandle:
     num_tokens: int
     block_size: int
     kv_cache_dtype: str
+    wire: str
 
     @property
     def nbytes(self) -> int:
@@ -50,21 +51,21 @@ def put_kv(kv: PrefixKV) -> KVHandle:
     data = kv.data.contiguous()
     raw = data.view(torch.uint8) if data.dtype != torch.uint8 else data
     ref = ray.put(raw.reshape(-1).numpy())
-    return KVHandle(ref, data.dtype, tuple(data.shape), kv.num_tokens, kv.block_size, kv.kv_cache_dtype)
+    return KVHandle(ref, data.dtype, tuple(data.shape), kv.num_tokens, kv.block_size, kv.kv_cache_dtype, kv.wire)
 
 
 def get_kv(handle: KVHandle, timeout: float) -> PrefixKV:
     raw = torch.from_numpy(ray.get(handle.ref, timeout=timeout).copy())  # the store's copy is read-only
     data = raw.view(handle.dtype).reshape(handle.shape)
-    return PrefixKV(data, handle.num_tokens, handle.block_size, handle.kv_cache_dtype)
+    return PrefixKV(data, handle.num_tokens, handle.block_size, handle.kv_cache_dtype, handle.wire)
 
 
 class PrefillActor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, transfer_dtype: str = "auto") -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from kvmosaic.disagg.verbs import PrefillEngine  # the model loads in the actor process
 
-        self.engine = PrefillEngine(config)
+        self.engine = PrefillEngine(config, transfer_dtype=transfer_dtype)
 
     def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float) -> Prefix:
@@ -174,7 +175,7 @@ def build_disaggregated(config: EngineConfig, disagg: DisaggConfig) -> Disaggreg
         config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // workers))
     prefill_actor = ray.remote(PrefillActor).options(num_cpus=0)
     decode_actor = ray.remote(DecodeActor).options(num_cpus=0)
-    prefills = [prefill_actor.remote(config) for _ in range(disagg.prefill_workers)]
+    prefills = [prefill_actor.remote(config, disagg.kv_transfer_dtype) for _ in range(disagg.prefill_workers)]
     decodes = [decode_actor.remote(config, disagg.transfer_timeout) for _ in range(disagg.decode_workers)]
     info = ray.get(decodes[0].info.remote(), timeout=disagg.prefill_timeout)  # waits for the model to load
     ray.get([h.stats.remote() for h in [*prefills, *decodes]], timeout=disagg.prefill_timeout)

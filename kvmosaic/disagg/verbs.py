@@ -12,6 +12,7 @@ import dataclasses
 import time
 
 from kvmosaic.config import EngineConfig
+from kvmosaic.disagg import wire
 from kvmosaic.disagg.export import KVExportExecutor
 from kvmosaic.disagg.prefix import Prefix, PrefixKV
 from kvmosaic.engine.engine import Engine
@@ -39,7 +40,12 @@ def first_token(out: RequestOutput) -> SampledToken:
 
 
 class PrefillEngine:
-    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None,
+                 transfer_dtype: str = "auto") -> None:
+        """``transfer_dtype``: how the K/V of a float cache leaves (``kvmosaic.disagg.wire``)."""
+        if transfer_dtype not in wire.TRANSFER_DTYPES:
+            raise ValueError(f"kv transfer dtype must be one of {wire.TRANSFER_DTYPES}, got {transfer_dtype!r}")
+        self.transfer_dtype = transfer_dtype
         if executor is None:
             from kvmosaic.executor.local import LocalExecutor  # the model stack loads only when needed
 
@@ -57,6 +63,7 @@ class PrefillEngine:
         try:
             out = self._run(request_id)
             kv = self.exporter.take(request_id)
+            kv = wire.encode(kv, self.transfer_dtype) if kv is not None else None
         except BaseException:
             self.engine.abort(request_id, emit_output=False)
             raise
@@ -92,6 +99,7 @@ class DecodeEngine:
         if kv is not None and not isinstance(kv, PrefixKV):
             raise TypeError(f"insert needs the prefix's K/V received, not {type(kv).__name__}")
         if kv is not None:
+            kv = wire.decode(kv)
             cache = self.engine.config.cache
             if (kv.block_size, kv.kv_cache_dtype) != (cache.block_size, cache.kv_cache_dtype):
                 raise ValueError(f"K/V of blocks of {kv.block_size} in {kv.kv_cache_dtype!r} cannot load into "

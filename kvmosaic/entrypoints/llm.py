@@ -44,6 +44,7 @@ class LLM:
         enable_borrowing: bool = True,
         prefill_workers: int = 0,
         decode_workers: int = 0,
+        kv_transfer_dtype: str = "auto",
         quantization: str | None = "auto",
         speculative: SpeculativeConfig | dict | str | None = None,
         model_loader=None,
@@ -58,7 +59,8 @@ class LLM:
         (``SpeculativeConfig``; a bad one raises ``SpeculativeConfigError``). ``model_loader(path, dtype)`` reads the
         weights of an in-process engine instead (its own weight format). ``prefill_workers`` /
         ``decode_workers`` > 0: disaggregated prefill and decode, that many workers of each as Ray
-        actors (``kvmosaic.disagg``; the prompt's K/V moves from a prefill to a decode worker)."""
+        actors (``kvmosaic.disagg``; the prompt's K/V moves from a prefill to a decode worker, as int8
+        records of a float cache with ``kv_transfer_dtype="int8"``)."""
         distributed = instances > 1 or (bool(ray_address) and not (prefill_workers or decode_workers))
         if distributed and num_threads is None:  # the instances share the cores
             num_threads = max(1, (os.cpu_count() or 1) // instances)
@@ -84,7 +86,8 @@ class LLM:
         dist = DistributedConfig(num_instances=instances, ray_address=ray_address,
                                  enable_borrowing=enable_borrowing) if distributed else None
         disagg = (DisaggConfig(prefill_workers=max(1, prefill_workers), decode_workers=max(1, decode_workers),
-                               ray_address=ray_address) if prefill_workers or decode_workers else None)
+                               ray_address=ray_address, kv_transfer_dtype=kv_transfer_dtype)
+                  if prefill_workers or decode_workers else None)
         if disagg is not None:
             dist = None  # ray_address goes to the workers
         self.engine: EngineClient = build_engine(config, dist, model_loader, disagg)
