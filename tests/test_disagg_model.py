@@ -80,7 +80,7 @@ def test_int8_transfer_of_a_float_cache_loads_the_dequantized_prompt_kv(cached_l
     prompt = PROMPTS[3]
     sent = prefill.prefill("q", prompt, GREEDY).kv
     floats = exact.prefill("f", prompt, GREEDY).kv
-    assert sent.wire == "int8:3x64" and sent.nbytes * 256 == floats.nbytes * (4 + 64)
+    assert sent.wire == "int8:3x64:float32" and sent.nbytes * 256 == floats.nbytes * (4 + 64)
     heads, dim = floats.data.shape[-2:]
     fmt = KVFormat("int8", heads, dim)
     expected = int_quant.decode(int_quant.encode(floats.data.reshape(-1, heads, dim), fmt), fmt)

@@ -82,4 +82,6 @@ def test_the_object_store_round_trip_keeps_bytes_layout_and_wire(ray_runtime):
         back = get_kv(put_kv(kv), timeout=DEADLINE)
         assert torch.equal(back.data, kv.data) and back.data.dtype == kv.data.dtype
         assert (back.num_tokens, back.block_size, back.kv_cache_dtype, back.wire) == (10, 4, "auto", kv.wire)
-    assert wire.decode(back).data.shape == data.shape and back.wire == "int8:3x8"
+    assert back.wire == "int8:3x8:bfloat16"
+    restored = wire.decode(back).data  # bf16 again, so that a bf16 pool takes it
+    assert restored.dtype == torch.bfloat16 and (restored.float() - data.float()).abs().max() < 0.05

@@ -22,7 +22,7 @@ class PrefixKV:
     num_tokens: int
     block_size: int
     kv_cache_dtype: str
-    wire: str = "auto"  # "auto": the cache's own format; "int8:HxD": a float cache's values as int8 records
+    wire: str = "auto"  # "auto": the cache's own format; "int8:HxD:dtype": a float cache's values as int8 records
 
     def blocks(self, first: int, last: int) -> Any:
         if isinstance(self.data, torch.Tensor):

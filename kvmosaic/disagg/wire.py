@@ -3,7 +3,7 @@
 ``auto``: in the cache's own layout and format (float, or the records of a quantized cache): exact,
 and a quantized cache is already small. ``int8``: a float cache's values as int8 records per token
 and KV head (asymmetric, fp16 lo and scale, the int8 KV cache's own codec), 68 bytes a head vector
-of 64 instead of 256 in float32 (128 in bf16); the decode side decodes them into its float pool.
+of 64 instead of 256 in float32 (128 in bf16); the decode side decodes them back to the pool's dtype.
 A quantized cache always travels as its records."""
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ def encode(kv: PrefixKV, transfer_dtype: str) -> PrefixKV:
         return kv
     *lead, heads, dim = kv.data.shape
     records = int_quant.encode(kv.data.reshape(-1, heads, dim), KVFormat("int8", heads, dim))
-    return dataclasses.replace(kv, data=records.reshape(*lead, -1), wire=f"int8:{heads}x{dim}")
+    dtype = str(kv.data.dtype).removeprefix("torch.")
+    return dataclasses.replace(kv, data=records.reshape(*lead, -1), wire=f"int8:{heads}x{dim}:{dtype}")
 
 
 def decode(kv: PrefixKV) -> PrefixKV:
-    """The K/V in the cache's layout again (float32 values for a float pool to take)."""
+    """The K/V in the cache's layout and dtype again."""
     if kv.wire == "auto":
         return kv
-    heads, dim = (int(n) for n in kv.wire.removeprefix("int8:").split("x"))
+    shape, dtype = kv.wire.removeprefix("int8:").split(":")
+    heads, dim = (int(n) for n in shape.split("x"))
     *lead, _ = kv.data.shape
     rows = int_quant.decode(kv.data.reshape(-1, kv.data.shape[-1]), KVFormat("int8", heads, dim))
-    return dataclasses.replace(kv, data=rows.reshape(*lead, heads, dim), wire="auto")
+    return dataclasses.replace(kv, data=rows.reshape(*lead, heads, dim).to(getattr(torch, dtype)), wire="auto")
