@@ -22,6 +22,7 @@ import ray
 import torch
 
 from kvmosaic.config import DisaggConfig, EngineConfig
+from kvmosaic.disagg import wire
 from kvmosaic.disagg.orchestrator import DisaggregatedEngine, WorkerLost
 from kvmosaic.disagg.prefix import Prefix, PrefixKV
 from kvmosaic.outputs import RequestOutput
@@ -101,6 +102,7 @@ class DecodeActor:
             try:
                 kv = get_kv(kv, self.transfer_timeout)
                 self.transfer["disagg_kv_bytes_received"] += kv.nbytes
+                kv = wire.decode(kv)  # int8 records back to the pool's dtype, timed with the fetch
             except Exception as exc:  # noqa: BLE001  (lost with its owner, or late: recompute the prompt here)
                 logger.warning("K/V of request %s did not arrive (%s); recomputing its prompt", prefix.request_id, exc)
                 self.transfer["disagg_failed_transfers"] += 1

@@ -63,7 +63,10 @@ class PrefillEngine:
         try:
             out = self._run(request_id)
             kv = self.exporter.take(request_id)
-            kv = wire.encode(kv, self.transfer_dtype) if kv is not None else None
+            if kv is not None and self.transfer_dtype != "auto":
+                encoding = time.perf_counter()
+                kv = wire.encode(kv, self.transfer_dtype)
+                self.exporter.counters["disagg_export_seconds"] += time.perf_counter() - encoding
         except BaseException:
             self.engine.abort(request_id, emit_output=False)
             raise
