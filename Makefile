@@ -23,7 +23,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check kvmosaic tests benchmarks
 
 test: lint
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q tests
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/throughput.py

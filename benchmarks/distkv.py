@@ -23,6 +23,7 @@ import torch
 
 from kvmosaic import SamplingParams
 from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
+from kvmosaic.distributed.channel import ChannelClient
 from kvmosaic.distributed.cluster import Cluster
 
 RESULTS = Path(__file__).parent / "results"
@@ -90,23 +91,30 @@ def drive(cluster: Cluster, args: argparse.Namespace, instances: int, borrowing:
         "dist_attn_ms_per_layer_call": round(1000 * seconds / calls, 2) if calls else 0.0,
         "waiting_on_creditors_ms_per_step": round(1000 * stats.get("dist_remote_wait_seconds", 0.0) / remote_steps, 1)
         if remote_steps else 0.0,
+        "remote_compute_ms_per_layer_call": round(1000 * stats.get("dist_remote_compute_seconds", 0.0) / calls, 3)
+        if calls else 0.0,
+        "merge_ms_per_layer_call": round(1000 * stats.get("dist_remote_merge_seconds", 0.0) / calls, 3)
+        if calls else 0.0,
         "empty_call_ms": rtt_ms,
     }
 
 
 def empty_call_ms(cluster: Cluster, calls: int = 50) -> float:
-    """Round trip of a micro-attention call carrying no work: the fixed cost of the Ray data plane per layer."""
-    handle = cluster.instances[1]
-    ray.get(handle.remote_attention.remote(0, [], 1.0))
+    """Round trip of a micro-attention call carrying no work: the fixed cost of the data plane per layer."""
+    channel = ChannelClient(ray.get(cluster.instances[1].info.remote())["channel"], timeout=30.0)
+    channel.call("attention", 0, [], 1.0)
     start = time.perf_counter()
     for _ in range(calls):
-        ray.get(handle.remote_attention.remote(0, [], 1.0))
-    return round(1000 * (time.perf_counter() - start) / calls, 2)
+        channel.call("attention", 0, [], 1.0)
+    elapsed = time.perf_counter() - start
+    channel.close()
+    return round(1000 * elapsed / calls, 3)
 
 
 COLUMNS = ("instances", "borrowing", "requests_done", "rejected", "longest_context", "seconds", "output_tok_s",
            "preemptions", "loans", "max_debt_blocks", "swaps", "remote_steps", "dist_attn_ms_per_step",
-           "dist_attn_ms_per_layer_call", "waiting_on_creditors_ms_per_step", "empty_call_ms")
+           "dist_attn_ms_per_layer_call", "waiting_on_creditors_ms_per_step", "remote_compute_ms_per_layer_call",
+           "merge_ms_per_layer_call", "empty_call_ms")
 
 
 def print_table(rows: list[dict]) -> None:

@@ -50,7 +50,8 @@ class Cluster:
         self.instances = {i: actor.remote(i, engine_config, config, self.gmanager) for i in range(config.num_instances)}
         infos = {i: ray.get(h.info.remote()) for i, h in self.instances.items()}
         capacities = {i: info["num_blocks"] for i, info in infos.items()}
-        ray.get([h.connect.remote(self.instances, capacities) for h in self.instances.values()])
+        channels = {i: info["channel"] for i, info in infos.items()}
+        ray.get([h.connect.remote(self.instances, capacities, channels) for h in self.instances.values()])
         first = infos[0]
         self.tokenizer = first["tokenizer"]
         self.model_config = first["model_config"]

@@ -53,6 +53,7 @@ class DistAttentionStats:
     layer_calls: int = 0  # remote micro-attention calls (one per creditor per layer)
     seconds: float = 0.0  # wall time in the distributed part of attention (local partials included)
     wait_seconds: float = 0.0  # of which: blocked on creditors after the local partials were done
+    merge_seconds: float = 0.0  # of which: merging the partials
 
 
 @dataclass(slots=True)
@@ -215,13 +216,16 @@ class DistAttentionStep(AttentionBackend):
             partials.append([partial_attention(q[plan.rows], k, v, plan.q_pos, plan.local_k_pos, self.scale)])
         waited = time.perf_counter()
         results = owner.directory.wait(futures)
-        owner.stats.wait_seconds += time.perf_counter() - waited
+        merging = time.perf_counter()
+        owner.stats.wait_seconds += merging - waited
         for creditor, answers in results.items():
             for index, answer in zip(self._plans_on(creditor), answers, strict=True):
                 partials[index].append(PartialAttention(*answer))
         for plan, parts in zip(self.plans, partials, strict=True):
             out.index_copy_(0, plan.rows, merge_partials(parts).to(out.dtype))
-        owner.stats.seconds += time.perf_counter() - started
+        done = time.perf_counter()
+        owner.stats.merge_seconds += done - merging
+        owner.stats.seconds += done - started
         return out
 
     def _plans_on(self, creditor: int) -> list[int]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import ray
 import torch
 
 from kvmosaic.config import DistributedConfig, EngineConfig
+from kvmosaic.distributed.channel import ChannelClient, ChannelServer
 from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, RemoteKVAttention
 from kvmosaic.distributed.rmanager import BorrowingAllocator, RManager
 from kvmosaic.model.layers.attention import ReferenceAttention
@@ -47,6 +49,7 @@ class Instance:
         self._stop = threading.Event()
         self.fenced = threading.Event()  # the gManager declared us dead: our loans are gone, stop serving
         node = ray.get_runtime_context().get_node_id()
+        self.channel = ChannelServer(self._serve_channel, host=ray.util.get_node_ip_address())
         ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -63,14 +66,17 @@ class Instance:
         return self.attention
 
     # ------------------------------------------------------------------ wiring
-    def connect(self, peers: dict[int, object], capacities: dict[int, int]) -> None:
+    def connect(self, peers: dict[int, object], capacities: dict[int, int],
+                channels: dict[int, tuple[str, int]]) -> None:
         self.rmanager.peers = {i: h for i, h in peers.items() if i != self.instance_id}
         self.rmanager.peer_capacity = {i: n for i, n in capacities.items() if i != self.instance_id}
+        self.rmanager.channels = {i: ChannelClient(address, self.config.rpc_timeout)
+                                  for i, address in channels.items() if i != self.instance_id}
 
     def info(self) -> dict:
         engine = self.engine
         return {"tokenizer": engine.tokenizer, "model_config": engine.model_config, "config": engine.config,
-                "num_blocks": self.rmanager.num_local_blocks}
+                "num_blocks": self.rmanager.num_local_blocks, "channel": self.channel.address}
 
     def ping(self) -> int:
         return self.instance_id
@@ -126,7 +132,8 @@ class Instance:
             stats["dist_table_blocks"] = self.engine.num_table_blocks()
         d = self.attention.dist.stats
         stats.update({"dist_remote_steps": d.steps, "dist_remote_calls": d.layer_calls,
-                      "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds})
+                      "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds,
+                      "dist_remote_merge_seconds": d.merge_seconds})
         return stats
 
     # ------------------------------------------------------------- creditor side
@@ -149,6 +156,13 @@ class Instance:
     def repay(self, debtor: int, physical: list[int]) -> None:
         with self.lock:
             self.engine.reclaim_blocks(self.rmanager.repay(debtor, physical))
+
+    def _serve_channel(self, method: str, args: tuple) -> tuple[list[tuple], float]:
+        """The data plane's calls: a debtor's micro-attention for one layer -> (partials, seconds spent)."""
+        if method != "attention":
+            raise ValueError(f"unknown data-plane call {method!r}")
+        started = time.perf_counter()
+        return self.remote_attention(*args), time.perf_counter() - started
 
     @torch.inference_mode()
     def remote_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
@@ -190,3 +204,4 @@ class Instance:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self.channel.close()

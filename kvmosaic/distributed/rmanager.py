@@ -23,6 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from kvmosaic.config import DistributedConfig
 from kvmosaic.core.block_allocator import BlockAllocator
+from kvmosaic.distributed.channel import ChannelClient, ChannelError
 from kvmosaic.distributed.dist_attention import CreditorLost
 from kvmosaic.request import RequestStatus
 
@@ -51,6 +52,7 @@ class RManagerCounters:
     blocks_lent: int = 0
     blocks_reclaimed: int = 0
     blocks_lost: int = 0  # borrowed blocks that died with their creditor
+    remote_compute_seconds: float = 0.0  # creditors' own time on this instance's micro-attention calls
 
 
 @dataclass
@@ -60,7 +62,8 @@ class RManager:
     block_size: int
     config: DistributedConfig
     gmanager: object  # ray actor handle of the GManager
-    peers: dict[int, object] = field(default_factory=dict)  # instance id -> actor handle
+    peers: dict[int, object] = field(default_factory=dict)  # instance id -> actor handle (control plane)
+    channels: dict[int, ChannelClient] = field(default_factory=dict)  # instance id -> data plane
     peer_capacity: dict[int, int] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
     rblocks: dict[int, RBlock] = field(default_factory=dict)  # debtor side: borrowed blocks
@@ -137,16 +140,22 @@ class RManager:
         record = self.rblocks[block_id]
         return record.owner, record.physical_id
 
-    def remote_attention(self, owner: int, layer: int, items: list[dict], scale: float):
-        return self.peers[owner].remote_attention.remote(layer, items, scale)
+    def remote_attention(self, owner: int, layer: int, items: list[dict], scale: float) -> int:
+        """Send one layer's micro-attention call to ``owner`` over the data plane; ``wait`` reads it."""
+        try:
+            self.channels[owner].send("attention", layer, items, scale)
+        except ChannelError as exc:
+            raise CreditorLost({owner}, str(exc)) from exc
+        return owner
 
     def wait(self, futures: dict[int, object]) -> dict[int, list[tuple]]:
         results = {}
-        for owner, future in futures.items():
+        for owner in futures:
             try:
-                results[owner] = ray.get(future, timeout=self.config.rpc_timeout)
-            except (RayError, GetTimeoutError) as exc:  # dead, fenced or stuck: its blocks are gone for us
-                raise CreditorLost({owner}, repr(exc)) from exc
+                results[owner], seconds = self.channels[owner].receive()
+            except ChannelError as exc:  # dead, fenced or stuck: its blocks are gone for us
+                raise CreditorLost({owner}, str(exc)) from exc
+            self.counters.remote_compute_seconds += seconds
         return results
 
     # ------------------------------------------------------------ creditor side
@@ -206,6 +215,7 @@ class RManager:
             "dist_borrow_failures": self.counters.borrow_failures,
             "dist_repayments": self.counters.repayments,
             "dist_blocks_lost": self.counters.blocks_lost,
+            "dist_remote_compute_seconds": self.counters.remote_compute_seconds,
         }
 
 
