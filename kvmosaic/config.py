@@ -237,6 +237,8 @@ class DistributedConfig:
     rpc_timeout: float = 60.0  # seconds any call to another actor may take before it counts as lost
     lend_lock_timeout: float = 0.5  # a creditor busy scheduling longer than this refuses the loan (no deadlock)
     instance_concurrency: int = 8  # threads per instance actor (step + remote attention + lending)
+    lockstep: bool = False  # True: the front end steps every instance at once (tests); False: each runs its loop
+    poll_wait: float = 0.02  # seconds the front end waits for an instance's outputs (independent stepping)
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:

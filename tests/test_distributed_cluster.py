@@ -45,7 +45,9 @@ def params(max_tokens: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def cluster(ray_runtime):
-    dist = DistributedConfig(num_instances=2, heartbeat_interval=0.2, missed_heartbeats=25, dgfm_interval=0)
+    # lock-step: the DGFM test steps one instance at a time to build a debt cycle
+    dist = DistributedConfig(num_instances=2, heartbeat_interval=0.2, missed_heartbeats=25, dgfm_interval=0,
+                             lockstep=True)
     cl = Cluster(engine_config(BLOCKS), dist)
     yield cl
     cl.shutdown()
@@ -190,16 +192,19 @@ def test_killed_instance_is_noticed_and_nothing_hangs(cluster: Cluster, referenc
 
 
 def test_llm_with_instances_routes_to_the_least_loaded(ray_runtime, reference) -> None:
+    """The default cluster: each instance steps in its own loop, and a prompt no instance can hold
+    borrows while the others keep stepping."""
     from kvmosaic import LLM
 
     llm = LLM(dtype="float32", quantization=None, num_blocks=BLOCKS, block_size=16, max_num_batched_tokens=64,
               max_model_len=512, num_host_blocks=0, instances=2)
     try:
-        prompts = [prompt(20 + i, 30 + 10 * i) for i in range(4)]
+        prompts = [prompt(30, 290)] + [prompt(20 + i, 30 + 10 * i) for i in range(4)]  # 290 + 6: 19 blocks
         outs = llm.generate(prompts, params(6))
         assert [o.outputs[0].token_ids for o in outs] == [reference(p, 6) for p in prompts]
         served = llm.engine.stats()
         assert served["dist_instances_alive"] == 2 and served["kv_blocks_used"] == 0
+        assert served["dist_loans_total"] >= 1 and served["dist_remote_calls"] > 0
         per_instance = llm.engine.instance_stats()
         assert all(stats["prefix_cache_queries"] > 0 for stats in per_instance.values())  # both got work
     finally:

@@ -1,9 +1,11 @@
 """The cluster front end: N engine instances as Ray actors plus one gManager, behind the engine surface.
 
 ``Cluster`` implements ``EngineClient`` (kvmosaic.engine.protocol), what ``LLM`` and the server's
-``AsyncEngine`` call on an ``Engine``. Requests go to the least-loaded live instance.
-``step()`` runs one step on every instance with work, in parallel, and every ``dgfm_interval``
-steps resolves debt cycles by block swaps. An instance that dies fails its own requests with a clear
+``AsyncEngine`` call on an ``Engine``. Requests go to the least-loaded live instance. Every
+instance steps in its own loop, and ``step()`` collects what the loops produced (waiting up to
+``poll_wait`` for the first output); with ``lockstep`` it runs one step on every instance with work
+instead, in parallel, and the slowest sets the pace. Every ``dgfm_interval`` calls it resolves debt
+cycles by block swaps, with the loops held between steps. An instance that dies fails its own requests with a clear
 error; the gManager writes off its debts and the others recompute what they had stored there.
 """
 
@@ -52,6 +54,8 @@ class Cluster:
         capacities = {i: info["num_blocks"] for i, info in infos.items()}
         channels = {i: info["channel"] for i, info in infos.items()}
         ray.get([h.connect.remote(self.instances, capacities, channels) for h in self.instances.values()])
+        if not config.lockstep:
+            ray.get([h.start_loop.remote() for h in self.instances.values()])
         first = infos[0]
         self.tokenizer = first["tokenizer"]
         self.model_config = first["model_config"]
@@ -116,10 +120,14 @@ class Cluster:
         return bool(self.route) or bool(self._pending)
 
     def step(self, only: set[int] | None = None) -> list[RequestOutput]:
-        """One step on every live instance with work (or on the ``only`` ones), in parallel."""
+        """Outputs of every live instance with work (or of the ``only`` ones): what their loops produced,
+        or, in lock-step, one step of each, in parallel."""
         outputs, self._pending = self._pending, []
         busy = sorted({i for i in self.route.values() if i not in self.dead and (only is None or i in only)})
-        futures = {i: self.instances[i].step.remote() for i in busy}
+        if self.dist_config.lockstep:
+            futures = {i: self.instances[i].step.remote() for i in busy}
+        else:
+            futures = {i: self.instances[i].poll.remote(self.dist_config.poll_wait) for i in busy}
         for i, future in futures.items():
             try:
                 step_outputs, errors = ray.get(future, timeout=self.dist_config.rpc_timeout)
@@ -148,8 +156,17 @@ class Cluster:
         return [out for out in step_outputs if out.request_id in self.route or out.finished]
 
     def resolve_cycles(self) -> int:
-        """DGFM: swap blocks along every debt cycle the gManager finds; returns the cycles resolved."""
-        done = resolve_cycles(self.gmanager, self.instances, self.dist_config.rpc_timeout)
+        """DGFM: swap blocks along every debt cycle the gManager finds; returns the cycles resolved.
+        Independent loops are held between steps meanwhile: no step reads a block table it changes."""
+        live = {i: h for i, h in self.instances.items() if i not in self.dead}
+        timeout = self.dist_config.rpc_timeout
+        if not self.dist_config.lockstep:
+            ray.get([h.hold.remote() for h in live.values()], timeout=timeout)
+        try:
+            done = resolve_cycles(self.gmanager, live, timeout)
+        finally:
+            if not self.dist_config.lockstep:
+                ray.get([h.release.remote() for h in live.values()], timeout=timeout)
         self.num_swaps += done
         return done
 

@@ -1,7 +1,11 @@
 """One engine instance as a Ray actor: an Engine whose KV manager borrows through an rManager.
 
-The actor is threaded: ``step()`` runs the engine while other threads serve creditor calls from
-other instances (lend, repay, remote micro-attention) and a daemon thread sends heartbeats. The
+The actor is threaded. Its engine steps either on the front end's ``step()`` calls (lock-step) or
+in its own loop thread (``start_loop``; the front end collects outputs with ``poll``), so a debtor's
+step waits only for its creditors' micro-attention answers, never for their steps. Other threads
+serve creditor calls from other instances (lend, repay; micro-attention on the data plane's
+threads) and a daemon thread sends heartbeats. ``hold``/``release`` pause the loop between steps
+(DGFM moves blocks then). The
 engine is built with this instance's lock (held around its scheduling and bookkeeping), a
 ``BorrowingAllocator`` and a worker whose attention backend is wrapped in ``RemoteKVAttention``;
 everything else goes through the engine's public KV verbs. Lent blocks are out of the local free
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 
@@ -53,6 +58,16 @@ class Instance:
         ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
         self._heartbeat.start()
+        # independent stepping
+        self._loop: threading.Thread | None = None
+        self._gate = threading.Lock()  # held around each step of the loop, and by hold()
+        self._wake = threading.Event()
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._ready = threading.Condition()
+        self._outbox: list[RequestOutput] = []
+        self._outbox_errors: dict[str, str] = {}
+        self._failure: BaseException | None = None
+        self._held = False
 
     def _remote_kv(self, local: AttentionBackend) -> AttentionBackend:
         """The worker's attention wrapper: built once its KV pool exists, with the rManager that
@@ -85,11 +100,75 @@ class Instance:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                     arrival_time: float | None = None) -> str:
         with self.lock:
-            return self.engine.add_request(request_id, prompt, params, arrival_time)
+            request_id = self.engine.add_request(request_id, prompt, params, arrival_time)
+        self._wake.set()
+        return request_id
 
     def abort(self, request_id: str) -> None:
+        if self._loop is not None:  # applied by the loop between steps (never under a running step)
+            self._aborts.put(request_id)
+            self._wake.set()
+            return
         with self.lock:
             self.engine.abort(request_id, emit_output=False)
+
+    # -------------------------------------------------------- independent stepping
+    def start_loop(self) -> None:
+        if self._loop is None:
+            self._loop = threading.Thread(target=self._run_loop, name="kvmosaic-instance-loop", daemon=True)
+            self._loop.start()
+
+    def _run_loop(self) -> None:
+        while not self._stop.is_set():
+            self._apply_aborts()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                with self._gate:
+                    outputs, errors = self.step()
+            except BaseException as exc:  # noqa: BLE001  (the front end learns it at its next poll)
+                logger.exception("instance %d: the engine loop failed", self.instance_id)
+                with self._ready:
+                    self._failure = exc
+                    self._ready.notify_all()
+                return
+            if outputs or errors:
+                with self._ready:
+                    self._outbox += outputs
+                    self._outbox_errors.update(errors)
+                    self._ready.notify_all()
+
+    def _apply_aborts(self) -> None:
+        while True:
+            try:
+                request_id = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            with self.lock:
+                self.engine.abort(request_id, emit_output=False)
+
+    def poll(self, wait: float) -> tuple[list[RequestOutput], dict[str, str]]:
+        """The loop's outputs since the last poll (waiting up to ``wait`` s for the first), and errors."""
+        with self._ready:
+            if not self._outbox and self._failure is None:
+                self._ready.wait(wait)
+            if self._failure is not None:
+                raise RuntimeError(f"instance {self.instance_id}'s engine loop failed: {self._failure!r}")
+            outputs, errors = self._outbox, self._outbox_errors
+            self._outbox, self._outbox_errors = [], {}
+        return outputs, errors
+
+    def hold(self) -> None:
+        """Pause the loop after its current step (until ``release``)."""
+        self._gate.acquire()
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:  # a hold that never got the gate must not release the loop's
+            self._held = False
+            self._gate.release()
 
     def step(self) -> tuple[list[RequestOutput], dict[str, str]]:
         """One engine step; also returns {request id: error} for requests failed since the last one."""
