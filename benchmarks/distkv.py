@@ -43,11 +43,11 @@ def engine_config(args: argparse.Namespace, instances: int) -> EngineConfig:
     )
 
 
-def run(args: argparse.Namespace, instances: int, borrowing: bool) -> dict:
-    dist = DistributedConfig(num_instances=instances, enable_borrowing=borrowing, dgfm_interval=8)
+def run(args: argparse.Namespace, instances: int, borrowing: bool, lockstep: bool) -> dict:
+    dist = DistributedConfig(num_instances=instances, enable_borrowing=borrowing, dgfm_interval=8, lockstep=lockstep)
     cluster = Cluster(engine_config(args, instances), dist)
     try:
-        return drive(cluster, args, instances, borrowing)
+        return {"stepping": "lock-step" if lockstep else "independent", **drive(cluster, args, instances, borrowing)}
     finally:
         cluster.shutdown()
 
@@ -111,8 +111,8 @@ def empty_call_ms(cluster: Cluster, calls: int = 50) -> float:
     return round(1000 * elapsed / calls, 3)
 
 
-COLUMNS = ("instances", "borrowing", "requests_done", "rejected", "longest_context", "seconds", "output_tok_s",
-           "preemptions", "loans", "max_debt_blocks", "swaps", "remote_steps", "dist_attn_ms_per_step",
+COLUMNS = ("instances", "borrowing", "stepping", "requests_done", "rejected", "longest_context", "seconds",
+           "output_tok_s", "preemptions", "loans", "max_debt_blocks", "swaps", "remote_steps", "dist_attn_ms_per_step",
            "dist_attn_ms_per_layer_call", "waiting_on_creditors_ms_per_step", "remote_compute_ms_per_layer_call",
            "merge_ms_per_layer_call", "empty_call_ms")
 
@@ -142,8 +142,8 @@ def main() -> None:
     rows = []
     try:
         for instances in args.instances:
-            for borrowing in (False, True):
-                rows.append(run(args, instances, borrowing))
+            for borrowing, lockstep in ((False, False), (True, True), (True, False)):
+                rows.append(run(args, instances, borrowing, lockstep))
                 print(rows[-1], flush=True)
     finally:
         ray.shutdown()
