@@ -208,10 +208,8 @@ def test_gmanager_declares_silent_instances_dead_and_writes_off_their_debts() ->
     assert gm.snapshot()["total_debt"] == 0
 
 
-def test_cluster_refuses_quantized_kv_before_starting_anything() -> None:
-    pytest.importorskip("ray")
-    from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig
-    from kvmosaic.distributed.cluster import Cluster
+def test_only_backends_with_a_pool_adapter_can_lend() -> None:
+    from kvmosaic.distributed.dist_attention import pool_rows
 
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        Cluster(EngineConfig(cache=CacheConfig(kv_cache_dtype="int8")), DistributedConfig())
+    with pytest.raises(ValueError, match="cannot lend blocks of object"):
+        pool_rows(object())

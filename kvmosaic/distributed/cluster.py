@@ -43,8 +43,6 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> bool:
 
 class Cluster:
     def __init__(self, engine_config: EngineConfig, config: DistributedConfig) -> None:
-        if engine_config.cache.kv_cache_dtype != "auto":
-            raise ValueError("the distributed KV cache supports kv_cache_dtype='auto' only")
         self._owns_ray = ensure_ray(config.ray_address)
         self.dist_config = config
         self.gmanager = ray.remote(GManager).options(num_cpus=0).remote(config)

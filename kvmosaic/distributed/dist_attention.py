@@ -1,6 +1,7 @@
 """DistAttention: attention for sequences whose KV blocks live on several instances.
 
-``RemoteKVAttention`` wraps an instance's float attention backend. The model runner asks it which
+``RemoteKVAttention`` wraps an instance's attention backend (a float cache, or a quantized one:
+int8, int4, Oaken). The model runner asks it which
 scheduled sequences hold borrowed blocks (``spanning``) and, for a step with any, it binds a
 ``DistAttentionStep``: the backend the model calls for that step. Per layer the step
 - rotates q/k and writes K/V of tokens in local blocks with the usual kernel, and keeps the rotated
@@ -9,6 +10,9 @@ scheduled sequences hold borrowed blocks (``spanning``) and, for a step with any
   the creditor writes them into its blocks and returns partial attention (out, row max, sum-exp);
 - meanwhile computes the local partial over the local blocks, then merges exactly.
 Local sequences of the same batch stay on the fast kernels; their rows are untouched here.
+The pool is reached through ``PoolRows``: float rows go in and come out, so with a quantized cache
+the creditor quantizes the rows it is sent into its records and dequantizes the lent blocks it
+attends over, and only float queries, rows and partials cross between instances.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.model.layers.attention import AttentionMetadata, ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend, LayerStack
+from kvmosaic.model.layers.quant_attention import QuantizedAttention, dequantize_blocks, rotate_rows, write_quantized
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.outputs import ScheduledRequest
 
@@ -78,6 +83,82 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, block_ids).flatten(0, 1)
 
 
+class PoolRows(Protocol):
+    """An instance's K/V pool as DistAttention uses it: rows [N, Hk, D] in the compute dtype."""
+
+    def rotate_and_write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
+                         slots: torch.Tensor) -> torch.Tensor: ...
+
+    def rotate(self, qkv: torch.Tensor, rotary: RotaryEmbedding,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+    def gather(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class FloatPoolRows:
+    def __init__(self, local: ReferenceAttention) -> None:
+        self.local = local
+
+    def rotate_and_write(self, layer, qkv, rotary, positions, slots):
+        k_cache, v_cache = self.local.layers[layer]
+        return self.local.rotate_and_cache(qkv, rotary, k_cache, v_cache, positions, slots)
+
+    def rotate(self, qkv, rotary, positions):
+        # the cache-writing kernel into a scratch "cache" of one-token blocks
+        n, local = qkv.shape[0], self.local
+        k = torch.empty(n, 1, local.num_kv_heads, local.head_dim, dtype=local.layers[0].dtype)
+        v = torch.empty_like(k)
+        q = local.rotate_and_cache(qkv, rotary, k, v, positions, torch.arange(n))
+        return q, k[:, 0], v[:, 0]
+
+    def write(self, layer, k, v, slots):
+        k_cache, v_cache = self.local.layers[layer]
+        hk, dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, hk, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, hk, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def gather(self, layer, block_ids, dtype):
+        k_cache, v_cache = self.local.layers[layer]
+        return gather_blocks(k_cache, block_ids).to(dtype), gather_blocks(v_cache, block_ids).to(dtype)
+
+
+class QuantizedPoolRows:
+    """Rows quantized into the records of an int8 / int4 / Oaken pool as they are written, and
+    dequantized as lent blocks are read; the same codec (and kernels) as the instance's own steps."""
+
+    def __init__(self, local: QuantizedAttention) -> None:
+        self.local = local
+
+    def rotate_and_write(self, layer, qkv, rotary, positions, slots):
+        q, k, v = self.rotate(qkv, rotary, positions)
+        self.write(layer, k, v, slots)
+        return q
+
+    def rotate(self, qkv, rotary, positions):
+        local = self.local
+        return rotate_rows(qkv, rotary, positions, local.num_heads, local.num_kv_heads, local.kernels)
+
+    def write(self, layer, k, v, slots):
+        write_quantized(self.local.layers[layer], k, v, slots, self.local.kernels.quant)
+
+    def gather(self, layer, block_ids, dtype):
+        pools, qops = self.local.layers[layer], self.local.kernels.quant
+        k = dequantize_blocks(pools.k_pool, block_ids, pools, pools.k_thresholds, dtype, qops)
+        v = dequantize_blocks(pools.v_pool, block_ids, pools, pools.v_thresholds, dtype, qops)
+        hk, dim = self.local.num_kv_heads, self.local.head_dim
+        return k.reshape(-1, hk, dim), v.reshape(-1, hk, dim)
+
+
+def pool_rows(local: AttentionBackend) -> PoolRows:
+    if isinstance(local, QuantizedAttention):
+        return QuantizedPoolRows(local)
+    if isinstance(local, ReferenceAttention):
+        return FloatPoolRows(local)
+    raise ValueError(f"the distributed KV cache cannot lend blocks of {type(local).__name__}")
+
+
 class DistAttention:
     def __init__(self, directory: BlockDirectory, block_size: int, num_local_blocks: int) -> None:
         self.directory = directory
@@ -92,8 +173,8 @@ class DistAttention:
     def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:
         return frozenset(s.request_id for s in batch if self._has_remote(s))
 
-    def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata,
-             local: ReferenceAttention) -> DistAttentionStep:
+    def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata, local: AttentionBackend,
+             rows: PoolRows) -> DistAttentionStep:
         self.stats.steps += 1
         plans: list[_SeqPlan] = []
         remote_rows: list[int] = []
@@ -102,7 +183,7 @@ class DistAttention:
             if self._has_remote(s):
                 plans.append(self._plan(s, row, remote_rows))
             row += s.num_tokens
-        return DistAttentionStep(self, local, plans, row, remote_rows, meta.slot_mapping)
+        return DistAttentionStep(self, local, rows, plans, row, remote_rows, meta.slot_mapping)
 
     def _plan(self, s: ScheduledRequest, row0: int, remote_rows: list[int]) -> _SeqPlan:
         bs = self.block_size
@@ -137,9 +218,10 @@ class RemoteKVAttention(AttentionBackend):
     """An instance's attention backend: its local float backend, plus DistAttention for the steps in
     which some sequence holds borrowed blocks; also answers other instances' micro-attention calls."""
 
-    def __init__(self, local: ReferenceAttention, dist: DistAttention) -> None:
+    def __init__(self, local: AttentionBackend, dist: DistAttention) -> None:
         super().__init__(local.model, local.kv_cache)
         self.local = local
+        self.rows = pool_rows(local)
         self.dist = dist
 
     def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
@@ -157,21 +239,22 @@ class RemoteKVAttention(AttentionBackend):
     def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata) -> AttentionBackend:
         if not self.dist.spanning(batch):
             return self.local
-        return self.dist.bind(batch, meta, self.local)
+        return self.dist.bind(batch, meta, self.local, self.rows)
 
     def serve_micro_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
         """Creditor side: a debtor's queries over the blocks it borrowed from us, for one layer."""
-        return creditor_micro_attention(self.local.layers[layer], items, scale)
+        return creditor_micro_attention(self.rows, layer, items, scale)
 
 
 class DistAttentionStep(AttentionBackend):
     """The attention backend of one step with spanning sequences; every call names its layer."""
 
-    def __init__(self, owner: DistAttention, local: ReferenceAttention, plans: list[_SeqPlan], num_rows: int,
-                 remote_rows: list[int], slot_mapping: torch.Tensor) -> None:
+    def __init__(self, owner: DistAttention, local: AttentionBackend, rows: PoolRows, plans: list[_SeqPlan],
+                 num_rows: int, remote_rows: list[int], slot_mapping: torch.Tensor) -> None:
         super().__init__(local.model, local.kv_cache)
         self.owner = owner
         self.local = local
+        self.rows = rows
         self.plans = plans
         remote = torch.zeros(num_rows, dtype=torch.bool)
         remote[remote_rows] = True
@@ -184,35 +267,27 @@ class DistAttentionStep(AttentionBackend):
         self.v_new: torch.Tensor | None = None
 
     def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = self.local.layers[layer]
         q = torch.empty(qkv.shape[0], self.num_heads, self.head_dim, dtype=qkv.dtype)
         if len(self.local_rows):
             rows = self.local_rows
-            q.index_copy_(0, rows, self.local.rotate_and_cache(qkv[rows], rotary, k_cache, v_cache,
-                                                               meta.positions[rows], self.local_slots))
-        r = len(self.remote_rows)
-        if r:
-            # The same kernel writes into a scratch "cache" of one-token blocks; the rows go to the creditors.
-            k_tmp = torch.empty(r, 1, self.num_kv_heads, self.head_dim, dtype=k_cache.dtype)
-            v_tmp = torch.empty_like(k_tmp)
+            q.index_copy_(0, rows, self.rows.rotate_and_write(layer, qkv[rows], rotary, meta.positions[rows],
+                                                              self.local_slots))
+        if len(self.remote_rows):  # rotated here, written by the creditors that hold their slots
             rows = self.remote_rows
-            q.index_copy_(0, rows, self.local.rotate_and_cache(qkv[rows], rotary, k_tmp, v_tmp,
-                                                               meta.positions[rows], torch.arange(r)))
-            self.k_new, self.v_new = k_tmp[:, 0], v_tmp[:, 0]
+            q_remote, self.k_new, self.v_new = self.rows.rotate(qkv[rows], rotary, meta.positions[rows])
+            q.index_copy_(0, rows, q_remote.to(q.dtype))
         return q
 
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = self.local.attend(layer, q, meta)  # local sequences' rows; the spanning ones are filled below
         started = time.perf_counter()
         owner = self.owner
-        k_cache, v_cache = self.local.layers[layer]
         futures = {creditor: owner.directory.remote_attention(creditor, layer, items, self.scale)
                    for creditor, items in self._remote_items(q).items()}
         owner.stats.layer_calls += len(futures)
         partials: list[list[PartialAttention]] = []
         for plan in self.plans:
-            k = gather_blocks(k_cache, plan.local_blocks)
-            v = gather_blocks(v_cache, plan.local_blocks)
+            k, v = self.rows.gather(layer, plan.local_blocks, q.dtype)
             partials.append([partial_attention(q[plan.rows], k, v, plan.q_pos, plan.local_k_pos, self.scale)])
         waited = time.perf_counter()
         results = owner.directory.wait(futures)
@@ -247,18 +322,12 @@ class DistAttentionStep(AttentionBackend):
         return items
 
 
-def creditor_micro_attention(layer_cache: torch.Tensor, items: list[dict], scale: float) -> list[tuple]:
+def creditor_micro_attention(rows: PoolRows, layer: int, items: list[dict], scale: float) -> list[tuple]:
     """Creditor side of one layer: write the debtor's new K/V into the lent blocks, return partials."""
-    k_cache, v_cache = layer_cache[0], layer_cache[1]
-    hk, dim = k_cache.shape[2], k_cache.shape[3]
     answers = []
     for item in items:
         if item["slots"]:
-            slots = torch.tensor(item["slots"], dtype=torch.long)
-            k_cache.view(-1, hk, dim).index_copy_(0, slots, item["k_new"].to(k_cache.dtype))
-            v_cache.view(-1, hk, dim).index_copy_(0, slots, item["v_new"].to(v_cache.dtype))
-        blocks = torch.tensor(item["blocks"], dtype=torch.long)
-        k = gather_blocks(k_cache, blocks)
-        v = gather_blocks(v_cache, blocks)
+            rows.write(layer, item["k_new"], item["v_new"], torch.tensor(item["slots"], dtype=torch.long))
+        k, v = rows.gather(layer, torch.tensor(item["blocks"], dtype=torch.long), item["q"].dtype)
         answers.append(partial_attention(item["q"], k, v, item["q_pos"], item["k_pos"], scale).as_tuple())
     return answers

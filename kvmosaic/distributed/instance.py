@@ -27,7 +27,6 @@ from kvmosaic.config import DistributedConfig, EngineConfig
 from kvmosaic.distributed.channel import ChannelClient, ChannelServer
 from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, RemoteKVAttention
 from kvmosaic.distributed.rmanager import BorrowingAllocator, RManager
-from kvmosaic.model.layers.attention import ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
@@ -42,8 +41,6 @@ class Instance:
         from kvmosaic.engine.engine import Engine  # the model loads in the actor process
         from kvmosaic.executor.local import LocalExecutor
 
-        if engine_config.cache.kv_cache_dtype != "auto":
-            raise ValueError("the distributed KV cache supports kv_cache_dtype='auto' only")
         self.instance_id = instance_id
         self.config = config
         self.gmanager = gmanager
@@ -72,8 +69,6 @@ class Instance:
     def _remote_kv(self, local: AttentionBackend) -> AttentionBackend:
         """The worker's attention wrapper: built once its KV pool exists, with the rManager that
         keeps this instance's books over that pool."""
-        if not isinstance(local, ReferenceAttention):
-            raise ValueError(f"the distributed KV cache needs a float KV cache, not {type(local).__name__}")
         cache = local.kv_cache
         self.rmanager = RManager(self.instance_id, cache.num_blocks, cache.block_size, self.config, self.gmanager)
         self.kv_cache = cache

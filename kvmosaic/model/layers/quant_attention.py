@@ -90,22 +90,27 @@ def _scratch_slots(n: int) -> torch.Tensor:
     return torch.arange(n)
 
 
-def rotate_and_cache_quantized(qkv: torch.Tensor, rotary: RotaryEmbedding, layer: QuantizedKVLayer,
-                               meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
-                               kernels: Kernels) -> torch.Tensor:
-    """Like ``attention.rotate_and_cache_reference``, writing quantized records. Returns q [N, Hq, D]."""
+def rotate_rows(qkv: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor, num_heads: int,
+                num_kv_heads: int, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated q [N, Hq, D] and k, v [N, Hk, D] of packed qkv rows, written nowhere."""
     n, head_dim = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     ops = kernels.ops
     if ops is not None:  # the float kernel rotates into a scratch "cache" of one slot per token
         scratch = qkv.new_empty(2, n, 1, num_kv_heads, head_dim)
-        q = ops.rope_and_cache(qkv, meta.positions, rotary.cos, rotary.sin, scratch[0], scratch[1],
+        q = ops.rope_and_cache(qkv, positions, rotary.cos, rotary.sin, scratch[0], scratch[1],
                                _scratch_slots(n), num_heads, num_kv_heads)
-        k, v = scratch[0].view(n, num_kv_heads, head_dim), scratch[1].view(n, num_kv_heads, head_dim)
-    else:
-        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-        q, k = rotary.apply(rotary.tables(meta.positions), q.reshape(n, num_heads, head_dim),
-                            k.reshape(n, num_kv_heads, head_dim))
-        v = v.reshape(n, num_kv_heads, head_dim)
+        return q, scratch[0].view(n, num_kv_heads, head_dim), scratch[1].view(n, num_kv_heads, head_dim)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = rotary.apply(rotary.tables(positions), q.reshape(n, num_heads, head_dim),
+                        k.reshape(n, num_kv_heads, head_dim))
+    return q, k, v.reshape(n, num_kv_heads, head_dim)
+
+
+def rotate_and_cache_quantized(qkv: torch.Tensor, rotary: RotaryEmbedding, layer: QuantizedKVLayer,
+                               meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
+                               kernels: Kernels) -> torch.Tensor:
+    """Like ``attention.rotate_and_cache_reference``, writing quantized records. Returns q [N, Hq, D]."""
+    q, k, v = rotate_rows(qkv, rotary, meta.positions, num_heads, num_kv_heads, kernels)
     write_quantized(layer, k, v, meta.slot_mapping, kernels.quant)
     return q
 
