@@ -7,17 +7,29 @@ instances and its attention runs partly where those blocks live. Reports the lon
 throughput, preemptions, loans, and the cost of distributed attention per step and per layer call.
 
     HF_HUB_OFFLINE=1 nice -n 19 .venv/bin/python benchmarks/distkv.py --instances 2 3 4
+
+``--stream`` runs the paper's comparison instead, at equal total KV memory and cores, on a steady
+stream of short requests (Poisson, --short-rate a second) plus a long one every --long-every
+seconds whose context exceeds one instance's pool: (a) static partitioning (N instances, borrowing
+off: the long ones are rejected), (b) one instance holding the combined pool on all cores, (c) N
+instances borrowing. Reported: output tok/s, longest context served, TTFT and TPOT p50/p99 of the
+short requests, split by whether a long request was running during their life, loans, and the
+distributed attention per remote step and per creditor call.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/distkv.py --stream --instances 2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import ray
 import torch
 
@@ -25,6 +37,7 @@ from kvmosaic import SamplingParams
 from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, SchedulerConfig
 from kvmosaic.distributed.channel import ChannelClient
 from kvmosaic.distributed.cluster import Cluster
+from kvmosaic.ops.cpu import isa_summary
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -124,6 +137,106 @@ def print_table(rows: list[dict]) -> None:
         print("| " + " | ".join(str(row[c]) for c in COLUMNS) + " |")
 
 
+# ---------------------------------------------------------------- --stream: the paper's comparison
+def stream_schedule(args: argparse.Namespace) -> list[tuple[float, str, list[int], int]]:
+    """(arrival second, kind, prompt, max tokens), the same for every mode."""
+    gen = torch.Generator().manual_seed(args.seed)
+    items, t = [], 0.0
+    while True:
+        t += float(torch.empty(1).exponential_(args.short_rate, generator=gen))
+        if t >= args.duration:
+            break
+        items.append((t, "short", torch.randint(100, 40000, (args.short_len,), generator=gen).tolist(),
+                      args.output_len * 2))
+    t = args.long_every / 2
+    while t < args.duration:
+        items.append((t, "long", torch.randint(100, 40000, (args.long_len,), generator=gen).tolist(), args.output_len))
+        t += args.long_every
+    return sorted(items, key=lambda item: item[0])
+
+
+def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
+    borrowing = mode == "borrowing"
+    n = 1 if mode == "one-instance" else instances
+    config = dataclasses.replace(engine_config(args, n),
+                                 cache=dataclasses.replace(engine_config(args, n).cache,
+                                                           num_blocks=args.blocks * instances // n))
+    cluster = Cluster(config, DistributedConfig(num_instances=n, enable_borrowing=borrowing, dgfm_interval=8))
+    items = stream_schedule(args)
+    try:
+        warm = cluster.add_request(None, items[0][2][:16], SamplingParams(max_tokens=2, ignore_eos=True))
+        while cluster.has_unfinished():
+            cluster.step()
+        del warm
+        start = time.perf_counter()
+        kinds, arrived, first, last, counts, ended, rejected = {}, {}, {}, {}, {}, {}, 0
+        pending = list(items)
+        while pending or cluster.has_unfinished():
+            now = time.perf_counter() - start
+            while pending and pending[0][0] <= now:
+                t, kind, tokens, max_tokens = pending.pop(0)
+                try:
+                    rid = cluster.add_request(None, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                           ignore_eos=True))
+                except ValueError:
+                    rejected += 1
+                    continue
+                kinds[rid], arrived[rid], counts[rid] = kind, start + t, 0
+            for out in cluster.step():
+                stamp = time.perf_counter()
+                produced = len(out.outputs[0].token_ids)
+                if produced > counts.get(out.request_id, 0):
+                    first.setdefault(out.request_id, stamp)
+                    last[out.request_id], counts[out.request_id] = stamp, produced
+                if out.finished:
+                    ended[out.request_id] = (stamp, out.outputs[0].finish_reason)
+            if not cluster.has_unfinished() and pending:
+                time.sleep(max(0.0, min(0.01, pending[0][0] - (time.perf_counter() - start))))
+        elapsed = time.perf_counter() - start
+        stats = cluster.stats()
+    finally:
+        cluster.shutdown()
+    done = [r for r, (_, reason) in ended.items() if reason == "length"]
+    longs = [(arrived[r], ended[r][0]) for r in done if kinds[r] == "long"]
+    report: dict = {"mode": mode, "instances": n, "blocks_per_instance": config.cache.num_blocks,
+                    "threads": config.num_threads, "seconds": round(elapsed, 2),
+                    "output_tok_s": round(sum(counts[r] for r in done) / elapsed, 1),
+                    "completed_short": sum(kinds[r] == "short" for r in done),
+                    "completed_long": len(longs), "rejected": rejected,
+                    "longest_context": max((args.long_len if kinds[r] == "long" else args.short_len) + counts[r]
+                                           for r in done),
+                    "loans": int(stats.get("dist_loans_total", 0))}
+    for label, overlap in (("short_with_long", True), ("short_alone", False)):
+        rids = [r for r in done if kinds[r] == "short"
+                and any(a < ended[r][0] and arrived[r] < e for a, e in longs) == overlap]
+        ttft = [first[r] - arrived[r] for r in rids]
+        tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in rids if counts[r] > 1]
+        report[label] = {"n": len(rids), **{f"ttft_p{q}_ms": _pct(ttft, q) for q in (50, 99)},
+                         **{f"tpot_p{q}_ms": _pct(tpot, q) for q in (50, 99)}}
+    steps, calls = stats.get("dist_remote_steps", 0), stats.get("dist_remote_calls", 0)
+    report["dist_attn_ms_per_step"] = round(1000 * stats.get("dist_remote_seconds", 0.0) / steps, 1) if steps else 0
+    report["ms_per_creditor_call"] = round(1000 * stats.get("dist_remote_seconds", 0.0) / calls, 2) if calls else 0
+    return report
+
+
+def _pct(values: list[float], q: int) -> float | None:
+    return round(1000 * float(np.percentile(values, q)), 1) if values else None
+
+
+def print_stream(reports: list[dict], args: argparse.Namespace) -> None:
+    print(f"\nhost ISA: {isa_summary()}; {args.duration:.0f} s of arrivals: {args.short_len}-token prompts at "
+          f"{args.short_rate}/s ({args.output_len * 2} out), a {args.long_len}-token prompt ({args.output_len} out) "
+          f"every {args.long_every:.0f} s; {args.blocks} blocks x {args.block_size} tokens per instance")
+    print(f"{'mode':<14}{'inst':>5}{'tok/s':>8}{'short':>6}{'long':>5}{'rej':>4}{'longest':>8}{'loans':>6}"
+          f"{'TTFT p50/p99 alone':>20}{'with long':>16}{'TPOT p50/p99 alone':>20}{'with long':>16}")
+    for r in reports:
+        a, w = r["short_alone"], r["short_with_long"]
+        print(f"{r['mode']:<14}{r['instances']:>5}{r['output_tok_s']:>8}{r['completed_short']:>6}{r['completed_long']:>5}"
+              f"{r['rejected']:>4}{r['longest_context']:>8}{r['loans']:>6}"
+              f"{a['ttft_p50_ms']!s:>10}/{a['ttft_p99_ms']!s:<9}{w['ttft_p50_ms']!s:>8}/{w['ttft_p99_ms']!s:<7}"
+              f"{a['tpot_p50_ms']!s:>10}/{a['tpot_p99_ms']!s:<9}{w['tpot_p50_ms']!s:>8}/{w['tpot_p99_ms']!s:<7}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instances", type=int, nargs="+", default=[2, 3, 4])
@@ -137,8 +250,26 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    parser.add_argument("--stream", action="store_true", help="static vs one instance vs borrowing, on a stream")
+    parser.add_argument("--duration", type=float, default=40.0, help="--stream: seconds of arrivals")
+    parser.add_argument("--short-rate", type=float, default=2.0, help="--stream: short requests a second")
+    parser.add_argument("--long-every", type=float, default=10.0, help="--stream: seconds between long requests")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    if args.stream:
+        try:
+            reports = [stream_run(args, mode, args.instances[0])
+                       for mode in ("static", "one-instance", "borrowing")]
+        finally:
+            ray.shutdown()
+        print_stream(reports, args)
+        out = Path(args.json) if args.json else RESULTS / "distkv_stream.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"isa": isa_summary(), "config": {k: v for k, v in vars(args).items()},
+                                   "results": reports}, indent=2))
+        print(f"wrote {out}")
+        return
     rows = []
     try:
         for instances in args.instances:
