@@ -44,39 +44,25 @@ class _TensorRef:
     nbytes: int
 
 
+def _walk(obj: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every ``leaf`` instance inside dicts, lists and tuples replaced by ``fn(it)``."""
+    if isinstance(obj, leaf):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, leaf, fn) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        items = [_walk(v, leaf, fn) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """``obj`` with every tensor replaced by a reference; the tensors are appended to ``tensors``."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().contiguous()
-        tensors.append(t)
+    def ref(t: torch.Tensor) -> _TensorRef:
+        tensors.append(t.detach().contiguous())
         return _TensorRef(len(tensors) - 1, t.dtype, tuple(t.shape), t.numel() * t.element_size())
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        items = [_strip(v, tensors) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
 
-
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorRef):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        items = [_fill(v, tensors) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def _refs(obj: Any) -> list[_TensorRef]:
-    if isinstance(obj, _TensorRef):
-        return [obj]
-    if isinstance(obj, dict):
-        return [r for v in obj.values() for r in _refs(v)]
-    if isinstance(obj, list | tuple):
-        return [r for v in obj for r in _refs(v)]
-    return []
+    return _walk(obj, torch.Tensor, ref)
 
 
 def _padded(nbytes: int) -> int:
@@ -112,16 +98,18 @@ def recv_message(sock: socket.socket) -> Any:
     data = bytearray(data_len)
     _recv_exact(sock, memoryview(data))
     obj = pickle.loads(skeleton)
+    refs: list[_TensorRef] = []
+    _walk(obj, _TensorRef, refs.append)
     tensors: list[torch.Tensor] = []
     offset = 0
-    for ref in sorted(_refs(obj), key=lambda r: r.index):
+    for ref in sorted(refs, key=lambda r: r.index):
         if ref.nbytes == 0:
             tensors.append(torch.empty(ref.shape, dtype=ref.dtype))
             continue
         raw = torch.frombuffer(data, dtype=torch.uint8, count=ref.nbytes, offset=offset)
         tensors.append(raw.view(ref.dtype).reshape(ref.shape))
         offset += _padded(ref.nbytes)
-    return _fill(obj, tensors)
+    return _walk(obj, _TensorRef, lambda r: tensors[r.index])
 
 
 class ChannelServer:
