@@ -186,7 +186,11 @@ def test_abort_ends_a_request_wherever_it_is():
 
 
 class LosingPrefill:
+    def __init__(self) -> None:
+        self.called = threading.Event()
+
     def prefill(self, *args):
+        self.called.set()
         raise WorkerLost("the actor died")
 
     def stats(self) -> dict:
@@ -197,12 +201,17 @@ class LosingPrefill:
 
 
 def test_a_lost_prefill_worker_hands_its_request_to_another():
-    engine = build(prefill_workers=[LosingPrefill(), BlockingPrefill()])
-    engine.prefill_workers[1].release.set()
+    losing, blocking = LosingPrefill(), BlockingPrefill()
+    engine = build(prefill_workers=[losing, blocking])
     try:
-        assert run(engine, {"a": "t1 t2 t3", "b": "t2"}) == {
-            "a": ([6, 12, 24, 48], "length", None), "b": ([2, 4, 8, 16], "length", None)}
-        assert engine.stats()["disagg_prefill_workers_alive"] == 1
+        for request_id, prompt in {"a": "t1 t2 t3", "b": "t2"}.items():
+            engine.add_request(request_id, prompt, GREEDY)
+        # the blocking worker holds one prompt, so the losing one gets the other and loses it
+        assert losing.called.wait(DEADLINE)
+        blocking.release.set()
+        assert drain(engine) == {"a": ([6, 12, 24, 48], "length", None), "b": ([2, 4, 8, 16], "length", None)}
+        stats = engine.stats()
+        assert stats["disagg_prefill_workers_alive"] == 1 and stats["disagg_prefill_retries"] == 1
     finally:
         engine.shutdown()
 
