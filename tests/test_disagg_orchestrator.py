@@ -9,8 +9,9 @@ import time
 import pytest
 
 from kvmosaic.config import DisaggConfig
-from kvmosaic.disagg.orchestrator import DisaggregatedEngine, WorkerLost
+from kvmosaic.disagg.orchestrator import DisaggregatedEngine
 from kvmosaic.disagg.verbs import DecodeEngine, PrefillEngine
+from kvmosaic.disagg.workers import WorkerLost
 from kvmosaic.engine.output_sink import QueueFullError
 from kvmosaic.executor.mock import MockExecutor
 from kvmosaic.sampling_params import SamplingParams

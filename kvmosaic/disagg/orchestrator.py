@@ -21,11 +21,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvmosaic.config import DisaggConfig, EngineConfig, ModelConfig
 from kvmosaic.core.block_hash import hash_request_blocks
 from kvmosaic.disagg.prefix import Prefix
+from kvmosaic.disagg.workers import DecodeWorker, PrefillWorker, StatsBoard, WorkerLost
 from kvmosaic.engine.output_sink import QueueFullError
 from kvmosaic.engine.request_checks import fit_max_tokens, tokenize_prompt
 from kvmosaic.model.tokenizer import Tokenizer
@@ -34,32 +34,6 @@ from kvmosaic.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how long an idle thread waits before looking at the stop flag again
-STATS_SECONDS = 0.25  # how stale a worker's stats may get while nothing in it ends
-
-
-class WorkerLost(RuntimeError):
-    """A worker died or did not answer in time; what it held is gone."""
-
-
-class PrefillWorker(Protocol):
-    def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                arrival_time: float) -> Prefix: ...
-
-    def stats(self) -> dict: ...
-
-    def shutdown(self) -> None: ...
-
-
-class DecodeWorker(Protocol):
-    def insert(self, prefix: Prefix) -> str: ...
-
-    def generate(self) -> list[RequestOutput]: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def stats(self) -> dict: ...
-
-    def shutdown(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -98,8 +72,7 @@ class DisaggregatedEngine:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._on_shutdown = on_shutdown
-        self._worker_stats: dict[tuple[str, int], dict] = {}  # (role, index) -> its last stats
-        self._stats_at: dict[tuple[str, int], float] = {}
+        self._stats = StatsBoard()
         self.counters = {"disagg_prefills": 0, "disagg_prefill_seconds": 0.0,
                          "disagg_recomputed_prefills": 0, "disagg_prefill_retries": 0}
         self._threads = [threading.Thread(target=self._prefill_loop, args=(i,), name=f"kvmosaic-prefill-{i}",
@@ -169,8 +142,7 @@ class DisaggregatedEngine:
         last read them (a Ray actor answers one call at a time, so asking it here would wait for its
         step); ``workers`` holds each live worker's own."""
         total: dict = {}
-        with self._lock:
-            workers = {key: dict(value) for key, value in self._worker_stats.items()}
+        workers = self._stats.snapshot()
         for (role, _), values in workers.items():
             for key, value in values.items():
                 if role == "decode" or key.startswith(("kv_blocks", "disagg_")):
@@ -206,7 +178,7 @@ class DisaggregatedEngine:
                 job = self._prefills.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 try:
-                    self._read_stats("prefill", index, worker)
+                    self._stats.read("prefill", index, worker)
                 except WorkerLost as exc:
                     self._prefill_worker_lost(index, None, exc)
                     return
@@ -215,7 +187,7 @@ class DisaggregatedEngine:
                 continue  # aborted while it waited
             try:
                 prefix = worker.prefill(job.request_id, job.prompt, job.params, job.arrival_time)
-                self._read_stats("prefill", index, worker, force=True)
+                self._stats.read("prefill", index, worker, force=True)
             except WorkerLost as exc:
                 self._prefill_worker_lost(index, job, exc)
                 return
@@ -230,9 +202,9 @@ class DisaggregatedEngine:
         if self._stop.is_set():  # shutdown() stopped it
             return
         logger.error("prefill worker %d lost: %s", index, exc)
+        self._stats.drop("prefill", index)
         with self._lock:
             self._lost_prefill.add(index)
-            self._worker_stats.pop(("prefill", index), None)
             others = len(self._lost_prefill) < len(self.prefill_workers)
         if not others:
             if job is not None:
@@ -300,7 +272,7 @@ class DisaggregatedEngine:
                     elif isinstance(item, Prefix):
                         self._insert(worker, item)
                 outputs = worker.generate() if busy or items else []
-                self._read_stats("decode", index, worker, force=any(out.finished for out in outputs))
+                self._stats.read("decode", index, worker, force=any(out.finished for out in outputs))
             except Exception as exc:  # noqa: BLE001  (lost, or broken: its requests fail loudly, others go on)
                 if not self._stop.is_set():  # else shutdown() stopped it
                     self._decode_worker_lost(index, exc)
@@ -331,23 +303,11 @@ class DisaggregatedEngine:
                 self._outputs.put(out)
             return any(target == index for target in self._live.values())
 
-    def _read_stats(self, role: str, index: int, worker: PrefillWorker | DecodeWorker, force: bool = False) -> None:
-        """Refresh a worker's stats on the thread that drives it: when forced (something in it ended),
-        else at most every STATS_SECONDS."""
-        key = (role, index)
-        now = time.monotonic()
-        if not force and now - self._stats_at.get(key, -STATS_SECONDS) < STATS_SECONDS:
-            return
-        values = worker.stats()
-        with self._lock:
-            self._worker_stats[key] = values
-            self._stats_at[key] = now
-
     def _decode_worker_lost(self, index: int, exc: Exception) -> None:
         logger.error("decode worker %d lost: %s", index, exc)
+        self._stats.drop("decode", index)
         with self._lock:
             self._lost_decode.add(index)
-            self._worker_stats.pop(("decode", index), None)
             lost = [rid for rid, target in self._live.items() if target == index]
         for request_id in lost:
             self._fail(request_id, f"decode worker {index} was lost while running the request: {exc}")

@@ -23,8 +23,9 @@ import torch
 
 from kvmosaic.config import DisaggConfig, EngineConfig
 from kvmosaic.disagg import wire
-from kvmosaic.disagg.orchestrator import DisaggregatedEngine, WorkerLost
+from kvmosaic.disagg.orchestrator import DisaggregatedEngine
 from kvmosaic.disagg.prefix import Prefix, PrefixKV
+from kvmosaic.disagg.workers import WorkerLost
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
 
