@@ -17,35 +17,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvmosaic.core.kv_arrivals import KVArrivals
 from kvmosaic.core.sequence_rules import check_stop, scheduled_request
 from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
-from kvmosaic.outputs import KVLoad, ModelOutput, ScheduledRequest, SchedulerOutput
+from kvmosaic.core.step_plan import StepPlan
+from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvmosaic.config import SchedulerConfig
     from kvmosaic.core.kv_cache_manager import KVCacheManager
-    from kvmosaic.spec.proposer import Proposal
     from kvmosaic.spec.speculator import Speculator
-
-@dataclass(slots=True)
-class _StepPlan:
-    budget: int
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    kv_loads: list[KVLoad] = field(default_factory=list)
-    proposals: dict[str, Proposal] = field(default_factory=dict)  # request id -> proposals it verifies
-
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.scheduled.append((request, num_tokens))
-        self.budget -= num_tokens
-
 
 class Scheduler:
     def __init__(
@@ -135,7 +119,7 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         # A step that had to preempt has no room to spare for anyone else.
         if not plan.preempted:
@@ -196,7 +180,7 @@ class Scheduler:
         return updated
 
     # ---------------------------------------------------------------- the queues
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         proposals = self.spec.propose(self.running)
         index = 0
         while index < len(self.running) and plan.budget > 0:
@@ -214,7 +198,7 @@ class Scheduler:
             plan.add(request, num_new_tokens)
             index += 1
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: StepPlan) -> bool:
         """Make room by preempting the newest sequences; False if ``request`` itself had to go."""
         while self.kv_manager.allocate_slots(request, num_new_tokens) is None:
             victim = self.running.pop()
@@ -230,7 +214,7 @@ class Scheduler:
             return False
         return True
 
-    def _schedule_swapped(self, plan: _StepPlan) -> None:
+    def _schedule_swapped(self, plan: StepPlan) -> None:
         while self.swapped and plan.budget > 0:
             request = self.swapped[0]
             if not self._has_seq_room(request):
@@ -251,7 +235,7 @@ class Scheduler:
             self.running.append(request)
             plan.add(request, num_new_tokens)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         while self.waiting and plan.budget > 0:
             request = self.waiting[0]
             if not self.can_ever_fit(request.num_tokens):
@@ -287,7 +271,7 @@ class Scheduler:
         return min(request.num_tokens - request.num_computed_tokens, budget, self.config.prefill_chunk)
 
     # ------------------------------------------------------- state transitions
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Take a sequence (already out of ``running``) off the device: swap it out or recompute it later."""
         request.num_preemptions += 1
         self.num_preemptions += 1
