@@ -239,10 +239,19 @@ class DistributedConfig:
     instance_concurrency: int = 8  # threads per instance actor (step + remote attention + lending)
     lockstep: bool = False  # True: the front end steps every instance at once (tests); False: each runs its loop
     poll_wait: float = 0.02  # seconds the front end waits for an instance's outputs (independent stepping)
+    # Where Ray puts the instance actors: "spread" over the cluster's nodes or "pack" (Ray's default:
+    # near the driver); ``instance_nodes`` pins instance i to Ray node id instance_nodes[i] instead.
+    placement: str = "spread"
+    instance_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
             raise ValueError("num_instances must be >= 1")
+        if self.placement not in ("spread", "pack"):
+            raise ValueError(f"placement must be 'spread' or 'pack', not {self.placement!r}")
+        if self.instance_nodes and len(self.instance_nodes) != self.num_instances:
+            raise ValueError(f"instance_nodes names {len(self.instance_nodes)} nodes, "
+                             f"for {self.num_instances} instances")
         if self.heartbeat_interval <= 0 or self.missed_heartbeats < 1:
             raise ValueError("heartbeat_interval must be > 0 and missed_heartbeats >= 1")
         if self.min_swap_blocks < 1 or self.dgfm_interval < 0:

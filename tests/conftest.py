@@ -67,13 +67,25 @@ def cached_loader(default_model: LoadedModel):
     return load
 
 
+def _start_local_ray() -> None:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
+
+
+@pytest.fixture(scope="session")
+def restart_local_ray():
+    """Starts the session's local Ray runtime again (for a test that stopped it to join another cluster)."""
+    return _start_local_ray
+
+
 @pytest.fixture(scope="session")
 def ray_runtime():
     """One local Ray runtime for the whole test session."""
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
+        _start_local_ray()
     yield ray
     if started:
         ray.shutdown()

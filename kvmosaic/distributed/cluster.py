@@ -17,6 +17,7 @@ import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvmosaic.config import DistributedConfig, EngineConfig
 from kvmosaic.distributed.gmanager import GManager
@@ -41,13 +42,22 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
+def placement(config: DistributedConfig, instance_id: int) -> str | NodeAffinitySchedulingStrategy:
+    """The Ray scheduling strategy of one instance actor."""
+    if config.instance_nodes:
+        return NodeAffinitySchedulingStrategy(node_id=config.instance_nodes[instance_id], soft=False)
+    return "SPREAD" if config.placement == "spread" else "DEFAULT"
+
+
 class Cluster:
     def __init__(self, engine_config: EngineConfig, config: DistributedConfig) -> None:
         self._owns_ray = ensure_ray(config.ray_address)
         self.dist_config = config
         self.gmanager = ray.remote(GManager).options(num_cpus=0).remote(config)
-        actor = ray.remote(Instance).options(num_cpus=0, max_concurrency=config.instance_concurrency)
-        self.instances = {i: actor.remote(i, engine_config, config, self.gmanager) for i in range(config.num_instances)}
+        actor = ray.remote(Instance)
+        self.instances = {i: actor.options(num_cpus=0, max_concurrency=config.instance_concurrency,
+                                           scheduling_strategy=placement(config, i)).remote(
+            i, engine_config, config, self.gmanager) for i in range(config.num_instances)}
         infos = {i: ray.get(h.info.remote()) for i, h in self.instances.items()}
         capacities = {i: info["num_blocks"] for i, info in infos.items()}
         channels = {i: info["channel"] for i, info in infos.items()}

@@ -54,7 +54,7 @@ class GManager:
         self.ledger.record_swap(plan)
 
     def snapshot(self) -> dict:
-        """Loans as {"debtor->creditor": blocks}, counters, free blocks and liveness per instance."""
+        """Loans as {"debtor->creditor": blocks}, counters, free blocks, liveness and Ray node per instance."""
         self._check()
         ledger = self.ledger
         return {
@@ -63,4 +63,5 @@ class GManager:
             "counters": dataclasses.asdict(ledger.counters),
             "free_blocks": {i: info.free_blocks for i, info in ledger.instances.items()},
             "alive": {i: info.alive for i, info in ledger.instances.items()},
+            "nodes": {i: info.node for i, info in ledger.instances.items()},
         }

@@ -215,6 +215,7 @@ class RManager:
             "dist_borrow_failures": self.counters.borrow_failures,
             "dist_repayments": self.counters.repayments,
             "dist_blocks_lost": self.counters.blocks_lost,
+            "dist_blocks_lent_total": self.counters.blocks_lent,
             "dist_remote_compute_seconds": self.counters.remote_compute_seconds,
         }
 
