@@ -156,12 +156,13 @@ def stream_schedule(args: argparse.Namespace) -> list[tuple[float, str, list[int
 
 
 def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
-    borrowing = mode == "borrowing"
+    borrowing = mode.startswith("borrowing")
     n = 1 if mode == "one-instance" else instances
     config = dataclasses.replace(engine_config(args, n),
                                  cache=dataclasses.replace(engine_config(args, n).cache,
                                                            num_blocks=args.blocks * instances // n))
-    cluster = Cluster(config, DistributedConfig(num_instances=n, enable_borrowing=borrowing, dgfm_interval=8))
+    cluster = Cluster(config, DistributedConfig(num_instances=n, enable_borrowing=borrowing, dgfm_interval=8,
+                                                kv_pull=mode != "borrowing-push"))
     items = stream_schedule(args)
     try:
         warm = cluster.add_request(None, items[0][2][:16], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -169,7 +170,7 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
             cluster.step()
         del warm
         start = time.perf_counter()
-        kinds, arrived, first, last, counts, ended, rejected = {}, {}, {}, {}, {}, {}, 0
+        kinds, arrived, first, last, counts, ended, rejected, where = {}, {}, {}, {}, {}, {}, 0, {}
         pending = list(items)
         while pending or cluster.has_unfinished():
             now = time.perf_counter() - start
@@ -181,7 +182,7 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
                 except ValueError:
                     rejected += 1
                     continue
-                kinds[rid], arrived[rid], counts[rid] = kind, start + t, 0
+                kinds[rid], arrived[rid], counts[rid], where[rid] = kind, start + t, 0, cluster.route[rid]
             for out in cluster.step():
                 stamp = time.perf_counter()
                 produced = len(out.outputs[0].token_ids)
@@ -197,7 +198,7 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
     finally:
         cluster.shutdown()
     done = [r for r, (_, reason) in ended.items() if reason == "length"]
-    longs = [(arrived[r], ended[r][0]) for r in done if kinds[r] == "long"]
+    longs = [(arrived[r], ended[r][0], where[r]) for r in done if kinds[r] == "long"]
     report: dict = {"mode": mode, "instances": n, "blocks_per_instance": config.cache.num_blocks,
                     "threads": config.num_threads, "seconds": round(elapsed, 2),
                     "output_tok_s": round(sum(counts[r] for r in done) / elapsed, 1),
@@ -206,16 +207,22 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
                     "longest_context": max((args.long_len if kinds[r] == "long" else args.short_len) + counts[r]
                                            for r in done),
                     "loans": int(stats.get("dist_loans_total", 0))}
-    for label, overlap in (("short_with_long", True), ("short_alone", False)):
-        rids = [r for r in done if kinds[r] == "short"
-                and any(a < ended[r][0] and arrived[r] < e for a, e in longs) == overlap]
+    def label(r: str) -> str:
+        """A short request ran alone, next to a long one on its own instance, or on a creditor of one
+        (another instance, while a long request ran there and none on its own)."""
+        running = {w == where[r] for a, e, w in longs if a < ended[r][0] and arrived[r] < e}
+        return "short_with_long_here" if True in running else "short_on_creditor" if running else "short_alone"
+
+    for name in ("short_alone", "short_on_creditor", "short_with_long_here"):
+        rids = [r for r in done if kinds[r] == "short" and label(r) == name]
         ttft = [first[r] - arrived[r] for r in rids]
         tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in rids if counts[r] > 1]
-        report[label] = {"n": len(rids), **{f"ttft_p{q}_ms": _pct(ttft, q) for q in (50, 99)},
+        report[name] = {"n": len(rids), **{f"ttft_p{q}_ms": _pct(ttft, q) for q in (50, 99)},
                          **{f"tpot_p{q}_ms": _pct(tpot, q) for q in (50, 99)}}
     steps, calls = stats.get("dist_remote_steps", 0), stats.get("dist_remote_calls", 0)
     report["dist_attn_ms_per_step"] = round(1000 * stats.get("dist_remote_seconds", 0.0) / steps, 1) if steps else 0
     report["ms_per_creditor_call"] = round(1000 * stats.get("dist_remote_seconds", 0.0) / calls, 2) if calls else 0
+    report["kv_pulls"] = int(stats.get("dist_kv_pulls", 0))
     return report
 
 
@@ -227,14 +234,20 @@ def print_stream(reports: list[dict], args: argparse.Namespace) -> None:
     print(f"\nhost ISA: {isa_summary()}; {args.duration:.0f} s of arrivals: {args.short_len}-token prompts at "
           f"{args.short_rate}/s ({args.output_len * 2} out), a {args.long_len}-token prompt ({args.output_len} out) "
           f"every {args.long_every:.0f} s; {args.blocks} blocks x {args.block_size} tokens per instance")
-    print(f"{'mode':<14}{'inst':>5}{'tok/s':>8}{'short':>6}{'long':>5}{'rej':>4}{'longest':>8}{'loans':>6}"
-          f"{'TTFT p50/p99 alone':>20}{'with long':>16}{'TPOT p50/p99 alone':>20}{'with long':>16}")
+    print("short requests' TTFT and TPOT, p50/p99 ms (n): alone; on a creditor while a long request runs "
+          "elsewhere; next to a long request on their own instance")
+    print(f"{'mode':<15}{'inst':>5}{'tok/s':>7}{'short':>6}{'long':>5}{'rej':>4}{'longest':>8}{'loans':>6}{'pulls':>6}"
+          f"{'ms/call':>8}  {'TTFT alone':<16}{'creditor':<16}{'here':<16}{'TPOT alone':<16}{'creditor':<16}here")
+
+    def cell(part: dict, kind: str) -> str:
+        return f"{part[f'{kind}_p50_ms']}/{part[f'{kind}_p99_ms']} ({part['n']})"
+
     for r in reports:
-        a, w = r["short_alone"], r["short_with_long"]
-        print(f"{r['mode']:<14}{r['instances']:>5}{r['output_tok_s']:>8}{r['completed_short']:>6}{r['completed_long']:>5}"
-              f"{r['rejected']:>4}{r['longest_context']:>8}{r['loans']:>6}"
-              f"{a['ttft_p50_ms']!s:>10}/{a['ttft_p99_ms']!s:<9}{w['ttft_p50_ms']!s:>8}/{w['ttft_p99_ms']!s:<7}"
-              f"{a['tpot_p50_ms']!s:>10}/{a['tpot_p99_ms']!s:<9}{w['tpot_p50_ms']!s:>8}/{w['tpot_p99_ms']!s:<7}")
+        parts = [r["short_alone"], r["short_on_creditor"], r["short_with_long_here"]]
+        print(f"{r['mode']:<15}{r['instances']:>5}{r['output_tok_s']:>7}{r['completed_short']:>6}"
+              f"{r['completed_long']:>5}{r['rejected']:>4}{r['longest_context']:>8}{r['loans']:>6}{r['kv_pulls']:>6}"
+              f"{r['ms_per_creditor_call']:>8}  " + "".join(f"{cell(p, 'ttft'):<16}" for p in parts)
+              + "".join(f"{cell(p, 'tpot'):<16}" for p in parts))
 
 
 def main() -> None:
@@ -255,12 +268,14 @@ def main() -> None:
     parser.add_argument("--short-rate", type=float, default=2.0, help="--stream: short requests a second")
     parser.add_argument("--long-every", type=float, default=10.0, help="--stream: seconds between long requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", nargs="+", default=["static", "one-instance", "borrowing-push", "borrowing"],
+                        choices=["static", "one-instance", "borrowing-push", "borrowing"],
+                        help="--stream: borrowing-push: creditors always attend themselves (no K/V pulls)")
     args = parser.parse_args()
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     if args.stream:
         try:
-            reports = [stream_run(args, mode, args.instances[0])
-                       for mode in ("static", "one-instance", "borrowing")]
+            reports = [stream_run(args, mode, args.instances[0]) for mode in args.modes]
         finally:
             ray.shutdown()
         print_stream(reports, args)

@@ -242,6 +242,7 @@ class DistributedConfig:
     # Where Ray puts the instance actors: "spread" over the cluster's nodes or "pack" (Ray's default:
     # near the driver); ``instance_nodes`` pins instance i to Ray node id instance_nodes[i] instead.
     placement: str = "spread"
+    kv_pull: bool = True  # a creditor returns lent K/V rows instead of partials when they are fewer bytes
     instance_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -213,3 +213,28 @@ def test_only_backends_with_a_pool_adapter_can_lend() -> None:
 
     with pytest.raises(ValueError, match="cannot lend blocks of object"):
         pool_rows(object())
+
+
+def test_requests_go_to_the_least_committed_pool() -> None:
+    from kvmosaic.distributed.cluster import least_committed
+
+    capacity = {0: 32, 1: 32, 2: 16}
+    assert least_committed([0, 1, 2], {}, {}, capacity, 4) == 0  # all empty: the lowest id
+    route, blocks = {"long": 0}, {"long": 40}  # longer than instance 0's pool: it borrows
+    assert least_committed([0, 1, 2], route, blocks, capacity, 4) == 1
+    route.update({"a": 1, "b": 1}), blocks.update({"a": 4, "b": 4})
+    # 1 would hold 12/32, 2 (half the pool) 4/16: equal shares, the fewer requests win
+    assert least_committed([0, 1, 2], route, blocks, capacity, 4) == 2
+    assert least_committed([0, 1], route, blocks, capacity, 30) == 1  # 38/32 < 70/32
+    assert least_committed([0], route, blocks, capacity, 4) == 0  # the only live one
+
+
+def test_creditors_return_kv_rows_when_they_are_smaller_than_queries_and_partials() -> None:
+    from kvmosaic.distributed.dist_attention import pull_kv
+
+    hq, hk, d = 9, 3, 64  # the default model: GQA 9/3
+    # a decode query: 9 * 130 floats against 384 a key, so only under 4 keys (less than a block) come back
+    assert pull_kv(1, 3, hq, hk, d) and not pull_kv(1, 4, hq, hk, d) and not pull_kv(1, 16, hq, hk, d)
+    # a prefill chunk of 64 queries: 64 * 9 * 130 floats of queries and partials against
+    # 2 * keys * 3 * 64 of K/V rows, equal at 195 keys
+    assert pull_kv(64, 194, hq, hk, d) and not pull_kv(64, 195, hq, hk, d)

@@ -86,6 +86,9 @@ def test_creditors_on_the_same_node_lend_first_and_cross_node_attention_matches(
         assert stats[2]["dist_blocks_lent_total"] == BLOCKS
         assert 0 < stats[1]["dist_blocks_lent_total"] < BLOCKS
         assert stats[0]["dist_remote_compute_seconds"] > 0  # creditors computed micro-attention for it
+        # both kinds of answer: partials (decode queries) and, for the prefill chunks over a short
+        # borrowed tail, the lent K/V rows attended over on instance 0
+        assert 0 < stats[0]["dist_kv_pulls"] < stats[0]["dist_remote_calls"]
     finally:
         cluster.shutdown()
     reference = Engine(engine_config(64), LocalExecutor(engine_config(64), cached_loader))

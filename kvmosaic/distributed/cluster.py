@@ -49,6 +49,21 @@ def placement(config: DistributedConfig, instance_id: int) -> str | NodeAffinity
     return "SPREAD" if config.placement == "spread" else "DEFAULT"
 
 
+def least_committed(live: list[int], route: dict[str, int], blocks: dict[str, int], capacity: dict[int, int],
+                    new_blocks: int) -> int:
+    """The instance a new request of ``new_blocks`` KV blocks goes to: the one whose pool would be the
+    least committed (blocks its requests may come to hold, over its capacity), then the fewest
+    requests. A request longer than one pool commits its instance beyond 1, so short ones go
+    elsewhere while it runs: its steps are the slow ones, with their attention partly on creditors."""
+    committed = {i: new_blocks for i in live}
+    count = dict.fromkeys(live, 0)
+    for request_id, target in route.items():
+        if target in committed:
+            committed[target] += blocks.get(request_id, 0)
+            count[target] += 1
+    return min(live, key=lambda i: (committed[i] / capacity[i], count[i], i))
+
+
 class Cluster:
     def __init__(self, engine_config: EngineConfig, config: DistributedConfig) -> None:
         self._owns_ray = ensure_ray(config.ray_address)
@@ -60,6 +75,8 @@ class Cluster:
             i, engine_config, config, self.gmanager) for i in range(config.num_instances)}
         infos = {i: ray.get(h.info.remote()) for i, h in self.instances.items()}
         capacities = {i: info["num_blocks"] for i, info in infos.items()}
+        self._capacity = capacities
+        self._blocks: dict[str, int] = {}  # live request id -> KV blocks it may come to hold
         channels = {i: info["channel"] for i, info in infos.items()}
         ray.get([h.connect.remote(self.instances, capacities, channels) for h in self.instances.values()])
         if not config.lockstep:
@@ -92,24 +109,30 @@ class Cluster:
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.route:
             raise ValueError(f"request id {request_id!r} is already in use")
-        target = instance if instance is not None else self._least_loaded()
+        blocks = self._blocks_needed(prompt, params)
+        target = instance if instance is not None else self._least_loaded(blocks)
         try:
             ray.get(self.instances[target].add_request.remote(request_id, prompt, params, arrival_time))
         except RayActorError as exc:
             self._instance_died(target, exc)
             raise ValueError(f"instance {target} is unavailable; retry the request") from exc
         self.route[request_id] = target
+        self._blocks[request_id] = blocks
         return request_id
 
-    def _least_loaded(self) -> int:
+    def _least_loaded(self, blocks: int) -> int:
         live = [i for i in self.instances if i not in self.dead]
         if not live:
             raise RuntimeError("every engine instance is dead")
-        load = {i: 0 for i in live}
-        for target in self.route.values():
-            if target in load:
-                load[target] += 1
-        return min(live, key=lambda i: (load[i], -self._stats.get(i, {}).get("kv_blocks_free", 0), i))
+        self._blocks = {rid: n for rid, n in self._blocks.items() if rid in self.route}
+        return least_committed(live, self.route, self._blocks, self._capacity, blocks)
+
+    def _blocks_needed(self, prompt: str | list[int], params: SamplingParams | None) -> int:
+        """KV blocks a request holds at its longest (prompt plus every token it may generate)."""
+        prompt_len = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
+        max_tokens = (params or SamplingParams()).max_tokens or self.max_model_len
+        tokens = min(prompt_len + max_tokens, self.max_model_len)
+        return -(-tokens // self.config.cache.block_size)
 
     def abort(self, request_id: str, emit_output: bool = True) -> None:
         target = self.route.pop(request_id, None)

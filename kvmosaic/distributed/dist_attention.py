@@ -9,6 +9,9 @@ scheduled sequences hold borrowed blocks (``spanning``) and, for a step with any
 - sends each creditor, in one call, the queries of its debtor's sequences plus those new K/V rows;
   the creditor writes them into its blocks and returns partial attention (out, row max, sum-exp);
 - meanwhile computes the local partial over the local blocks, then merges exactly.
+  When the lent blocks' K/V is smaller than the queries plus the partials would be (a prefill chunk
+  over a short borrowed tail, see ``pull_kv``), the creditor sends those rows back instead and the
+  debtor computes that partial itself: fewer bytes, and the creditor's own steps are not held up.
 Local sequences of the same batch stay on the fast kernels; their rows are untouched here.
 The pool is reached through ``PoolRows``: float rows go in and come out, so with a quantized cache
 the creditor quantizes the rows it is sent into its records and dequantizes the lent blocks it
@@ -59,6 +62,7 @@ class DistAttentionStats:
     seconds: float = 0.0  # wall time in the distributed part of attention (local partials included)
     wait_seconds: float = 0.0  # of which: blocked on creditors after the local partials were done
     merge_seconds: float = 0.0  # of which: merging the partials
+    kv_pulls: int = 0  # sequence-layers whose lent K/V came back to be attended here (pull_kv)
 
 
 @dataclass(slots=True)
@@ -76,6 +80,13 @@ def _key_positions(logical: list[int], block_size: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.long)
     base = torch.tensor(logical, dtype=torch.long)[:, None] * block_size
     return (base + torch.arange(block_size)[None, :]).flatten()
+
+
+def pull_kv(num_queries: int, num_keys: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether a creditor should return its lent K/V rows rather than attend over them: when those
+    rows (K and V, ``num_keys`` x Hk x D each) are fewer floats than the queries sent plus the partials
+    returned (out, row max and sum of exponentials: N x Hq x (2D + 2))."""
+    return 2 * num_keys * num_kv_heads * head_dim < num_queries * num_heads * (2 * head_dim + 2)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -160,8 +171,9 @@ def pool_rows(local: AttentionBackend) -> PoolRows:
 
 
 class DistAttention:
-    def __init__(self, directory: BlockDirectory, block_size: int, num_local_blocks: int) -> None:
+    def __init__(self, directory: BlockDirectory, block_size: int, num_local_blocks: int, pull: bool = True) -> None:
         self.directory = directory
+        self.pull = pull  # False: creditors always attend themselves (no pull_kv)
         self.block_size = block_size
         self.num_local_blocks = num_local_blocks
         self.stats = DistAttentionStats()
@@ -295,13 +307,22 @@ class DistAttentionStep(AttentionBackend):
         owner.stats.wait_seconds += merging - waited
         for creditor, answers in results.items():
             for index, answer in zip(self._plans_on(creditor), answers, strict=True):
-                partials[index].append(PartialAttention(*answer))
+                partials[index].append(self._partial(self.plans[index], creditor, answer, q))
         for plan, parts in zip(self.plans, partials, strict=True):
             out.index_copy_(0, plan.rows, merge_partials(parts).to(out.dtype))
         done = time.perf_counter()
         owner.stats.merge_seconds += done - merging
         owner.stats.seconds += done - started
         return out
+
+    def _partial(self, plan: _SeqPlan, creditor: int, answer: tuple, q: torch.Tensor) -> PartialAttention:
+        """A creditor's answer for one sequence: its partial, or its lent K/V rows to attend over here."""
+        kind, *tensors = answer
+        if kind == "partial":
+            return PartialAttention(*tensors)
+        self.owner.stats.kv_pulls += 1
+        k, v = tensors
+        return partial_attention(q[plan.rows], k, v, plan.q_pos, plan.remote[creditor][1], self.scale)
 
     def _plans_on(self, creditor: int) -> list[int]:
         return [i for i, plan in enumerate(self.plans) if creditor in plan.remote or creditor in plan.writes]
@@ -313,9 +334,11 @@ class DistAttentionStep(AttentionBackend):
                 blocks, k_pos = plan.remote.get(creditor, ([], torch.empty(0, dtype=torch.long)))
                 rows, slots = plan.writes.get(creditor, ([], []))
                 index = self.row_in_remote[torch.tensor(rows, dtype=torch.long)] if rows else None
+                pull = self.owner.pull and pull_kv(len(plan.rows), len(k_pos), self.num_heads, self.num_kv_heads,
+                                                   self.head_dim)
                 items[creditor].append({
-                    "q": q[plan.rows], "q_pos": plan.q_pos, "blocks": blocks, "k_pos": k_pos,
-                    "slots": slots,
+                    "q": None if pull else q[plan.rows], "q_pos": plan.q_pos, "blocks": blocks, "k_pos": k_pos,
+                    "slots": slots, "dtype": q.dtype,
                     "k_new": self.k_new[index] if index is not None else None,
                     "v_new": self.v_new[index] if index is not None else None,
                 })
@@ -323,11 +346,16 @@ class DistAttentionStep(AttentionBackend):
 
 
 def creditor_micro_attention(rows: PoolRows, layer: int, items: list[dict], scale: float) -> list[tuple]:
-    """Creditor side of one layer: write the debtor's new K/V into the lent blocks, return partials."""
+    """Creditor side of one layer: write the debtor's new K/V into the lent blocks, then per sequence
+    ("partial", out, row max, sum-exp) over them, or ("kv", k, v) when the debtor sent no queries."""
     answers = []
     for item in items:
         if item["slots"]:
             rows.write(layer, item["k_new"], item["v_new"], torch.tensor(item["slots"], dtype=torch.long))
-        k, v = rows.gather(layer, torch.tensor(item["blocks"], dtype=torch.long), item["q"].dtype)
-        answers.append(partial_attention(item["q"], k, v, item["q_pos"], item["k_pos"], scale).as_tuple())
+        k, v = rows.gather(layer, torch.tensor(item["blocks"], dtype=torch.long), item["dtype"])
+        if item["q"] is None:
+            answers.append(("kv", k, v))
+        else:
+            partial = partial_attention(item["q"], k, v, item["q_pos"], item["k_pos"], scale)
+            answers.append(("partial", *partial.as_tuple()))
     return answers

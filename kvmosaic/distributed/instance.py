@@ -72,7 +72,8 @@ class Instance:
         cache = local.kv_cache
         self.rmanager = RManager(self.instance_id, cache.num_blocks, cache.block_size, self.config, self.gmanager)
         self.kv_cache = cache
-        self.attention = RemoteKVAttention(local, DistAttention(self.rmanager, cache.block_size, cache.num_blocks))
+        dist = DistAttention(self.rmanager, cache.block_size, cache.num_blocks, pull=self.config.kv_pull)
+        self.attention = RemoteKVAttention(local, dist)
         return self.attention
 
     # ------------------------------------------------------------------ wiring
@@ -207,7 +208,7 @@ class Instance:
         d = self.attention.dist.stats
         stats.update({"dist_remote_steps": d.steps, "dist_remote_calls": d.layer_calls,
                       "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds,
-                      "dist_remote_merge_seconds": d.merge_seconds})
+                      "dist_remote_merge_seconds": d.merge_seconds, "dist_kv_pulls": d.kv_pulls})
         return stats
 
     # ------------------------------------------------------------- creditor side
