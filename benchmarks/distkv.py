@@ -207,6 +207,7 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
                     "longest_context": max((args.long_len if kinds[r] == "long" else args.short_len) + counts[r]
                                            for r in done),
                     "loans": int(stats.get("dist_loans_total", 0))}
+
     def label(r: str) -> str:
         """A short request ran alone, next to a long one on its own instance, or on a creditor of one
         (another instance, while a long request ran there and none on its own)."""
