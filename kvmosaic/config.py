@@ -268,6 +268,14 @@ class DistributedConfig:
         return self.heartbeat_interval * self.missed_heartbeats
 
 
+KV_TRANSFER_DTYPES = ("auto", "int8")  # auto: a prefix's K/V travels as its cache holds it
+
+
+def check_kv_transfer_dtype(name: str) -> None:
+    if name not in KV_TRANSFER_DTYPES:
+        raise ValueError(f"kv transfer dtype must be one of {KV_TRANSFER_DTYPES}, got {name!r}")
+
+
 @dataclass(frozen=True)
 class DisaggConfig:
     """Disaggregated prefill and decode (``kvmosaic.disagg``): prefill workers and decode workers
@@ -292,5 +300,4 @@ class DisaggConfig:
             raise ValueError("disaggregation queue bounds must be >= 1")
         if min(self.step_wait, self.rpc_timeout, self.prefill_timeout, self.transfer_timeout) <= 0:
             raise ValueError("disaggregation timeouts must be > 0")
-        if self.kv_transfer_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_transfer_dtype must be 'auto' or 'int8', got {self.kv_transfer_dtype!r}")
+        check_kv_transfer_dtype(self.kv_transfer_dtype)

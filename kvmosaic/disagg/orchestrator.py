@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from kvmosaic.config import DisaggConfig, EngineConfig, ModelConfig
 from kvmosaic.core.block_hash import hash_request_blocks
 from kvmosaic.disagg.prefix import Prefix
+from kvmosaic.disagg.verbs import check_one_sequence
 from kvmosaic.disagg.workers import DecodeWorker, PrefillWorker, StatsBoard, WorkerLost
 from kvmosaic.engine.output_sink import QueueFullError
 from kvmosaic.engine.request_checks import fit_max_tokens, tokenize_prompt
@@ -95,8 +96,7 @@ class DisaggregatedEngine:
         """Queue a request for prefill; ValueError on bad input, QueueFullError when the queue is full."""
         params = params if params is not None else SamplingParams()
         request_id = request_id if request_id is not None else self.next_request_id()
-        if (params.best_of or 1) > 1:
-            raise ValueError("disaggregated serving runs one sequence per request: n and best_of must be 1")
+        check_one_sequence(params)
         _, token_ids = tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
         params = fit_max_tokens(params, len(token_ids), self.max_model_len)
         with self._lock:

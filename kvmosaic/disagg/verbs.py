@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from kvmosaic.config import EngineConfig
+from kvmosaic.config import EngineConfig, check_kv_transfer_dtype
 from kvmosaic.disagg import wire
 from kvmosaic.disagg.export import KVExportExecutor
 from kvmosaic.disagg.prefix import Prefix, PrefixKV
@@ -25,10 +25,14 @@ class PrefillError(RuntimeError):
     """The prefill of a request failed (its message says why); the request can go elsewhere."""
 
 
-def prefill_params(params: SamplingParams) -> SamplingParams:
-    """The parameters the prefill side samples the first token with: the user's, for one token."""
+def check_one_sequence(params: SamplingParams) -> None:
     if (params.best_of or 1) > 1 or params.n > 1:
         raise ValueError("disaggregated serving runs one sequence per request: n and best_of must be 1")
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """The parameters the prefill side samples the first token with: the user's, for one token."""
+    check_one_sequence(params)
     return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
@@ -43,8 +47,7 @@ class PrefillEngine:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None,
                  transfer_dtype: str = "auto") -> None:
         """``transfer_dtype``: how the K/V of a float cache leaves (``kvmosaic.disagg.wire``)."""
-        if transfer_dtype not in wire.TRANSFER_DTYPES:
-            raise ValueError(f"kv transfer dtype must be one of {wire.TRANSFER_DTYPES}, got {transfer_dtype!r}")
+        check_kv_transfer_dtype(transfer_dtype)
         self.transfer_dtype = transfer_dtype
         if executor is None:
             from kvmosaic.executor.local import LocalExecutor  # the model stack loads only when needed

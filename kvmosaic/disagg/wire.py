@@ -12,11 +12,10 @@ import dataclasses
 
 import torch
 
+from kvmosaic.config import check_kv_transfer_dtype
 from kvmosaic.disagg.prefix import PrefixKV
 from kvmosaic.quant import int_quant
 from kvmosaic.quant.format import KVFormat
-
-TRANSFER_DTYPES = ("auto", "int8")
 
 
 def _is_float(kv: PrefixKV) -> bool:
@@ -26,8 +25,7 @@ def _is_float(kv: PrefixKV) -> bool:
 def encode(kv: PrefixKV, transfer_dtype: str) -> PrefixKV:
     """The K/V as it is sent: float [layers, 2, blocks, block_size, heads, dim] becomes int8 records
     [layers, 2, blocks, block_size, heads * (4 + dim)] under ``int8``; anything else goes as it is."""
-    if transfer_dtype not in TRANSFER_DTYPES:
-        raise ValueError(f"kv transfer dtype must be one of {TRANSFER_DTYPES}, got {transfer_dtype!r}")
+    check_kv_transfer_dtype(transfer_dtype)
     if transfer_dtype == "auto" or not _is_float(kv):
         return kv
     *lead, heads, dim = kv.data.shape

@@ -188,16 +188,21 @@ class Cluster:
 
     def resolve_cycles(self) -> int:
         """DGFM: swap blocks along every debt cycle the gManager finds; returns the cycles resolved.
-        Independent loops are held between steps meanwhile: no step reads a block table it changes."""
-        live = {i: h for i, h in self.instances.items() if i not in self.dead}
+        Only when there is one are the independent loops of its instances held between steps (no step
+        reads a block table it changes): holding them all every time would pause every instance for
+        the slowest one's step, a long prefill chunk."""
         timeout = self.dist_config.rpc_timeout
-        if not self.dist_config.lockstep:
-            ray.get([h.hold.remote() for h in live.values()], timeout=timeout)
+        plans = ray.get(self.gmanager.plan_swaps.remote(), timeout=timeout)
+        if not plans:
+            return 0
+        members = {i for plan in plans for i in plan.cycle}
+        live = {i: h for i, h in self.instances.items() if i not in self.dead}
+        held = [h for i, h in live.items() if i in members and not self.dist_config.lockstep]
+        ray.get([h.hold.remote() for h in held], timeout=timeout)
         try:
-            done = resolve_cycles(self.gmanager, live, timeout)
+            done = resolve_cycles(plans, self.gmanager, live, timeout)
         finally:
-            if not self.dist_config.lockstep:
-                ray.get([h.release.remote() for h in live.values()], timeout=timeout)
+            ray.get([h.release.remote() for h in held], timeout=timeout)
         self.num_swaps += done
         return done
 

@@ -17,9 +17,8 @@ from kvmosaic.distributed.ledger import SwapPlan
 logger = logging.getLogger(__name__)
 
 
-def resolve_cycles(gmanager, instances: dict[int, object], timeout: float) -> int:
-    """Swap along every cycle the gManager reports; returns how many cycles were resolved."""
-    plans: list[SwapPlan] = ray.get(gmanager.plan_swaps.remote(), timeout=timeout)
+def resolve_cycles(plans: list[SwapPlan], gmanager, instances: dict[int, object], timeout: float) -> int:
+    """Swap along every cycle the gManager planned; returns how many cycles were resolved."""
     done = 0
     for plan in plans:
         if _swap(plan, gmanager, instances, timeout):
