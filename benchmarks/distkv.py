@@ -12,9 +12,11 @@ throughput, preemptions, loans, and the cost of distributed attention per step a
 stream of short requests (Poisson, --short-rate a second) plus a long one every --long-every
 seconds whose context exceeds one instance's pool: (a) static partitioning (N instances, borrowing
 off: the long ones are rejected), (b) one instance holding the combined pool on all cores, (c) N
-instances borrowing. Reported: output tok/s, longest context served, TTFT and TPOT p50/p99 of the
-short requests, split by whether a long request was running during their life, loans, and the
-distributed attention per remote step and per creditor call.
+instances borrowing with creditors always attending themselves (borrowing-push), (d) N instances
+borrowing with K/V pulls (borrowing). Reported: output tok/s, longest context served, TTFT and
+TPOT p50/p99 of the short requests, split by where they ran (alone; on a creditor while a long
+request runs on another instance; next to a long request), loans, K/V pulls, and the distributed
+attention per remote step and per creditor call.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/distkv.py --stream --instances 2
 """
