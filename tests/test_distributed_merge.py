@@ -209,7 +209,7 @@ def test_gmanager_declares_silent_instances_dead_and_writes_off_their_debts() ->
 
 
 def test_only_backends_with_a_pool_adapter_can_lend() -> None:
-    from kvmosaic.distributed.dist_attention import pool_rows
+    from kvmosaic.distributed.pool_rows import pool_rows
 
     with pytest.raises(ValueError, match="cannot lend blocks of object"):
         pool_rows(object())

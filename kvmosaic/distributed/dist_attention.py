@@ -13,7 +13,7 @@ scheduled sequences hold borrowed blocks (``spanning``) and, for a step with any
   over a short borrowed tail, see ``pull_kv``), the creditor sends those rows back instead and the
   debtor computes that partial itself: fewer bytes, and the creditor's own steps are not held up.
 Local sequences of the same batch stay on the fast kernels; their rows are untouched here.
-The pool is reached through ``PoolRows``: float rows go in and come out, so with a quantized cache
+The pool is reached through ``PoolRows`` (pool_rows.py): float rows go in and come out, so with a quantized cache
 the creditor quantizes the rows it is sent into its records and dequantizes the lent blocks it
 attends over, and only float queries, rows and partials cross between instances.
 """
@@ -28,10 +28,10 @@ from typing import Protocol
 import torch
 
 from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention
+from kvmosaic.distributed.pool_rows import PoolRows, pool_rows
 from kvmosaic.engine.errors import RetryableStepError
-from kvmosaic.model.layers.attention import AttentionMetadata, ReferenceAttention
+from kvmosaic.model.layers.attention import AttentionMetadata
 from kvmosaic.model.layers.backend import AttentionBackend, LayerStack
-from kvmosaic.model.layers.quant_attention import QuantizedAttention, dequantize_blocks, rotate_rows, write_quantized
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.outputs import ScheduledRequest
 
@@ -87,87 +87,6 @@ def pull_kv(num_queries: int, num_keys: int, num_heads: int, num_kv_heads: int, 
     rows (K and V, ``num_keys`` x Hk x D each) are fewer floats than the queries sent plus the partials
     returned (out, row max and sum of exponentials: N x Hq x (2D + 2))."""
     return 2 * num_keys * num_kv_heads * head_dim < num_queries * num_heads * (2 * head_dim + 2)
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, Hk, D] cache -> the listed blocks' rows, [len * block_size, Hk, D]."""
-    return cache.index_select(0, block_ids).flatten(0, 1)
-
-
-class PoolRows(Protocol):
-    """An instance's K/V pool as DistAttention uses it: rows [N, Hk, D] in the compute dtype."""
-
-    def rotate_and_write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
-                         slots: torch.Tensor) -> torch.Tensor: ...
-
-    def rotate(self, qkv: torch.Tensor, rotary: RotaryEmbedding,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None: ...
-
-    def gather(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class FloatPoolRows:
-    def __init__(self, local: ReferenceAttention) -> None:
-        self.local = local
-
-    def rotate_and_write(self, layer, qkv, rotary, positions, slots):
-        k_cache, v_cache = self.local.layers[layer]
-        return self.local.rotate_and_cache(qkv, rotary, k_cache, v_cache, positions, slots)
-
-    def rotate(self, qkv, rotary, positions):
-        # the cache-writing kernel into a scratch "cache" of one-token blocks
-        n, local = qkv.shape[0], self.local
-        k = torch.empty(n, 1, local.num_kv_heads, local.head_dim, dtype=local.layers[0].dtype)
-        v = torch.empty_like(k)
-        q = local.rotate_and_cache(qkv, rotary, k, v, positions, torch.arange(n))
-        return q, k[:, 0], v[:, 0]
-
-    def write(self, layer, k, v, slots):
-        k_cache, v_cache = self.local.layers[layer]
-        hk, dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, hk, dim).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, hk, dim).index_copy_(0, slots, v.to(v_cache.dtype))
-
-    def gather(self, layer, block_ids, dtype):
-        k_cache, v_cache = self.local.layers[layer]
-        return gather_blocks(k_cache, block_ids).to(dtype), gather_blocks(v_cache, block_ids).to(dtype)
-
-
-class QuantizedPoolRows:
-    """Rows quantized into the records of an int8 / int4 / Oaken pool as they are written, and
-    dequantized as lent blocks are read; the same codec (and kernels) as the instance's own steps."""
-
-    def __init__(self, local: QuantizedAttention) -> None:
-        self.local = local
-
-    def rotate_and_write(self, layer, qkv, rotary, positions, slots):
-        q, k, v = self.rotate(qkv, rotary, positions)
-        self.write(layer, k, v, slots)
-        return q
-
-    def rotate(self, qkv, rotary, positions):
-        local = self.local
-        return rotate_rows(qkv, rotary, positions, local.num_heads, local.num_kv_heads, local.kernels)
-
-    def write(self, layer, k, v, slots):
-        write_quantized(self.local.layers[layer], k, v, slots, self.local.kernels.quant)
-
-    def gather(self, layer, block_ids, dtype):
-        pools, qops = self.local.layers[layer], self.local.kernels.quant
-        k = dequantize_blocks(pools.k_pool, block_ids, pools, pools.k_thresholds, dtype, qops)
-        v = dequantize_blocks(pools.v_pool, block_ids, pools, pools.v_thresholds, dtype, qops)
-        hk, dim = self.local.num_kv_heads, self.local.head_dim
-        return k.reshape(-1, hk, dim), v.reshape(-1, hk, dim)
-
-
-def pool_rows(local: AttentionBackend) -> PoolRows:
-    if isinstance(local, QuantizedAttention):
-        return QuantizedPoolRows(local)
-    if isinstance(local, ReferenceAttention):
-        return FloatPoolRows(local)
-    raise ValueError(f"the distributed KV cache cannot lend blocks of {type(local).__name__}")
 
 
 class DistAttention:
