@@ -32,6 +32,8 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     # Tokens a prompt lookup may propose instead, tried first (no model work when it finds them).
     num_lookup_tokens: int = 0
+    # Per logits row, the token ids its grammar allows (a packed bitmask, kvmosaic.core.guide); None: any.
+    token_masks: list[bytes | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +92,9 @@ class ModelOutput:
     proposals: dict[str, Any] = field(default_factory=dict)
     draft_passes: int = 0  # the draft model's forward passes that proposed, this step
     draft_seconds: float = 0.0  # the draft model's time within the step (not the target's)
+    # Sequences that asked for prompt logprobs: (position of the first prompt token scored, one
+    # {token id: logprob} per scored token, the actual token included) for this step's chunk.
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
     def new_tokens(self, seq_id: str) -> list[SampledToken]:
         """What the sequence gained this step, in order."""
@@ -130,6 +135,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # One {token id: logprob} per prompt token (None for the first, which nothing predicts), when asked.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def ended_output(request_id: str, last: RequestOutput | None, reason: str, message: str | None) -> RequestOutput:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kvmosaic.core.guide import UNGUIDED, Guide
 from kvmosaic.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class Request:
         "request_id", "group_id", "sample_index", "prompt_token_ids", "output_token_ids",
         "all_token_ids", "sampling_params", "arrival_time", "num_computed_tokens",
         "num_cached_tokens", "status", "num_forks", "seed", "num_preemptions", "stop_reason",
+        "guide",
     )
 
     def __init__(
@@ -54,7 +56,9 @@ class Request:
         group_id: str | None = None,
         sample_index: int = 0,
         seed: int | None = None,
+        guide: Guide = UNGUIDED,
     ) -> None:
+        """``guide``: the grammar its output must match (kvmosaic.structured)."""
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
         self.sample_index = sample_index
@@ -71,6 +75,7 @@ class Request:
         self.seed = seed if seed is not None else sampling_params.seed
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.guide = guide
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,7 +101,7 @@ class Request:
         """A sibling sequence that shares this one's prompt and computed progress."""
         child = Request(
             request_id, self.prompt_token_ids, self.sampling_params, self.arrival_time,
-            group_id=self.group_id, sample_index=sample_index, seed=seed,
+            group_id=self.group_id, sample_index=sample_index, seed=seed, guide=self.guide.fork(),
         )
         child.append_output_token(first_token)
         child.num_computed_tokens = self.num_computed_tokens

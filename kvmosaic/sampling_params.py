@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from kvmosaic.structured.params import GuidedDecoding
 
 _GREEDY_EPS = 1e-5
 
@@ -27,6 +30,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # top-N log-probabilities of every prompt token (None: none)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    guided_decoding: GuidedDecoding | None = None  # the grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,6 +41,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.best_of is None:
             self.best_of = self.n
+        if self.logit_bias is not None:
+            # JSON object keys arrive as strings ("1234": 5.0)
+            self.logit_bias = {_token_key(t): b for t, b in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -53,14 +62,22 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            # 0: score the prompt only (prompt_logprobs), nothing generated
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
+             f"max_tokens must be an integer >= 0, got {self.max_tokens!r}"),
             (isinstance(self.min_tokens, int) and self.min_tokens >= 0,
              f"min_tokens must be >= 0, got {self.min_tokens!r}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"logprobs must be in [0, 20], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None
+             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}"),
+            (self.logit_bias is None or all(_bias_entry_ok(t, b) for t, b in self.logit_bias.items()),
+             "logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]"),
+            (self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecoding),
+             "guided_decoding must be a GuidedDecoding"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
@@ -82,5 +99,19 @@ class SamplingParams:
         return self.logprobs is not None or (self.best_of or 1) > self.n
 
     @property
+    def jump_forward(self) -> bool:
+        """Whether tokens a grammar forces may be appended unsampled (they then have no logprobs)."""
+        return self.logprobs is None and (self.best_of or 1) == self.n
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def _bias_entry_ok(token_id: object, bias: object) -> bool:
+    return (isinstance(token_id, int) and token_id >= 0 and isinstance(bias, int | float)
+            and math.isfinite(bias) and -100.0 <= bias <= 100.0)
+
+
+def _token_key(token_id: object) -> object:
+    return int(token_id) if isinstance(token_id, str) and token_id.isdigit() else token_id

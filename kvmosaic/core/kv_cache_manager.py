@@ -96,8 +96,8 @@ class KVCacheManager:
         The block holding the last token is never reported: the model must run at
         least one token to produce the logits for the next one.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed, none served from the cache
         tokens = request.all_token_ids
         hashes = hash_request_blocks(tokens, self.block_size, self._block_hashes.get(request.request_id, ()))
         self._block_hashes[request.request_id] = hashes

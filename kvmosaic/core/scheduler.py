@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvmosaic.core.kv_arrivals import KVArrivals
-from kvmosaic.core.sequence_rules import check_stop, scheduled_request
+from kvmosaic.core.sequence_rules import check_stop, num_forced_tokens, scheduled_request
 from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
 from kvmosaic.core.step_plan import StepPlan
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
@@ -161,6 +161,10 @@ class Scheduler:
                 continue  # finished from outside since the step was scheduled
             request.num_computed_tokens += scheduled.num_tokens
             if not scheduled.sample_ids:
+                if request.num_computed_tokens == request.num_tokens:  # max_tokens 0: only the prompt to score
+                    self.running.remove(request)
+                    self._finish(request, RequestStatus.FINISHED_LENGTH)
+                    updated.append(request)
                 continue
             tokens = [t.token_id for t in model_output.new_tokens(request.request_id)]
             if scheduled.spec_token_ids:
@@ -174,6 +178,8 @@ class Scheduler:
                     break
                 request.append_output_token(token)
                 self._apply_stop(request)
+            for sequence in sequences:
+                self._follow_guide(sequence)
             updated.extend(sequences)
         updated.extend(self._finished_by_scheduler)
         self._finished_by_scheduler = []
@@ -310,6 +316,21 @@ class Scheduler:
             self.running.remove(request)
             self._finish(request, stop[0])
             request.stop_reason = stop[1]
+
+    def _follow_guide(self, request: Request) -> None:
+        """Append the tokens the sequence's grammar forces (jump-forward: they are computed in one pass
+        next step, not sampled one a step), and finish it once the grammar is complete."""
+        if request.is_finished:
+            return
+        forced = request.guide.forced(request.output_token_ids)
+        for token in forced[:num_forced_tokens(request, self.config.max_model_len)]:
+            request.append_output_token(token)
+            self._apply_stop(request)
+            if request.is_finished:
+                return
+        if request.guide.complete(request.output_token_ids):
+            self.running.remove(request)
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _finish_by_scheduler(self, request: Request) -> None:
         """Finish a sequence that can never fit the KV cache (it is already out of every queue)."""

@@ -37,6 +37,16 @@ def check_stop(
     return None
 
 
+def num_forced_tokens(request: Request, max_model_len: int) -> int:
+    """How many tokens a grammar may force onto the sequence now: its output must stay within
+    max_tokens and the context length."""
+    limit = max_model_len - request.num_tokens
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None:
+        limit = min(limit, max_tokens - request.num_output_tokens)
+    return max(0, limit)
+
+
 def max_speculative_tokens(request: Request, max_model_len: int) -> int:
     """Proposals a decoding sequence may verify this step: accepting all of them and the token after
     them must stay within max_tokens and the context length."""
@@ -55,7 +65,7 @@ def scheduled_request(request: Request, num_tokens: int, proposal: Proposal | No
     end = start + num_tokens - len(spec)
     sample_ids: list[str] = []
     sample_seeds: list[int | None] = []
-    if end == request.num_tokens:
+    if end == request.num_tokens and request.sampling_params.max_tokens != 0:
         sample_ids = [request.request_id]
         sample_seeds = [request.seed]
         for sample_index in range(1, request.num_forks + 1):
@@ -73,4 +83,5 @@ def scheduled_request(request: Request, num_tokens: int, proposal: Proposal | No
         output_token_ids=list(request.output_token_ids),
         spec_token_ids=list(spec),
         draft_probs=proposal.draft_probs if proposal is not None else None,
+        token_masks=request.guide.masks(request.output_token_ids, spec) if sample_ids else [],
     )

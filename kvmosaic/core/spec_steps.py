@@ -62,7 +62,8 @@ class SpeculationSteps(NoSpeculation):
         """Allocate the next token and as many proposals as the budget leaves after one token for
         each of the ``num_later`` sequences behind it, if free blocks hold them (proposals never
         preempt): the proposals scheduled, or None (nothing allocated)."""
-        num_spec = min(len(proposal.token_ids), budget - 1 - num_later)
+        num_spec = min(len(proposal.token_ids), budget - 1 - num_later,
+                       request.guide.num_valid(request.output_token_ids, proposal.token_ids))
         if num_spec < 1 or self.kv_manager.allocate_slots(request, 1 + num_spec) is None:
             return None
         self._looked_up[request.request_id] = proposal.looked_up

@@ -16,12 +16,13 @@ from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.core.scheduler import Scheduler
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.engine.output_processor import OutputProcessor
-from kvmosaic.engine.request_checks import fit_max_tokens, tokenize_prompt
+from kvmosaic.engine.request_checks import check_logit_bias, fit_max_tokens, tokenize_prompt
 from kvmosaic.executor.base import Executor
 from kvmosaic.outputs import ModelOutput, RequestOutput, SampledToken, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
 from kvmosaic.spec.speculator import Speculator, build_speculator
+from kvmosaic.structured.grammar_guide import GuideFactory
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,14 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None, *,
                  allocator: BlockAllocator | None = None,
                  kv_lock: contextlib.AbstractContextManager | None = None,
-                 speculator: Speculator | None = None, arrivals: KVArrivals | None = None) -> None:
+                 speculator: Speculator | None = None, arrivals: KVArrivals | None = None,
+                 guides: GuideFactory | None = None) -> None:
         """``executor``: where steps run (default: a local worker built from ``config``);
         ``allocator``: blocks beyond the local pool; ``kv_lock``: held around scheduling and
         bookkeeping, not the forward pass (other threads may then lend this pool's blocks);
         ``speculator``: proposes tokens to verify (default: the one ``config.speculative`` asks for);
-        ``arrivals``: where K/V of requests prefilled elsewhere land (``insert``)."""
+        ``arrivals``: where K/V of requests prefilled elsewhere land (``insert``);
+        ``guides``: compiles guided-decoding constraints (default: llguidance over the model's tokenizer)."""
         if executor is None:
             from kvmosaic.executor.local import LocalExecutor  # the model stack loads only when needed
 
@@ -52,6 +55,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, executor.eos_token_ids, self.speculator,
                                    self.arrivals)
         self.processor = OutputProcessor(self.tokenizer)
+        self.guides = guides if guides is not None else GuideFactory(self.tokenizer, self.model_config.vocab_size)
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
         self.kv_lock = kv_lock if kv_lock is not None else contextlib.nullcontext()
@@ -85,7 +89,10 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         params = self._fit_max_tokens(params, len(token_ids))
-        request = Request(request_id, token_ids, params, arrival_time if arrival_time is not None else time.monotonic())
+        check_logit_bias(params, self.model_config.vocab_size)
+        guide = self.guides.start(params.guided_decoding, params.jump_forward)
+        request = Request(request_id, token_ids, params, arrival_time if arrival_time is not None else time.monotonic(),
+                          guide=guide)
         return request, prompt_text
 
     def insert(self, request_id: str, prompt: str | list[int], params: SamplingParams, first: SampledToken,

@@ -35,6 +35,7 @@ class GroupState:
     params: SamplingParams
     metrics: RequestMetrics
     sequences: dict[str, SequenceState] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt's chunks run
 
     @property
     def finished(self) -> bool:
@@ -53,6 +54,8 @@ class OutputProcessor:
         params = request.sampling_params
         group = GroupState(request.group_id, prompt, request.prompt_token_ids, params,
                            RequestMetrics(arrival_time=request.arrival_time))
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self.groups[group.request_id] = group
         self._add_sequence(group, request.request_id, 0)
 
@@ -78,6 +81,7 @@ class OutputProcessor:
         touched: dict[str, GroupState] = {}
         stopped: list[str] = []
         failed: dict[str, str] = {}
+        self._add_prompt_logprobs(model_output)
         for req in updated:
             if req.group_id in failed:
                 continue
@@ -121,6 +125,12 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = req.status.finish_reason, req.stop_reason
         return False
 
+    def _add_prompt_logprobs(self, model_output: ModelOutput) -> None:
+        for seq_id, (start, entries) in model_output.prompt_logprobs.items():
+            group = self.groups.get(self.seq_to_group.get(seq_id, ""))
+            if group is not None and group.prompt_logprobs is not None:
+                group.prompt_logprobs[start:start + len(entries)] = entries
+
     @staticmethod
     def _add_logprob(seq: SequenceState, token: int, sampled: SampledToken) -> None:
         seq.cumulative_logprob += sampled.logprob
@@ -159,7 +169,8 @@ class OutputProcessor:
             else:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
         outputs = [self._completion(i, s, params, finished) for i, s in enumerate(seqs)]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, group.metrics)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, group.metrics,
+                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
 
     @staticmethod
     def _completion(index: int, seq: SequenceState, params: SamplingParams, finished: bool) -> CompletionOutput:

@@ -38,3 +38,10 @@ def fit_max_tokens(params: SamplingParams, prompt_len: int, limit: int) -> Sampl
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
         )
     return params
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError for a logit_bias key that is not a token id of the model."""
+    for token_id in params.logit_bias or {}:
+        if token_id >= vocab_size:
+            raise ValueError(f"logit_bias has token id {token_id}, outside the vocabulary [0, {vocab_size})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvmosaic.outputs import SampledToken
@@ -25,6 +26,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: tuple[int, ...] = ()  # masked to -inf, e.g. EOS/stop ids until min_tokens
+    allowed_token_mask: bytes | None = None  # a grammar's packed bitmask of allowed ids (None: all)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
@@ -74,17 +76,45 @@ def _exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.
 
 
 def penalize_and_ban(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Penalties, then banned ids to -inf, on a copy made only when some row needs either."""
+    """Penalties, logit bias, banned ids to -inf, then ids a grammar disallows to -inf, on a copy
+    made only when some row needs any of them."""
     penalized = [_has_penalty(r.params) for r in rows]
+    biased = any(r.params.logit_bias for r in rows)
     banned = any(r.banned_token_ids for r in rows)
-    if not (any(penalized) or banned):
+    guided = [i for i, r in enumerate(rows) if r.allowed_token_mask is not None]
+    if not (any(penalized) or biased or banned or guided):
         return logits
     logits = logits.clone()
     if any(penalized):
         _penalize_(logits, rows, penalized)
+    if biased:
+        add_logit_bias_(logits, [r.params.logit_bias for r in rows])
     if banned:
         _ban_(logits, rows)
+    if guided:
+        allowed = unpack_token_masks([rows[i].allowed_token_mask for i in guided], logits.shape[-1])
+        logits[guided] = logits[guided].masked_fill_(~allowed, float("-inf"))
     return logits
+
+
+def add_logit_bias_(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> None:
+    """Add each row's {token id: bias} to its logits (ids beyond the vocabulary are ignored)."""
+    vocab = logits.shape[-1]
+    entries = [(i, t, b) for i, bias in enumerate(biases) for t, b in (bias or {}).items() if t < vocab]
+    if entries:
+        rows, ids, values = zip(*entries)
+        logits.index_put_((torch.tensor(rows), torch.tensor(ids)), torch.tensor(values, dtype=logits.dtype),
+                          accumulate=True)
+
+
+def unpack_token_masks(masks: list[bytes], vocab_size: int) -> torch.Tensor:
+    """Packed bitmasks (bit t of little-endian 32-bit words allows token t) -> bool [rows, vocab_size];
+    ids past a mask's end are disallowed."""
+    bits = np.unpackbits(np.frombuffer(b"".join(masks), dtype=np.uint8), bitorder="little")
+    bits = torch.from_numpy(bits.reshape(len(masks), -1)).bool()
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
 
 
 def _has_penalty(params: SamplingParams) -> bool:

@@ -9,6 +9,7 @@ import torch
 from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvmosaic.sample.prompt_logprobs import first_rows, prompt_targets, score_prompt_rows
 from kvmosaic.sample.sampler import SamplingRow, sample
 from kvmosaic.sample.verify import Verification, verify
 from kvmosaic.sampling_params import SamplingParams
@@ -48,8 +49,9 @@ class ModelRunner:
             self.kv_cache.write_blocks(list(load.block_ids), load.data)
         if not sched.scheduled:
             return ModelOutput()
-        requests, logits = self.compute_logits(sched.scheduled)
+        requests, logits, scored = self._forward(sched.scheduled)
         out = self._sample(logits, requests)
+        out.prompt_logprobs = scored
         if self.drafter is not None:
             work = self.drafter.propose(sched.scheduled, out)
             out.proposals, out.draft_passes, out.draft_seconds = work.proposals, work.passes, work.seconds
@@ -59,6 +61,13 @@ class ModelRunner:
     def compute_logits(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """Run one forward; logits rows follow the returned requests (those with sample ids),
         ``num_logits_rows`` each (the last token's, after one per proposal being verified)."""
+        requests, logits, _ = self._forward(scheduled, score_prompts=False)
+        return requests, logits
+
+    def _forward(self, scheduled: list[ScheduledRequest], score_prompts: bool = True
+                 ) -> tuple[list[ScheduledRequest], torch.Tensor, dict[str, tuple[int, list[dict[int, float]]]]]:
+        """``compute_logits``, and the prompt logprobs of this step's prompt tokens for the sequences
+        that asked (their logits rows come after the sampling rows)."""
         # Decode rows first (single tokens and short spans) so they form one batched block; longer
         # spans follow in order. Sequences whose KV
         # the backend reaches elsewhere go last: the local tables never see their rows.
@@ -69,9 +78,16 @@ class ModelRunner:
         logits_indices = torch.tensor([row for i, s in sampled
                                        for row in range(last_rows[i] - s.num_logits_rows + 1, last_rows[i] + 1)],
                                       dtype=torch.long)
+        scoring = [(s, first_row, targets) for s, first_row in zip(batch, first_rows(last_rows, batch))
+                   if score_prompts and (targets := prompt_targets(s))]
+        score_rows = [first_row + p - s.start_pos for s, first_row, targets in scoring for p, _ in targets]
+        if score_rows:
+            logits_indices = torch.cat([logits_indices, torch.tensor(score_rows, dtype=torch.long)])
         attention = self.attention.bind(batch, meta)
         logits = self.model(input_ids, positions, attention, meta, logits_indices)
-        return [s for _, s in sampled], logits
+        num_sample_rows = logits.shape[0] - len(score_rows)
+        scored = score_prompt_rows(logits[num_sample_rows:], [(s, targets) for s, _, targets in scoring])
+        return [s for _, s in sampled], logits[:num_sample_rows], scored
 
     @torch.inference_mode()
     def chunk_logits(self, token_ids: list[int], start: int, block_table: list[int]) -> torch.Tensor:
@@ -163,7 +179,8 @@ class ModelRunner:
         """The row that samples after the sequence's tokens and its first ``num_proposed`` proposals."""
         outputs = s.output_token_ids + s.spec_token_ids[:num_proposed] if num_proposed else s.output_token_ids
         return SamplingRow(params=s.sampling_params, generator=generator, prompt_token_ids=s.prompt_token_ids,
-                           output_token_ids=outputs, banned_token_ids=self._banned(s.sampling_params, len(outputs)))
+                           output_token_ids=outputs, banned_token_ids=self._banned(s.sampling_params, len(outputs)),
+                           allowed_token_mask=s.token_masks[num_proposed] if s.token_masks else None)
 
     def _verification(self, s: ScheduledRequest) -> Verification:
         if len(s.sample_ids) != 1:
