@@ -24,7 +24,8 @@ class GuidedDecoding:
             raise ValueError(f"guided decoding takes exactly one of {', '.join(_KINDS)}; got "
                              f"{', '.join(given) or 'none'}")
         if self.choice is not None:
-            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
+            choices_ok = not isinstance(self.choice, str) and all(isinstance(c, str) and c for c in self.choice)
+            if not self.choice or not choices_ok:
                 raise ValueError("guided_choice must be a list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
         for kind in ("regex", "grammar"):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncEngine, run by uvicorn.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
+GET /v1/models, /health, /metrics.
 On SIGINT/SIGTERM the server stops accepting connections and new requests (503), lets
 in-flight requests finish for ``shutdown_grace`` seconds, then ends the rest with a clean
 error and exits. Request bodies must be valid text (``request_text``). If the engine loop fails,
@@ -31,14 +32,19 @@ from kvmosaic.entrypoints.openai.errors import ApiError, install_error_handlers
 from kvmosaic.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from kvmosaic.entrypoints.openai.request_text import TextCheckedRoute
 from kvmosaic.entrypoints.openai.serving_chat import ChatServing
 from kvmosaic.entrypoints.openai.serving_common import ServingContext
 from kvmosaic.entrypoints.openai.serving_completions import CompletionServing
+from kvmosaic.entrypoints.openai.serving_tokens import TokenServing
 from kvmosaic.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -102,7 +108,7 @@ def build_app(engine: EngineClient, config: ServerConfig,
 
 def _routes(ctx: ServingContext, async_engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
     router = APIRouter(route_class=TextCheckedRoute)
-    completions, chat = CompletionServing(ctx), ChatServing(ctx)
+    completions, chat, tokens = CompletionServing(ctx), ChatServing(ctx), TokenServing(ctx)
 
     @router.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -111,6 +117,14 @@ def _routes(ctx: ServingContext, async_engine: AsyncEngine, metrics: ServerMetri
     @router.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
+
+    @router.post("/tokenize", responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return tokens.tokenize(body)
+
+    @router.post("/detokenize", responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokens.detokenize(body)
 
     @router.get("/v1/models")
     async def list_models() -> ModelList:

@@ -8,6 +8,7 @@ from kvmosaic.entrypoints.openai.errors import bad_request, param_named_in
 from kvmosaic.entrypoints.openai.protocol import SamplingRequest
 from kvmosaic.entrypoints.openai.serving_common import ServingContext
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.structured import GuidedDecoding
 
 MAX_STOP_STRINGS = 16
 _SEED_RANGE = (-(2**63), 2**63)
@@ -15,7 +16,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 
 
 def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens: int | None,
-                          logprobs: int | None, best_of: int | None = None) -> SamplingParams:
+                          logprobs: int | None, best_of: int | None = None,
+                          guided: GuidedDecoding | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Map API fields to SamplingParams; every bad value becomes a 400 naming the field."""
     for name in _FLOAT_FIELDS:
         value = getattr(req, name)
@@ -32,8 +34,7 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens:
                           "repetition_penalty")
     if req.seed is not None and not _SEED_RANGE[0] <= req.seed < _SEED_RANGE[1]:
         raise bad_request("seed must fit in a signed 64-bit integer", "seed")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    logit_bias = _logit_bias(req.logit_bias, ctx.vocab_size)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
@@ -47,7 +48,23 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens:
         return SamplingParams(
             n=n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
             top_k=top_k, seed=req.seed, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            logit_bias=logit_bias, guided_decoding=guided,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
             **{name: getattr(req, name) for name in _FLOAT_FIELDS if getattr(req, name) is not None},
         )
     except ValueError as exc:
         raise bad_request(str(exc), param_named_in(str(exc))) from exc
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON object keys) -> a bias in [-100, 100]."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        if not math.isfinite(value) or not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        out[int(key)] = float(value)
+    return out

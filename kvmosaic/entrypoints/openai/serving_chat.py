@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvmosaic.entrypoints.openai.errors import bad_request
+from kvmosaic.entrypoints.openai.guided import guided_decoding
 from kvmosaic.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -42,25 +43,28 @@ class ChatServing:
         _check_unsupported(body)
         prompt_ids = self._encode(body)
         params = build_sampling_params(body, self.ctx, body.max_completion_tokens or body.max_tokens,
-                                       _logprobs(body))
+                                       _logprobs(body), guided=guided_decoding(body, body.response_format))
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = Generation(self.ctx, call_id, 1, params.n)
         await gen.start([prompt_ids], params, arrival)
         return await respond(gen, raw, body, _Responder(self.ctx, call_id, params.n, params.logprobs))
 
     def _encode(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [_flatten(i, m) for i, m in enumerate(body.messages)]
-        try:
-            return self.ctx.chat_encoder.encode(messages, body.add_generation_prompt)
-        except (ValueError, jinja2.TemplateError) as exc:
-            raise bad_request(str(exc), "messages") from exc
+        return encode_messages(self.ctx, body.messages, body.add_generation_prompt)
+
+
+def encode_messages(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The prompt's token ids: messages rendered by the model's chat template; a 400 if they cannot be."""
+    flat = [_flatten(i, m) for i, m in enumerate(messages)]
+    try:
+        return ctx.chat_encoder.encode(flat, add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise bad_request(str(exc), "messages") from exc
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     if body.tools:
         raise bad_request("tools are not supported", "tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

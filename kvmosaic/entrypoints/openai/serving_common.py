@@ -56,12 +56,22 @@ class ServingContext:
 
 # ---------------------------------------------------------------- one call's engine requests
 @dataclass(slots=True)
+class PromptEcho:
+    """The prompt as a choice's first delta carries it (echo, prompt logprobs)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None
+
+
+@dataclass(slots=True)
 class ChoiceDelta:
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
+    prompt: PromptEcho | None = None  # on a choice's first delta, when the call echoes or scores the prompt
 
 
 @dataclass(slots=True)
@@ -69,13 +79,17 @@ class _Sent:
     chars: int = 0
     tokens: int = 0
     finished: bool = False
+    prompt: bool = False  # the prompt went out with an earlier delta
 
 
 class Generation:
     """The engine requests of one HTTP call (one per prompt, each with ``n`` choices)."""
 
-    def __init__(self, ctx: ServingContext, call_id: str, num_prompts: int, n: int) -> None:
+    def __init__(self, ctx: ServingContext, call_id: str, num_prompts: int, n: int, with_prompt: bool = False) -> None:
+        """``with_prompt``: each choice's first delta carries its prompt (``ChoiceDelta.prompt``)."""
         self._engine = ctx.engine
+        self._tokenizer = ctx.tokenizer
+        self._with_prompt = with_prompt
         self.request_ids = [call_id if num_prompts == 1 else f"{call_id}-{i}" for i in range(num_prompts)]
         self._prompt_index = {rid: i for i, rid in enumerate(self.request_ids)}
         self._n = n
@@ -122,7 +136,8 @@ class Generation:
         merged: dict[int, ChoiceDelta] = {}
         async for batch in self.deltas():
             for d in batch:
-                acc = merged.setdefault(d.index, ChoiceDelta(d.index, "", [], [] if d.logprobs is not None else None))
+                acc = merged.setdefault(d.index, ChoiceDelta(d.index, "", [], [] if d.logprobs is not None else None,
+                                                             prompt=d.prompt))
                 acc.text += d.text
                 acc.token_ids += d.token_ids
                 if d.logprobs is not None:
@@ -141,7 +156,15 @@ class Generation:
             self._live.discard(rid)
         base = self._prompt_index[rid] * self._n
         deltas = [d for c in output.outputs if (d := self._delta(base + c.index, c)) is not None]
+        for d in deltas:
+            if self._with_prompt and not self._sent[d.index].prompt:
+                self._sent[d.index].prompt = True
+                d.prompt = self._echo(output)
         return deltas
+
+    def _echo(self, output: RequestOutput) -> PromptEcho:
+        text = output.prompt if output.prompt is not None else self._tokenizer.decode(output.prompt_token_ids)
+        return PromptEcho(text, list(output.prompt_token_ids), output.prompt_logprobs)
 
     def _delta(self, index: int, completion: CompletionOutput) -> ChoiceDelta | None:
         sent = self._sent.setdefault(index, _Sent())

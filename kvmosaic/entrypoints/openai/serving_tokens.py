@@ -1,0 +1,34 @@
+"""POST /tokenize and /detokenize (vLLM's shapes): the model's own tokenizer, and its chat template."""
+
+from __future__ import annotations
+
+from kvmosaic.entrypoints.openai.errors import bad_request
+from kvmosaic.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvmosaic.entrypoints.openai.serving_chat import encode_messages
+from kvmosaic.entrypoints.openai.serving_common import ServingContext
+
+
+class TokenServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            tokens = encode_messages(self.ctx, body.messages, body.add_generation_prompt)
+        else:
+            tokens = self.ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=self.ctx.max_model_len, tokens=tokens)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.ctx.check_model(body.model)
+        if any(not 0 <= t < self.ctx.vocab_size for t in body.tokens):
+            raise bad_request(f"tokens must be token ids in [0, {self.ctx.vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=self.ctx.tokenizer.decode(body.tokens, skip_special_tokens=False))
