@@ -86,6 +86,8 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.max_tokens == 0 and self.best_of > 1:
+            raise ValueError("max_tokens 0 scores the prompt only; n and best_of must be 1")
         if self.greedy and self.best_of > 1:
             raise ValueError("best_of > 1 (or n > 1) needs temperature > 0; greedy samples would be identical")
 

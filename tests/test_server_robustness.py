@@ -94,7 +94,9 @@ BAD_INPUTS = [
      "text content", "messages"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p", "top_p"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "n": 2, "temperature": 1}, 400, "max_tokens 0",
+     "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs"),
@@ -235,7 +237,14 @@ SAMPLING = {
     "n": _mostly(st.integers(1, 3), st.integers(-1, 20) | JUNK),
     "stream": _mostly(st.booleans(), JUNK),
     "stream_options": _mostly(st.fixed_dictionaries({"include_usage": st.booleans()}), JUNK),
-    "logit_bias": _mostly(st.just({}), st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2)),
+    "logit_bias": _mostly(st.dictionaries(st.integers(0, 49_151).map(str), st.floats(-100, 100), max_size=2),
+                          st.dictionaries(st.text(max_size=3), st.floats(-200, 200), max_size=2)),
+    "guided_regex": _mostly(st.sampled_from(["[a-z]{1,3}", "yes|no", r"\d+"]), st.text(max_size=5) | JUNK),
+    "guided_choice": _mostly(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3),
+                             st.lists(st.text(max_size=3), max_size=2) | JUNK),
+    "guided_json": _mostly(st.just({"type": "object", "properties": {"a": {"type": "integer"}}}),
+                           st.dictionaries(st.sampled_from(["type", "properties", "enum"]), JUNK, max_size=2)),
+    "prompt_logprobs": _mostly(st.integers(0, 3), st.integers(-1, 30) | JUNK),
 }
 MESSAGE = st.fixed_dictionaries({
     "role": _mostly(st.sampled_from(["system", "user", "assistant", "developer"]), st.just("robot") | JUNK),
@@ -254,7 +263,10 @@ CHAT_BODY = st.fixed_dictionaries(
      "max_tokens": TOKEN_COUNT},
     optional={**SAMPLING, "max_completion_tokens": TOKEN_COUNT, "logprobs": st.booleans(),
               "top_logprobs": _mostly(st.integers(0, 5), st.integers(-1, 25) | JUNK),
-              "tools": _mostly(st.just([]), st.lists(JUNK, max_size=1))},
+              "tools": _mostly(st.just([]), st.lists(JUNK, max_size=1)),
+              "tool_choice": _mostly(st.sampled_from(["auto", "none", "required"]), JUNK),
+              "response_format": _mostly(st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                                         st.fixed_dictionaries({"type": st.text(max_size=12)}) | JUNK)},
 )
 
 

@@ -101,8 +101,14 @@ class Tokenizer:
         return self._backend.to_str()
 
     # -- chat -------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's own jinja2 template."""
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render a conversation with the model's own jinja2 template (``tools``: function specs, for a
+        template that takes them)."""
         validate_messages(messages)
         if self.chat_template is None:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
@@ -111,6 +117,7 @@ class Tokenizer:
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )

@@ -31,14 +31,15 @@ class ChatPromptEncoder:
         alternatives = sorted(self._special_ids, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self._tokenizer.apply_chat_template(messages, add_generation_prompt)
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        return self._tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
 
-    def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> list[int]:
         """Token ids of the templated conversation; raises ValueError on a bad conversation."""
-        rendered = self.render(messages, add_generation_prompt)
+        rendered = self.render(messages, add_generation_prompt, tools)
         contents = [m["content"] for m in messages]
-        spans = self._marked_spans(messages, rendered, add_generation_prompt)
+        spans = self._marked_spans(messages, rendered, add_generation_prompt, tools)
         if spans is None:
             spans = _find_spans(rendered, contents)
         if spans is None:
@@ -48,11 +49,12 @@ class ChatPromptEncoder:
             spans = []
         return self._encode(rendered, spans)
 
-    def _marked_spans(self, messages: list[dict], rendered: str, add_generation_prompt: bool) -> list[Span] | None:
+    def _marked_spans(self, messages: list[dict], rendered: str, add_generation_prompt: bool,
+                      tools: list[dict] | None = None) -> list[Span] | None:
         """Spans of message contents in ``rendered``, if the template inserts contents verbatim."""
         marked = [dict(m, content=_MARKER.format(i)) for i, m in enumerate(messages)]
         try:
-            template = self.render(marked, add_generation_prompt)
+            template = self.render(marked, add_generation_prompt, tools)
         except ValueError:
             return None
         spans: list[Span] = []

@@ -69,6 +69,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -76,7 +78,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension
 
@@ -156,9 +160,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallInfo(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallInfo] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -174,14 +190,24 @@ class ChatCompletionResponse(_Envelope):
     usage: UsageInfo
 
 
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
-    def _present_fields(self) -> dict[str, str]:
+    def _present_fields(self) -> dict[str, Any]:
         # OpenAI deltas carry only the keys that changed.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (("role", self.role), ("content", self.content),
+                  ("tool_calls", None if self.tool_calls is None else [c.model_dump() for c in self.tool_calls]))
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

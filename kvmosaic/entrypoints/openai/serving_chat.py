@@ -9,6 +9,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvmosaic.entrypoints.openai import tool_calls
 from kvmosaic.entrypoints.openai.errors import bad_request
 from kvmosaic.entrypoints.openai.guided import guided_decoding
 from kvmosaic.entrypoints.openai.protocol import (
@@ -21,7 +22,10 @@ from kvmosaic.entrypoints.openai.protocol import (
     ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     TokenLogprob,
+    ToolCallInfo,
     TopLogprob,
     UsageInfo,
 )
@@ -41,30 +45,52 @@ class ChatServing:
         arrival = time.monotonic()
         self.ctx.check_model(body.model)
         _check_unsupported(body)
-        prompt_ids = self._encode(body)
+        functions = _functions(body)
+        prompt_ids = encode_messages(self.ctx, body.messages, body.add_generation_prompt, functions)
+        guided = guided_decoding(body, body.response_format)
+        forced_calls = tool_calls.call_grammar(functions, body.tool_choice) if functions else None
+        if forced_calls is not None and guided is not None:
+            raise bad_request("tool_choice 'required' or a named function cannot be combined with another "
+                              "output constraint", "tool_choice")
         params = build_sampling_params(body, self.ctx, body.max_completion_tokens or body.max_tokens,
-                                       _logprobs(body), guided=guided_decoding(body, body.response_format))
+                                       _logprobs(body), guided=forced_calls or guided)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = Generation(self.ctx, call_id, 1, params.n)
         await gen.start([prompt_ids], params, arrival)
-        return await respond(gen, raw, body, _Responder(self.ctx, call_id, params.n, params.logprobs))
-
-    def _encode(self, body: ChatCompletionRequest) -> list[int]:
-        return encode_messages(self.ctx, body.messages, body.add_generation_prompt)
+        tool_names = {f["name"] for f in functions}
+        return await respond(gen, raw, body, _Responder(self.ctx, call_id, params.n, params.logprobs, tool_names))
 
 
-def encode_messages(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The prompt's token ids: messages rendered by the model's chat template; a 400 if they cannot be."""
-    flat = [_flatten(i, m) for i, m in enumerate(messages)]
+def _functions(body: ChatCompletionRequest) -> list[dict]:
+    """The function specs the model is offered (none for tool_choice "none")."""
+    if not body.tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return []
     try:
-        return ctx.chat_encoder.encode(flat, add_generation_prompt)
+        functions = tool_calls.check_tools(body.tools, body.tool_choice)
+    except ValueError as exc:
+        raise bad_request(str(exc), "tools") from exc
+    return [] if body.tool_choice == "none" else functions
+
+
+def encode_messages(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                    functions: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids: messages rendered by the model's chat template (with the functions
+    offered, if any); a 400 if they cannot be."""
+    try:
+        flat = [_flatten(i, m) for i, m in enumerate(messages)]
+        tools = None
+        if functions and ctx.tokenizer.chat_template_takes_tools:
+            tools = [{"type": "function", "function": f} for f in functions]
+        elif functions:
+            flat = tool_calls.with_tool_prompt(flat, functions)
+        return ctx.chat_encoder.encode(flat, add_generation_prompt, tools)
     except (ValueError, jinja2.TemplateError) as exc:
         raise bad_request(str(exc), "messages") from exc
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise bad_request("tools are not supported", "tools")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -83,18 +109,25 @@ def _flatten(index: int, message: ChatMessage) -> dict:
         if any(part.type != "text" or part.text is None for part in content):
             raise bad_request(f"messages[{index}]: only text content parts are supported", "messages")
         content = "".join(part.text for part in content)
+    if message.tool_calls:  # the calls an assistant made, as it wrote them
+        calls = tool_calls.render_calls(message.tool_calls)
+        content = f"{content}\n{calls}" if content else calls
     if content is None:
         raise bad_request(f"messages[{index}] has no content", "messages")
     return {"role": _ROLE_ALIASES.get(message.role, message.role), "content": content}
 
 
 class _Responder:
-    def __init__(self, ctx: ServingContext, call_id: str, n: int, top_logprobs: int | None) -> None:
+    def __init__(self, ctx: ServingContext, call_id: str, n: int, top_logprobs: int | None,
+                 tool_names: set[str] | frozenset[str] = frozenset()) -> None:
+        """``tool_names``: the functions offered; calls to them are parsed out of the text."""
         self.ctx = ctx
         self.id = call_id
         self.created = int(time.time())
         self.n = n
         self.top_logprobs = top_logprobs
+        self.tool_names = set(tool_names)
+        self.streams: dict[int, tool_calls.ToolCallStream] = {}
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.model_name, choices=choices,
@@ -106,9 +139,20 @@ class _Responder:
                 for i in range(self.n)]
 
     def chunks(self, deltas: list[ChoiceDelta]) -> list[ChatCompletionChunk]:
-        return [self._chunk([ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text or None),
-                                              logprobs=self._logprobs(d), finish_reason=d.finish_reason)])
-                for d in deltas]
+        return [self._chunk([self._stream_choice(d)]) for d in deltas]
+
+    def _stream_choice(self, d: ChoiceDelta) -> ChatStreamChoice:
+        if not self.tool_names:
+            return ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text or None),
+                                    logprobs=self._logprobs(d), finish_reason=d.finish_reason)
+        stream = self.streams.setdefault(d.index, tool_calls.ToolCallStream(self.tool_names))
+        first = stream.num_calls
+        content, calls = stream.feed(d.text, final=d.finish_reason is not None)
+        deltas = [DeltaToolCall(index=first + i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                  for i, c in enumerate(calls)]
+        finish = "tool_calls" if d.finish_reason == "stop" and stream.num_calls else d.finish_reason
+        return ChatStreamChoice(index=d.index, delta=DeltaMessage(content=content or None, tool_calls=deltas or None),
+                                logprobs=self._logprobs(d), finish_reason=finish)
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
@@ -116,9 +160,15 @@ class _Responder:
     def response(self, choices: list[ChoiceDelta], usage: UsageInfo) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.ctx.model_name, usage=usage,
-            choices=[ChatChoice(index=d.index, message=AssistantMessage(content=d.text), logprobs=self._logprobs(d),
-                                finish_reason=d.finish_reason) for d in choices],
+            choices=[self._choice(d) for d in choices],
         )
+
+    def _choice(self, d: ChoiceDelta) -> ChatChoice:
+        content, calls = tool_calls.parse_calls(d.text, self.tool_names) if self.tool_names else (d.text, [])
+        message = AssistantMessage(content=content or (None if calls else ""), tool_calls=[
+            ToolCallInfo(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None)
+        finish = "tool_calls" if calls and d.finish_reason == "stop" else d.finish_reason
+        return ChatChoice(index=d.index, message=message, logprobs=self._logprobs(d), finish_reason=finish)
 
     def _logprobs(self, delta: ChoiceDelta) -> ChatLogprobs | None:
         if self.top_logprobs is None or delta.logprobs is None:
