@@ -121,6 +121,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    score: float | None = None  # a beam search hypothesis's length-penalized score
 
     @property
     def finished(self) -> bool:

@@ -71,7 +71,9 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.status = RequestStatus.WAITING
         # Sequences still to fork off when the first token is sampled (best_of - 1).
-        self.num_forks = (sampling_params.best_of or 1) - 1 if sample_index == 0 else 0
+        # (A beam search forks as its beams are chosen, kvmosaic.core.beam_steps.)
+        forks = sample_index == 0 and not sampling_params.use_beam_search
+        self.num_forks = (sampling_params.best_of or 1) - 1 if forks else 0
         self.seed = seed if seed is not None else sampling_params.seed
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -104,6 +106,18 @@ class Request:
             group_id=self.group_id, sample_index=sample_index, seed=seed, guide=self.guide.fork(),
         )
         child.append_output_token(first_token)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        return child
+
+    def fork_beam(self, request_id: str, token_id: int) -> Request:
+        """A beam continuing this one with ``token_id``: its tokens so far, computed as far as this one's."""
+        child = Request(request_id, self.prompt_token_ids, self.sampling_params, self.arrival_time,
+                        group_id=self.group_id, sample_index=0, seed=self.seed, guide=self.guide.fork())
+        for token in self.output_token_ids:
+            child.append_output_token(token)
+        child.append_output_token(token_id)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status

@@ -33,6 +33,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N log-probabilities of every prompt token (None: none)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
     guided_decoding: GuidedDecoding | None = None  # the grammar the output must match
+    # Beam search (transformers' semantics): best_of beams, the best n returned, scored by
+    # cumulative logprob / length ** length_penalty; early_stopping True, False or "never".
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,7 +51,11 @@ class SamplingParams:
             self.logit_bias = {_token_key(t): b for t, b in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
+        if self.use_beam_search:
+            self.temperature = 0.0  # beams follow logprobs; nothing is drawn
         self._validate()
+        if self.use_beam_search:
+            _check_beam_search(self)
 
     def _validate(self) -> None:
         checks = [
@@ -88,7 +97,7 @@ class SamplingParams:
                 raise ValueError(message)
         if self.max_tokens == 0 and self.best_of > 1:
             raise ValueError("max_tokens 0 scores the prompt only; n and best_of must be 1")
-        if self.greedy and self.best_of > 1:
+        if self.greedy and self.best_of > 1 and not self.use_beam_search:
             raise ValueError("best_of > 1 (or n > 1) needs temperature > 0; greedy samples would be identical")
 
     @property
@@ -99,6 +108,12 @@ class SamplingParams:
     def tracks_logprobs(self) -> bool:
         """Whether sampled tokens' logprobs are needed: asked for, or to rank best_of candidates."""
         return self.logprobs is not None or (self.best_of or 1) > self.n
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Most likely tokens the sampler reports per row: what was asked, or a beam search's candidates
+        (the best 4 per beam cover transformers' (1 + EOS ids) x beams for up to 3 EOS ids)."""
+        return 4 * (self.best_of or 1) if self.use_beam_search else (self.logprobs or 0)
 
     @property
     def jump_forward(self) -> bool:
@@ -117,3 +132,24 @@ def _bias_entry_ok(token_id: object, bias: object) -> bool:
 
 def _token_key(token_id: object) -> object:
     return int(token_id) if isinstance(token_id, str) and token_id.isdigit() else token_id
+
+
+def _check_beam_search(params: SamplingParams) -> None:
+    """What beam search does not combine with: the beams follow raw logprobs, and only finished
+    hypotheses are returned (nothing streams), as in transformers' generate(num_beams=...)."""
+    unsupported = [
+        (params.guided_decoding is not None, "guided decoding"), (params.logit_bias, "logit_bias"),
+        (params.logprobs is not None, "logprobs"), (bool(params.stop), "stop strings"),
+        (params.min_tokens > 0, "min_tokens"), (params.prompt_logprobs is not None, "prompt_logprobs"),
+        (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0,
+         "penalties"),
+    ]
+    for used, name in unsupported:
+        if used:
+            raise ValueError(f"use_beam_search does not combine with {name}")
+    if params.early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be true, false or 'never', got {params.early_stopping!r}")
+    if not math.isfinite(params.length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {params.length_penalty}")
+    if params.max_tokens == 0:
+        raise ValueError("use_beam_search needs max_tokens >= 1")

@@ -178,3 +178,20 @@ def test_constrained_greedy_equals_unconstrained_when_it_already_matches(cached_
         out = llm.generate([prompt], params)[0].outputs[0]
         assert out.text == free.text
     assert isinstance(value, dict)
+
+
+def test_use_beam_search_extension_equals_offline_beam_search(client, cached_loader):
+    prompt = "The capital of France is"
+    offline = LLM(dtype="float32", kv_cache_memory="64MiB", model_loader=cached_loader)
+    expected = offline.beam_search([prompt], beam_width=3, max_tokens=8, num_return=2)[0].outputs
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, n=2, best_of=3,
+                                         extra_body={"use_beam_search": True})
+    assert [c.text for c in response.choices] == [c.text for c in expected]
+    assert response.usage.completion_tokens == sum(len(c.token_ids) for c in expected)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, n=2, best_of=3, stream=True,
+                                         extra_body={"use_beam_search": True})
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert [texts[0], texts[1]] == [c.text for c in expected]

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvmosaic.core.beam_search import BeamHypothesis
+from kvmosaic.core.beam_steps import BeamSteps
 from kvmosaic.core.kv_arrivals import KVArrivals
 from kvmosaic.core.sequence_rules import check_stop, num_forced_tokens, scheduled_request
 from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
@@ -45,6 +47,7 @@ class Scheduler:
         self.spec = (SpeculationSteps(speculator, kv_manager, config.max_model_len) if speculator is not None
                      else NoSpeculation())
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.beams = BeamSteps(self.eos_token_ids, fork=self._fork_beam, drop=self._drop_beam)
         self.requests: dict[str, Request] = {}  # every unfinished sequence
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
@@ -98,11 +101,16 @@ class Scheduler:
         """Finish sequences from outside (abort, stop string): free their blocks and drop them from queues."""
         if not status.finished:
             raise ValueError(f"{status.name} is not a finished status")
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        groups = {*request_ids, *(r.group_id for i in request_ids if (r := self.requests.get(i)) is not None)}
+        beams = self.beams.group_members(groups)  # a beam search ends with all its beams
+        for request_id in dict.fromkeys([*request_ids, *beams]):
             request = self.requests.get(request_id)
             if request is not None:
                 self._remove_from_queue(request)
                 self._finish(request, status)
+        for group_id in groups:
+            self.beams.forget(group_id)
 
     def recompute(self, request_ids: Iterable[str]) -> None:
         """Drop the KV of live sequences and queue them to run again from the start (their blocks were lost)."""
@@ -152,6 +160,7 @@ class Scheduler:
         cache). Call it for every step, even an empty one.
         """
         updated: list[Request] = []
+        beams: list[Request] = []
         self.spec.receive(model_output.proposals)
         self.spec.observe_step(scheduler_output.scheduled, step_seconds - model_output.draft_seconds)
         self.spec.observe_draft(scheduler_output.scheduled, model_output.draft_passes, model_output.draft_seconds)
@@ -165,6 +174,9 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, RequestStatus.FINISHED_LENGTH)
                     updated.append(request)
+                continue
+            if request.sampling_params.use_beam_search:
+                beams.append(request)  # the search picks the tokens, once every beam has its candidates
                 continue
             tokens = [t.token_id for t in model_output.new_tokens(request.request_id)]
             if scheduled.spec_token_ids:
@@ -181,9 +193,14 @@ class Scheduler:
             for sequence in sequences:
                 self._follow_guide(sequence)
             updated.extend(sequences)
+        self.beams.advance(beams, model_output)
         updated.extend(self._finished_by_scheduler)
         self._finished_by_scheduler = []
         return updated
+
+    def take_beam_results(self) -> list[tuple[str, list[BeamHypothesis]]]:
+        """(request id, best hypotheses) of the beam searches finished since the last call."""
+        return self.beams.take_results()
 
     # ---------------------------------------------------------------- the queues
     def _schedule_running(self, plan: StepPlan) -> None:
@@ -316,6 +333,17 @@ class Scheduler:
             self.running.remove(request)
             self._finish(request, stop[0])
             request.stop_reason = stop[1]
+
+    def _fork_beam(self, parent: Request, child_id: str, token_id: int) -> Request:
+        child = parent.fork_beam(child_id, token_id)
+        self.kv_manager.fork(parent, child)
+        self.requests[child_id] = child
+        self.running.insert(self.running.index(parent) + 1, child)
+        return child
+
+    def _drop_beam(self, beam: Request) -> None:
+        self._remove_from_queue(beam)
+        self._finish(beam, RequestStatus.FINISHED_STOPPED)
 
     def _follow_guide(self, request: Request) -> None:
         """Append the tokens the sequence's grammar forces (jump-forward: they are computed in one pass

@@ -123,10 +123,13 @@ class Engine:
 
     def _fit_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         params = fit_max_tokens(params, prompt_len, self.max_model_len)
-        if not self.scheduler.can_ever_fit(prompt_len + params.max_tokens):
+        needed = prompt_len + params.max_tokens
+        if params.use_beam_search:  # every beam may end up with its own blocks past the shared prompt
+            needed = prompt_len + (params.best_of or 1) * (params.max_tokens + self.kv_manager.block_size)
+        if not self.scheduler.can_ever_fit(needed):
             slots = self.kv_manager.num_reachable_blocks * self.kv_manager.block_size
             raise ValueError(
-                f"request needs {prompt_len + params.max_tokens} KV slots but the pool holds only {slots}; "
+                f"request needs {needed} KV slots but the pool holds only {slots}; "
                 "raise kv_cache_memory or lower max_tokens"
             )
         return params
@@ -165,6 +168,7 @@ class Engine:
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             step_outputs += [self._fail_group(group_id, message) for group_id, message in failed.items()]
+            step_outputs += self.processor.finish_beams(self.scheduler.take_beam_results())
         return outputs + step_outputs
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kvmosaic.core.beam_search import BeamHypothesis
 from kvmosaic.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvmosaic.outputs import CompletionOutput, ModelOutput, RequestMetrics, RequestOutput, SampledToken
 from kvmosaic.request import Request
@@ -138,6 +139,27 @@ class OutputProcessor:
             top = dict(sampled.top_logprobs or {})
             top[token] = sampled.logprob
             seq.logprobs.append(top)
+
+    def finish_beams(self, results: list[tuple[str, list[BeamHypothesis]]]) -> list[RequestOutput]:
+        """The final outputs of finished beam searches: their best hypotheses, best first."""
+        outputs = []
+        now = time.monotonic()
+        for request_id, hypotheses in results:
+            group = self.groups.get(request_id)
+            if group is None:
+                continue
+            skip = group.params.skip_special_tokens
+            group.metrics.finished_time = now
+            group.metrics.first_token_time = group.metrics.first_token_time or now
+            completions = [CompletionOutput(
+                index=i, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip), token_ids=list(h.token_ids),
+                cumulative_logprob=h.cumulative_logprob, logprobs=None,
+                finish_reason="stop" if h.ended_by_eos else "length", score=h.score)
+                for i, h in enumerate(hypotheses)]
+            self._forget(group)
+            outputs.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True,
+                                         group.metrics))
+        return outputs
 
     def finish_aborted(self, request_id: str, message: str | None = None) -> RequestOutput | None:
         """End a group with finish reason "abort" (``message``, when given, as the stop reason)."""

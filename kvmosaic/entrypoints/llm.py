@@ -120,6 +120,25 @@ class LLM:
             raise
         return self._run(request_ids, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        num_return: int | None = None,
+        ignore_eos: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Beam search with transformers' semantics: each output holds the best ``num_return``
+        (default: all ``beam_width``) hypotheses, best first, with their scores
+        (``CompletionOutput.score``: cumulative logprob / length ** length_penalty)."""
+        params = SamplingParams(use_beam_search=True, best_of=beam_width, n=num_return or beam_width,
+                                max_tokens=max_tokens, length_penalty=length_penalty,
+                                early_stopping=early_stopping, ignore_eos=ignore_eos)
+        return self.generate(prompts, params, use_tqdm)
+
     def _abort_all(self, request_ids) -> None:
         for rid in request_ids:
             self.engine.abort(rid, emit_output=False)

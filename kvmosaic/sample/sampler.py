@@ -185,14 +185,15 @@ def sampled_tokens(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list
 
 def _top_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float] | None]:
     """The params.logprobs most likely raw tokens per row; {} for logprobs=0, None when not asked."""
-    tops: list[dict[int, float] | None] = [None if r.params.logprobs is None else {} for r in rows]
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
+    tops: list[dict[int, float] | None] = [None if not r.params.num_top_logprobs and r.params.logprobs is None
+                                           else {} for r in rows]
+    wanted = [i for i, r in enumerate(rows) if r.params.num_top_logprobs]
     if not wanted:
         return tops
-    num_top = max(rows[i].params.logprobs for i in wanted)
+    num_top = max(rows[i].params.num_top_logprobs for i in wanted)
     values, ids = compute_logprobs(_take_rows(raw_logits, wanted)).topk(num_top, dim=-1)
     for i, row_ids, row_values in zip(wanted, ids.tolist(), values.tolist()):
-        n = rows[i].params.logprobs
+        n = rows[i].params.num_top_logprobs
         tops[i] = dict(zip(row_ids[:n], row_values[:n]))
     return tops
 

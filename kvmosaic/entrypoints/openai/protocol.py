@@ -49,6 +49,9 @@ class SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None
+    use_beam_search: bool = False  # beam width: best_of (completions) or n
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
 
 class CompletionRequest(SamplingRequest):

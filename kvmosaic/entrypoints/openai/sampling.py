@@ -48,7 +48,8 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens:
         return SamplingParams(
             n=n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
             top_k=top_k, seed=req.seed, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            logit_bias=logit_bias, guided_decoding=guided,
+            logit_bias=logit_bias, guided_decoding=guided, use_beam_search=req.use_beam_search,
+            length_penalty=req.length_penalty, early_stopping=req.early_stopping,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
             **{name: getattr(req, name) for name in _FLOAT_FIELDS if getattr(req, name) is not None},
         )
