@@ -169,7 +169,8 @@ def test_bad_input_raises_and_engine_keeps_serving(llm, reference, prompt, param
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=0, n=2, temperature=1.0), "max_tokens 0"),
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),

@@ -29,13 +29,11 @@ _OPEN_KEYS = frozenset({"additionalProperties", "patternProperties", "unevaluate
 
 
 class GrammarGuide:
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, jump_forward: bool) -> None:
-        import llguidance
-
-        self._tokenizer = tokenizer
-        self._grammar = grammar
+    def __init__(self, compiled: llguidance.LLMatcher, jump_forward: bool) -> None:
+        """``compiled``: a matcher at the grammar's start, shared and never advanced (copied here)."""
+        self._compiled = compiled
         self._jump_forward = jump_forward
-        self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self._matcher = compiled.deep_copy()
         self._num_consumed = 0
         self._failed = False
 
@@ -66,7 +64,7 @@ class GrammarGuide:
         return self._catch_up(output_token_ids) and self._matcher.is_stopped()
 
     def fork(self) -> Guide:
-        return GrammarGuide(self._tokenizer, self._grammar, self._jump_forward)
+        return GrammarGuide(self._compiled, self._jump_forward)
 
     def _catch_up(self, output_token_ids: Sequence[int]) -> bool:
         """Consume the outputs appended since the last call; False once the matcher has failed."""
@@ -85,14 +83,15 @@ class GrammarGuide:
 
 
 class GuideFactory:
-    """Compiles guided-decoding requests into guides for one tokenizer; compiled grammars are cached
-    by constraint (the tokenizer table is built on the first guided request, ~0.3 s)."""
+    """Compiles guided-decoding requests into guides for one tokenizer. Compiled grammars (a matcher
+    at the start, which each sequence copies) are cached by constraint; the tokenizer table is built
+    on the first guided request (~0.3 s)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = max(vocab_size, tokenizer.vocab_size)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
 
     def start(self, guided: GuidedDecoding | None, jump_forward: bool = True) -> Guide:
@@ -100,20 +99,24 @@ class GuideFactory:
         that does not compile (an invalid schema, regex or grammar)."""
         if guided is None:
             return UNGUIDED
-        return GrammarGuide(self._llg_tokenizer(), self.compile(guided), jump_forward)
+        return GrammarGuide(self.compile(guided), jump_forward)
 
-    def compile(self, guided: GuidedDecoding) -> str:
+    def compile(self, guided: GuidedDecoding) -> llguidance.LLMatcher:
         key = guided.key
-        grammar = self._cache.get(key)
-        if grammar is None:
-            grammar = self._compile(guided)
-            self._cache[key] = grammar
+        compiled = self._cache.get(key)
+        if compiled is None:
+            import llguidance
+
+            compiled = llguidance.LLMatcher(self._llg_tokenizer(), self._grammar(guided), log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"invalid guided_{guided.kind}: {compiled.get_error()}")
+            self._cache[key] = compiled
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        return grammar
+        return compiled
 
-    def _compile(self, guided: GuidedDecoding) -> str:
+    def _grammar(self, guided: GuidedDecoding) -> str:
         import llguidance
 
         kind = guided.kind
