@@ -89,3 +89,23 @@ def ray_runtime():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(cached_loader):
+    """The OpenAI-compatible server over a float32 default-model engine, in a thread of this process
+    (one per test module; a module may define its own)."""
+    from kvmosaic import LLM
+    from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
+
+    engine = LLM(dtype="float32", kv_cache_memory="128MiB", model_loader=cached_loader).engine
+    with BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The real ``openai`` client of ``server``."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -12,11 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from kvmosaic import LLM, SamplingParams
-from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
 from kvmosaic.entrypoints.openai.chat_prompt import ChatPromptEncoder
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,20 +23,8 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def server(cached_loader):
-    engine = LLM(dtype="float32", kv_cache_memory="128MiB", model_loader=cached_loader).engine
-    with BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
 def offline(cached_loader) -> LLM:
     return LLM(dtype="float32", kv_cache_memory="128MiB", model_loader=cached_loader)
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _greedy(max_tokens: int, **kwargs) -> SamplingParams:

@@ -8,13 +8,11 @@ from typing import Annotated
 
 import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
 import torch
 
 from kvmosaic import LLM, SamplingParams
-from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
 from kvmosaic.structured import GuidedDecoding
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -26,18 +24,6 @@ class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=30)
     age: int
     hobbies: list[Annotated[str, pydantic.Field(max_length=20)]] = pydantic.Field(max_length=3)
-
-
-@pytest.fixture(scope="module")
-def server(cached_loader):
-    engine = LLM(dtype="float32", kv_cache_memory="128MiB", model_loader=cached_loader).engine
-    with BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_parse_returns_a_pydantic_object(client):

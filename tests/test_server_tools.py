@@ -8,12 +8,9 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from kvmosaic import LLM
 from kvmosaic.entrypoints.openai import tool_calls
-from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -27,18 +24,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": TIME}}]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-
-
-@pytest.fixture(scope="module")
-def server(cached_loader):
-    engine = LLM(dtype="float32", kv_cache_memory="128MiB", model_loader=cached_loader).engine
-    with BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _check_calls(calls, names=None) -> None:
