@@ -345,3 +345,62 @@ def test_hf_config_legacy_rope_scaling_and_qwen2_bias():
     assert cfg.attention_bias and cfg.eos_token_ids == (3,) and cfg.head_dim == 16
     default_rope = hf_model_config({**BASE_HF_CONFIG, "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}})
     assert (default_rope.rope_theta, default_rope.rope_scaling) == (5.0, None)
+
+
+# -- the GGUF header reader ------------------------------------------------------------------------
+
+
+def test_gguf_file_reads_what_gguf_py_reads(tmp_path):
+    """GGUFFile against gguf-py's own GGUFReader: every metadata value type, element and block tensors."""
+    from kvmosaic.model.gguf_file import GGUFFile
+
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_uint8("k.u8", 7)
+    writer.add_int8("k.i8", -7)
+    writer.add_uint16("k.u16", 65535)
+    writer.add_int16("k.i16", -300)
+    writer.add_uint32("k.u32", 1 << 31)
+    writer.add_int32("k.i32", -(1 << 30))
+    writer.add_float32("k.f32", 0.1)
+    writer.add_uint64("k.u64", 1 << 40)
+    writer.add_int64("k.i64", -(1 << 40))
+    writer.add_float64("k.f64", 1e-300)
+    writer.add_bool("k.bool", True)
+    writer.add_string("k.str", "héllo <|im_end|>")
+    writer.add_array("k.ints", [3, -1, 4])
+    writer.add_array("k.floats", [0.5, -2.25])
+    writer.add_array("k.strs", ["a", "", "ü€"])
+    writer.add_array("k.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((2, 5)).astype(np.float16))
+    for qtype in (Q.Q8_0, Q.Q4_1):
+        packed = gguf.quants.quantize(rng.standard_normal((4, 256)).astype(np.float32), qtype)
+        writer.add_tensor(qtype.name, packed, raw_dtype=qtype)
+    writer.add_tensor("q4_k", rng.integers(0, 256, (4, 144), dtype=np.uint8), raw_dtype=Q.Q4_K)  # 1 block a row
+    _finish(writer)
+    ours, theirs = GGUFFile(tmp_path / "t.gguf"), gguf.GGUFReader(tmp_path / "t.gguf")
+    assert list(ours.fields) == [k for k in theirs.fields if not k.startswith("GGUF.")]
+    for key, field in ours.fields.items():
+        if key == "k.nested":  # GGUFReader flattens nested arrays; GGUFFile keeps their structure
+            assert sum(field.contents(), []) == theirs.fields[key].contents()
+            continue
+        value = theirs.fields[key].contents()
+        assert field.contents() == value and type(field.contents()) is type(value), key
+    assert ours.fields["k.strs"].contents() == ["a", "", "ü€"]
+    assert ours.fields["k.nested"].contents() == [[1, 2], [3]]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.n_bytes) == (reference.name, reference.tensor_type, reference.n_bytes)
+        assert mine.shape.tolist() == reference.shape.tolist()
+        assert mine.data.dtype == reference.data.dtype and np.array_equal(mine.data, reference.data)
+
+
+def test_gguf_file_refuses_a_file_that_is_not_gguf(tmp_path):
+    from kvmosaic.model.gguf_file import GGUFFile
+
+    (tmp_path / "x.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 8)  # truncated header
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        GGUFFile(tmp_path / "x.gguf")
+    (tmp_path / "y.gguf").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="bad magic"):
+        GGUFFile(tmp_path / "y.gguf")

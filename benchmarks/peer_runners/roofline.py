@@ -44,9 +44,9 @@ def weight_bytes_per_param(dtype: str, num_params: int) -> float:
     path = gguf_for(dtype)
     if not path.is_file():
         return dtype_bytes(dtype)
-    from gguf import GGUFReader
+    from kvmosaic.model.gguf_file import GGUFFile
 
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors) / num_params
+    return sum(t.n_bytes for t in GGUFFile(path).tensors) / num_params
 
 
 def roofline_rows(results: list[dict]) -> list[dict] | None:

@@ -95,8 +95,8 @@ def stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> Iterato
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # bad sampling options fail before the model loads
     llm = _make_llm(args)
-    params = _sampling_params(args)
     sys.stdout.write(args.prompt)
     for delta in stream(llm, args.prompt, params):
         sys.stdout.write(delta)
@@ -106,8 +106,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # bad sampling options fail before the model loads
     llm = _make_llm(args)
-    params = _sampling_params(args)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("kvmosaic chat: type a message, or /exit to quit.", file=sys.stderr)
     while True:

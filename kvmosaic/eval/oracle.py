@@ -70,9 +70,9 @@ def llamacpp_perplexity(gguf: str | Path, windows: list[list[int]], threads: int
 
 def tensor_types(gguf: str | Path) -> str:
     """The weight formats of a GGUF's matrices, e.g. "Q4_K x30, Q5_0 x181" (1-D norms left out)."""
-    import gguf as gguf_lib
+    from kvmosaic.model.gguf_file import GGUFFile
 
-    reader = gguf_lib.GGUFReader(str(gguf))
+    reader = GGUFFile(gguf)
     counts = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1 and t.shape[1] > 1)
     return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvmosaic.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvmosaic.model.gguf_file import GGUFFile, GGUFTensor
 from kvmosaic.model.gguf_tokenizer import gguf_eos_token_ids, gguf_field
 from kvmosaic.model.tokenizer import Tokenizer
 from kvmosaic.quant import weights as qw
@@ -49,7 +50,7 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
               ) -> tuple[ModelConfig, dict[str, torch.Tensor | qw.QuantizedWeight], Tokenizer]:
     """``keep_quantized``: matrices of a type the kernels run natively (Q8_0, Q4_0, Q4_1, Q4_K) stay
     quantized (``QuantizedWeight``); everything else is dequantized to ``dtype``."""
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)
     fields = reader.fields
     if gguf_field(fields, "split.count", 1) > 1:
         raise ValueError(f"{path} is one shard of a split GGUF; merge it with llama-gguf-split --merge first")
@@ -95,7 +96,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
+def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
     """Float32 tensor in PyTorch (out_features, in_features) order."""
     qtype = Q(tensor.tensor_type)
     if qtype not in SUPPORTED_TENSOR_TYPES:
@@ -124,7 +125,7 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return split.transpose(1, 2).reshape(rows, *rest).contiguous()
 
 
-def gguf_model_config(fields: Mapping, tensors: Mapping[str, gguf.ReaderTensor]) -> ModelConfig:
+def gguf_model_config(fields: Mapping, tensors: Mapping[str, GGUFTensor]) -> ModelConfig:
     arch = gguf_field(fields, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
