@@ -57,6 +57,10 @@ def test_default_model_runs_native_formats_in_a_fifth_of_the_bytes(native_model)
     assert model.embed_tokens.weight is None  # rows come from the head's Q8_0 weight
     assert 80e6 < _model_bytes(model) < 100e6  # not the 540 MB of float32
     assert model._packed_weights is not None  # the decode stack takes quantized linears
+    cut = model.first_layers(1)  # what the KV-sizing profile runs
+    assert len(cut.layers) == 1 and cut.layers[0] is layer and cut.lm_head is model.lm_head
+    assert len(model.layers) == native_model.config.num_hidden_layers  # the model itself is not cut
+    assert cut._packed_weights is not None and cut._packed_weights is not model._packed_weights
 
 
 class _WithoutQuantizedLinear:

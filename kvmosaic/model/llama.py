@@ -6,6 +6,8 @@ fused at construction so each layer runs two matmuls fewer per step.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -105,6 +107,17 @@ class LlamaForCausalLM(nn.Module):
         self._packed_weights = None
         if kernels.ops is not None and all(w is not None for w in per_layer):
             self._packed_weights = kernels.ops.StackWeights([t for w in per_layer for t in w])
+
+    def first_layers(self, count: int) -> LlamaForCausalLM:
+        """This model cut to its first ``count`` layers, sharing every weight. A forward's activation
+        memory does not grow with depth, so the KV-sizing profile runs this at a fraction of the cost."""
+        cut = copy.copy(self)
+        cut._modules = dict(self._modules)  # a shallow copy would share (and so change) the module table
+        cut._modules["layers"] = nn.ModuleList(list(self.layers)[:count])
+        if self._packed_weights is not None:
+            per_layer = [layer.packed_weights() for layer in cut.layers]
+            cut._packed_weights = type(self._packed_weights)([t for w in per_layer for t in w])
+        return cut
 
     def _run_layer_stack(self, residual: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata,
                          keep_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -4,6 +4,7 @@ workers; the engine never sees a tensor."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -138,13 +139,15 @@ class Worker:
 
     def _profile_run(self) -> None:
         """One forward over the largest batch the scheduler can form, on a throw-away cache just big
-        enough for it: its peak is the activation memory the KV pool must leave room for."""
+        enough for it: its peak is the activation memory the KV pool must leave room for. One layer
+        has the peak of all of them (each reuses the last one's activations) at 1/L of the time."""
         batch = profile_batch(self.config)
         num_blocks = sum(len(s.block_table) for s in batch)
-        cache = KVCache(self.model_config, self.config.cache, self.config.torch_dtype, self.thresholds,
+        one_layer = dataclasses.replace(self.model_config, num_hidden_layers=1)
+        cache = KVCache(one_layer, self.config.cache, self.config.torch_dtype, self.thresholds,
                         self.config.cache.kv_group_size, num_blocks=num_blocks, num_host_blocks=0)
-        backend = make_attention_backend(self.model_config, cache, self.kernels, self.thresholds)
-        ModelRunner(self.model, backend, self.eos_token_ids).compute_logits(batch)
+        backend = make_attention_backend(one_layer, cache, self.kernels, self.thresholds)
+        ModelRunner(self.model.first_layers(1), backend, self.eos_token_ids).compute_logits(batch)
 
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
