@@ -2,7 +2,7 @@
 
 ``gguf.GGUFReader`` builds a numpy view for every element of every metadata array: the default
 model's 49,152 tokens and 48,900 merges take ~6 s on a 2-core AVX2 host, then most of an engine's
-start-up. This reads the same header with ``struct`` over one memory map (~0.1 s) and hands out each
+start-up. This reads the same header with ``struct`` over one memory map (0.28 s) and hands out each
 tensor's data as the same numpy view over the file GGUFReader gives. gguf-py still supplies the type
 tables, the quantizers and the writer.
 """
@@ -107,7 +107,8 @@ class GGUFFile:
                 raise ValueError(f"duplicate metadata key {name!r}")
             self.fields[name] = GGUFField(name, header.value(V(header.scalar("I"))))
         infos = [self._tensor_info(header) for _ in range(tensor_count)]
-        alignment = int(self.fields.get("general.alignment", GGUFField("", gguf.GGUF_DEFAULT_ALIGNMENT)).value)
+        field = self.fields.get("general.alignment")
+        alignment = gguf.GGUF_DEFAULT_ALIGNMENT if field is None else int(field.value)
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment {alignment} is not a power of two")
         start = -(-header.pos // alignment) * alignment
