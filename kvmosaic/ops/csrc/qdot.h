@@ -150,6 +150,40 @@ inline I16 add(I16 a, I16 b) {
 }
 #endif
 
+// Sums of q4 dots over one block: u8 x s8 dots as add() takes them, widened to int32 by total().
+// Without VNNI the pair sums of maddubs stay int16 until the block's end (one madd a block instead of
+// one a dot): a block adds at most 8 of them to one sum, and 8 * 2 * 15 * 127 = 30480 fits int16 as
+// q4 codes are 0..15 and activations |x| <= 127. Not for q8 codes, whose one pair can reach 32512.
+#if (defined(KVM_VEC_AVX512) && !defined(__AVX512VNNI__)) || (defined(KVM_VEC_AVX2) && !defined(__AVXVNNI__))
+#if defined(KVM_VEC_AVX512)
+struct Q4Sum {
+  __m512i v;
+  static Q4Sum zero() { return {_mm512_setzero_si512()}; }
+  Q4Sum add(V64 u, V64 s) const { return {_mm512_add_epi16(v, _mm512_maddubs_epi16(u.v, s.v))}; }
+  I16 total() const { return {_mm512_madd_epi16(v, _mm512_set1_epi16(1))}; }
+};
+#else
+struct Q4Sum {
+  __m256i lo, hi;
+  static Q4Sum zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  Q4Sum add(V64 u, V64 s) const {
+    return {_mm256_add_epi16(lo, _mm256_maddubs_epi16(u.lo, s.lo)), _mm256_add_epi16(hi, _mm256_maddubs_epi16(u.hi, s.hi))};
+  }
+  I16 total() const {
+    const __m256i one = _mm256_set1_epi16(1);
+    return {_mm256_madd_epi16(lo, one), _mm256_madd_epi16(hi, one)};
+  }
+};
+#endif
+#else
+struct Q4Sum {  // VNNI's dot instruction, or the portable loops: int32 sums throughout
+  I16 v;
+  static Q4Sum zero() { return {I16::zero()}; }
+  Q4Sum add(V64 u, V64 s) const { return {dot_u8s8(v, u, s)}; }
+  I16 total() const { return v; }
+};
+#endif
+
 // Signed q8 weights times signed activations: |w| times x carrying w's sign (u8 x s8 needs one unsigned side).
 inline I16 dot_s8s8(I16 acc, V64 w, V64 x) { return dot_u8s8(acc, w.abs_s8(), w.sign_of(x)); }
 
