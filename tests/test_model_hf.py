@@ -17,7 +17,10 @@ from kvmosaic.worker.worker import Worker
 
 transformers = pytest.importorskip("transformers")
 
-TOL = 1e-4
+# float32 logits (magnitude ~10-30) after 30 layers summed in other orders than HF's: a lone decode
+# row's attention splits its context over the threads and merges the pieces, which moved the largest
+# difference from just under 1e-4 to just over it; a wrong kernel is off by orders of magnitude more
+TOL = 2e-4
 DECODE_STEPS = 20
 GREEDY = SamplingParams(temperature=0.0)
 

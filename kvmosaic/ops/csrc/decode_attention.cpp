@@ -4,6 +4,8 @@
 #include "stack_kernels.h"
 #include "vec.h"
 
+#include <numeric>
+
 namespace {
 
 using namespace kvops;
@@ -163,15 +165,18 @@ inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t sl
 // over the context with an online softmax. One work item is one sequence: its K/V rows are read
 // from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
 // sixteen tokens at a time, with the next sixteen prefetched. With fewer sequences than threads
-// (single-stream decode) a work item is one KV head of a sequence, so every thread has work.
+// (single-stream decode) a work item is one KV head of a sequence over a piece of its context
+// (decode_attention_work), so every thread has the same work; the pieces' partial sums are merged after.
 template <typename T, int NC>
-void vec_items(const DecodeBatch<T>& db, float scale, int64_t parts, int64_t begin, int64_t end) {
+void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work, float* partials, int64_t begin,
+               int64_t end) {
   constexpr int64_t D = NC * 16;
   const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr, head_dim] = db;
   const int64_t slot_stride = hk * D;
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
   const int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));  // one KV head of a slot
   const vec::F16 vscale = vec::F16::set1(scale);
+  const int64_t parts = work.parts, splits = work.splits;
   const int64_t part_heads = hk / parts;
   {
     std::vector<QueryDot<T, NC>> qd(hq);
@@ -181,15 +186,19 @@ void vec_items(const DecodeBatch<T>& db, float scale, int64_t parts, int64_t beg
     int64_t slots[16];
     std::vector<const char*> pf_lines(2 * 16 * ((slot_bytes + 63) / 64));
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / parts, kh0 = item % parts * part_heads, kh1 = kh0 + part_heads;
+      const int64_t b = item / (parts * splits), piece = item % (parts * splits);
+      const int64_t kh0 = piece / splits * part_heads, kh1 = kh0 + part_heads, split = piece % splits;
       const int64_t ctx = lens[b];
+      // this split's tokens: whole chunks of sixteen, the last split the rest (maybe none)
+      const int64_t split_tokens = ((ctx + 15) / 16 + splits - 1) / splits * 16;
+      const int64_t t_begin = std::min(ctx, split * split_tokens), t_end = std::min(ctx, t_begin + split_tokens);
       const int64_t* table = tables + b * width;
       auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
       for (int64_t h = kh0 * group; h < kh1 * group; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
       std::fill(softmax.begin(), softmax.end(), vec::OnlineSoftmax());
       std::fill(acc.begin(), acc.end(), vec::F16::zero());
-      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, ctx - t0);
+      for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, t_end - t0);
         const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
         for (int64_t j = 0; j < n; ++j) slots[j] = slot_of(t0 + j);
         // the rows two chunks ahead (past the end: the next sequence's first ones) are prefetched
@@ -206,8 +215,8 @@ void vec_items(const DecodeBatch<T>& db, float scale, int64_t parts, int64_t beg
           }
         };
         const int64_t ahead = t0 + 32, padded_ctx = (ctx + 15) / 16 * 16;
-        if (ahead < ctx) {
-          add_lines(table, ahead, std::min(ctx, ahead + 16));
+        if (ahead < t_end) {
+          add_lines(table, ahead, std::min(t_end, ahead + 16));
         } else if (parts == 1 && b + 1 < end && ahead - padded_ctx < lens[b + 1]) {
           const int64_t from = ahead - padded_ctx;
           add_lines(tables + (b + 1) * width, from, std::min(lens[b + 1], from + 16));
@@ -260,6 +269,13 @@ void vec_items(const DecodeBatch<T>& db, float scale, int64_t parts, int64_t beg
         }
       }
       for (int64_t h = kh0 * group; h < kh1 * group; ++h) {
+        if (splits > 1) {  // unscaled sums, the softmax reference and total, for merge_attention_splits
+          float* p = partials + ((b * hq + h) * splits + split) * (D + 2);
+          for (int c = 0; c < NC; ++c) acc[h * NC + c].store(p + c * 16);
+          p[D] = softmax[h].ref;
+          p[D + 1] = softmax[h].total();
+          continue;
+        }
         const vec::F16 inv = vec::F16::set1(1.f / softmax[h].total());
         for (int c = 0; c < NC; ++c) (acc[h * NC + c] * inv).store(o_ptr + (b * hq + h) * D + c * 16);
       }
@@ -271,28 +287,62 @@ void vec_items(const DecodeBatch<T>& db, float scale, int64_t parts, int64_t beg
 
 namespace kvops {
 
-// The register-blocked kernel takes head_dim 64 / 128 and, with fewer sequences than threads
-// (single-stream decode), splits a sequence into one item per KV head so every thread has work;
-// other head sizes take the generic loop, one item per KV head.
+// The register-blocked kernel takes head_dim 64 / 128; other head sizes take the generic loop, one
+// item per KV head. With fewer sequences than threads (single-stream decode) the register kernel
+// takes one item per KV head and splits each head's context into as many pieces as it takes for the
+// items to divide evenly among the threads: the default model's 3 KV heads on 2 threads left one
+// thread waiting half of the attention time (perf, AVX2 host).
 AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads) {
   const bool registers = head_dim == 64 || head_dim == 128;
-  const int64_t parts = !registers || batch < threads ? hk : 1;
-  return {batch * parts, parts};
+  if (!registers) return {batch * hk, hk, 1};
+  if (batch >= threads) return {batch, 1, 1};
+  const int64_t splits = threads / std::gcd<int64_t>(batch * hk, threads);
+  return {batch * hk * splits, hk, splits};
 }
 
 template <typename T>
-void decode_attention_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work, int64_t i0,
-                            int64_t i1) {
+void decode_attention_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work, float* partials,
+                            int64_t i0, int64_t i1) {
   const float fscale = static_cast<float>(scale);
-  if (db.head_dim == 64) return vec_items<T, 4>(db, fscale, work.parts, i0, i1);
-  if (db.head_dim == 128) return vec_items<T, 8>(db, fscale, work.parts, i0, i1);
+  if (db.head_dim == 64) return vec_items<T, 4>(db, fscale, work, partials, i0, i1);
+  if (db.head_dim == 128) return vec_items<T, 8>(db, fscale, work, partials, i0, i1);
   generic_items<T>(db, fscale, i0, i1);
 }
 
-template void decode_attention_items<float>(const DecodeBatch<float>&, double, const AttentionWork&, int64_t,
+// Query heads [i0, i1) of the batch (item = sequence * hq + head): the splits' sums rescaled to their
+// common reference and divided by the common total. A split with no tokens has reference -inf.
+template <typename T>
+void merge_attention_splits(const DecodeBatch<T>& db, const AttentionWork& work, const float* partials, int64_t i0,
+                            int64_t i1) {
+  const int64_t d = db.head_dim, splits = work.splits, stride = d + 2;
+  std::vector<float> weight(splits);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* p = partials + i * splits * stride;
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t s = 0; s < splits; ++s) top = std::max(top, p[s * stride + d]);
+    for (int64_t s = 0; s < splits; ++s) {
+      const float ref = p[s * stride + d];
+      weight[s] = ref == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(ref - top);
+      total += weight[s] * p[s * stride + d + 1];
+    }
+    const vec::F16 inv = vec::F16::set1(1.f / total);
+    for (int64_t c = 0; c < d; c += 16) {
+      vec::F16 sum = vec::F16::zero();
+      for (int64_t s = 0; s < splits; ++s)
+        sum = vec::fma(vec::F16::load(p + s * stride + c), vec::F16::set1(weight[s]), sum);
+      (sum * inv).store(db.out + i * d + c);
+    }
+  }
+}
+
+template void decode_attention_items<float>(const DecodeBatch<float>&, double, const AttentionWork&, float*, int64_t,
                                             int64_t);
 template void decode_attention_items<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, double, const AttentionWork&,
-                                                    int64_t, int64_t);
+                                                    float*, int64_t, int64_t);
+template void merge_attention_splits<float>(const DecodeBatch<float>&, const AttentionWork&, const float*, int64_t,
+                                            int64_t);
+template void merge_attention_splits<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, const AttentionWork&,
+                                                    const float*, int64_t, int64_t);
 
 }  // namespace kvops
 
@@ -303,7 +353,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
   const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
   const AttentionWork work = decode_attention_work(db.batch, db.hk, db.head_dim, at::get_num_threads());
-  at::parallel_for(0, work.items, 1, [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, i0, i1); });
+  std::vector<float> partials(work.partial_floats(db.batch, db.hq, db.head_dim));
+  at::parallel_for(0, work.items, 1,
+                   [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
+  merge_attention_splits(db, work, partials.data(), 0, work.merge_items(db.batch, db.hq));  // a few heads' rows
 }
 
 }  // namespace

@@ -142,6 +142,8 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
   // a copy per thread when some linear quantizes its rows privately: the last layer's kept rows may be
   // few even when the step's rows are many
   QuantScratch scratch(n, weights.widest_input(), kept <= kPrivateRows ? at::get_num_threads() : 1);
+  const AttentionWork work = decode_attention_work(n, hk, d, at::get_num_threads());
+  std::vector<float> partials(work.partial_floats(n, hq, d));
 
   T* res = residual.data_ptr<T>();
   T* normed_p = normed.data_ptr<T>();
@@ -162,7 +164,6 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
                              attn_p, d};
 
   run_team([&](const Team& team) {
-    const AttentionWork work = decode_attention_work(n, hk, d, team.size());
     for (int64_t i = 0; i < layers; ++i) {
       const StackWeights::Layer& layer = weights.plan()[i];
       Share s = team.share(n);
@@ -183,8 +184,13 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
       db.k = r.k_cache;
       db.v = r.v_cache;
       s = team.share(work.items);
-      decode_attention_items(db, scale, work, s.begin, s.end);
+      decode_attention_items(db, scale, work, partials.data(), s.begin, s.end);
       team.sync();
+      if (work.splits > 1) {
+        s = team.share(work.merge_items(n, hq));
+        merge_attention_splits(db, work, partials.data(), s.begin, s.end);
+        team.sync();
+      }
       T* rows = res;
       const T* attn_rows = attn_p;
       int64_t m = n;

@@ -79,12 +79,22 @@ template <typename T>
 void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1);
 
 // ---- decode attention (decode_attention.cpp)
+// A work item is a group of KV heads of a sequence (parts groups per sequence) over one of `splits`
+// pieces of its context. With splits > 1 the items leave partial sums in `partials`
+// (partial_floats() floats) and merge_items(), after a barrier, writes the output: batch * hq items.
 struct AttentionWork {
-  int64_t items, parts;  // parts: items per sequence
+  int64_t items, parts, splits;
+  int64_t partial_floats(int64_t batch, int64_t hq, int64_t head_dim) const {
+    return splits > 1 ? batch * hq * splits * (head_dim + 2) : 0;
+  }
+  int64_t merge_items(int64_t batch, int64_t hq) const { return splits > 1 ? batch * hq : 0; }
 };
 AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads);
 template <typename T>
-void decode_attention_items(const DecodeBatch<T>& batch, double scale, const AttentionWork& work, int64_t i0,
-                            int64_t i1);
+void decode_attention_items(const DecodeBatch<T>& batch, double scale, const AttentionWork& work, float* partials,
+                            int64_t i0, int64_t i1);
+template <typename T>
+void merge_attention_splits(const DecodeBatch<T>& batch, const AttentionWork& work, const float* partials,
+                            int64_t i0, int64_t i1);
 
 }  // namespace kvops
