@@ -40,15 +40,27 @@ def reference(llm) -> list[list[int]]:
     return _tokens(llm.generate(PROMPTS, _greedy()))
 
 
+def _hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> list[list[int]]:
+    """transformers' greedy continuations of the prompts in one left-padded batch (each prompt's pad
+    keys masked, its positions counted from its first token), each cut after its first EOS. One batched
+    call streams the float32 weights once a step instead of once a step per prompt (~40 s less here)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad_id)[:, width:].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
+
+
 @pytest.mark.slow
-def test_greedy_batch_matches_hf_generate_alone(llm, hf_gguf_model):
+def test_greedy_batch_matches_hf_generate(llm, hf_gguf_model):
     # both engines stop at EOS (HF's min_new_tokens would mask EOS and change the greedy path)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=48))
-    for prompt, out in zip(PROMPTS, outs):
-        ids = torch.tensor([llm.tokenizer.encode(prompt)])
-        ref = hf_gguf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
-                                     do_sample=False, pad_token_id=2)
-        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+    refs = _hf_greedy(hf_gguf_model, [llm.tokenizer.encode(p) for p in PROMPTS], 48, pad_id=2)
+    for prompt, out, ref in zip(PROMPTS, outs, refs):
+        assert out.outputs[0].token_ids == ref, prompt
 
 
 def test_one_by_one_equals_batched(llm, reference):
