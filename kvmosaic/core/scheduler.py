@@ -15,20 +15,22 @@ only they occupied. Block hashes cover ``all_token_ids``, which only ever holds 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvmosaic.core.beam_search import BeamHypothesis
 from kvmosaic.core.beam_steps import BeamSteps
 from kvmosaic.core.kv_arrivals import KVArrivals
-from kvmosaic.core.sequence_rules import check_stop, num_forced_tokens, scheduled_request
+from kvmosaic.core.lifecycle import Lifecycle, SequenceQueues
+from kvmosaic.core.sequence_rules import scheduled_request
 from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
 from kvmosaic.core.step_plan import StepPlan
-from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvmosaic.outputs import ModelOutput, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from collections import deque
+
     from kvmosaic.config import SchedulerConfig
     from kvmosaic.core.kv_cache_manager import KVCacheManager
     from kvmosaic.spec.speculator import Speculator
@@ -47,16 +49,29 @@ class Scheduler:
         self.spec = (SpeculationSteps(speculator, kv_manager, config.max_model_len) if speculator is not None
                      else NoSpeculation())
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.beams = BeamSteps(self.eos_token_ids, fork=self._fork_beam, drop=self._drop_beam)
-        self.requests: dict[str, Request] = {}  # every unfinished sequence
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the last one is the newest
-        self.swapped: deque[Request] = deque()
+        self.queues = SequenceQueues()
+        self.lifecycle = Lifecycle(self.queues, kv_manager, self.arrivals, self.spec, self.eos_token_ids,
+                                   config.max_model_len)
+        self.beams = BeamSteps(self.eos_token_ids, fork=self.lifecycle.fork_beam, drop=self.lifecycle.drop_beam)
         self.num_preemptions = 0
-        self._finished_ids: set[str] = set()
-        self._finished_by_scheduler: list[Request] = []  # reported by the next update_from_output
 
     # ------------------------------------------------------------------ queries
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.queues.requests
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.queues.waiting
+
+    @property
+    def swapped(self) -> deque[Request]:
+        return self.queues.swapped
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -70,7 +85,7 @@ class Scheduler:
         return len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting or self.swapped)
+        return self.queues.has_unfinished()
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -82,20 +97,13 @@ class Scheduler:
 
     # ------------------------------------------------------------- entry points
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already scheduled")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.queues.add(request)
 
     def add_prefilled(self, request: Request) -> None:
         """Queue a sequence whose prompt ran elsewhere and whose first token was sampled there; it
         finishes at once when that token ends it (then ``request.is_finished`` after the call)."""
         self.add_request(request)
-        stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
-        if stop is not None:
-            self.waiting.remove(request)
-            self._finish(request, stop[0])
-            request.stop_reason = stop[1]
+        self.lifecycle.stop_if_done(request, self.waiting)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish sequences from outside (abort, stop string): free their blocks and drop them from queues."""
@@ -107,8 +115,8 @@ class Scheduler:
         for request_id in dict.fromkeys([*request_ids, *beams]):
             request = self.requests.get(request_id)
             if request is not None:
-                self._remove_from_queue(request)
-                self._finish(request, status)
+                self.queues.remove(request)
+                self.lifecycle.finish(request, status)
         for group_id in groups:
             self.beams.forget(group_id)
 
@@ -118,7 +126,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            self._remove_from_queue(request)
+            self.queues.remove(request)
             request.num_preemptions += 1
             self.num_preemptions += 1
             self.kv_manager.free(request)
@@ -135,7 +143,7 @@ class Scheduler:
             # Swapped sequences come back before new ones may take their room.
             if not self.swapped:
                 self._schedule_waiting(plan)
-        finished_ids, self._finished_ids = self._finished_ids, set()
+        finished_ids = self.lifecycle.take_finished_ids()
         scheduled = [scheduled_request(request, n, plan.proposals.get(request.request_id),
                                        self.kv_manager.get_block_table(request.request_id))
                      for request, n in plan.scheduled]
@@ -172,7 +180,7 @@ class Scheduler:
             if not scheduled.sample_ids:
                 if request.num_computed_tokens == request.num_tokens:  # max_tokens 0: only the prompt to score
                     self.running.remove(request)
-                    self._finish(request, RequestStatus.FINISHED_LENGTH)
+                    self.lifecycle.finish(request, RequestStatus.FINISHED_LENGTH)
                     updated.append(request)
                 continue
             if request.sampling_params.use_beam_search:
@@ -182,20 +190,19 @@ class Scheduler:
             if scheduled.spec_token_ids:
                 self.spec.roll_back(request, len(scheduled.spec_token_ids), len(tokens) - 1)
             request.append_output_token(tokens[0])
-            sequences = [request, *self._fork_children(request, scheduled, model_output)]
+            sequences = [request, *self.lifecycle.fork_children(request, scheduled, model_output)]
             for sequence in sequences:
-                self._apply_stop(sequence)
+                self.lifecycle.stop_if_done(sequence, self.running)
             for token in tokens[1:]:  # accepted proposals came first; stop at the first token that ends it
                 if request.is_finished:
                     break
                 request.append_output_token(token)
-                self._apply_stop(request)
+                self.lifecycle.stop_if_done(request, self.running)
             for sequence in sequences:
-                self._follow_guide(sequence)
+                self.lifecycle.follow_guide(sequence)
             updated.extend(sequences)
         self.beams.advance(beams, model_output)
-        updated.extend(self._finished_by_scheduler)
-        self._finished_by_scheduler = []
+        updated.extend(self.lifecycle.take_finished_by_scheduler())
         return updated
 
     def take_beam_results(self) -> list[tuple[str, list[BeamHypothesis]]]:
@@ -233,14 +240,14 @@ class Scheduler:
                 self._preempt(request, plan)
             else:
                 # Alone with the whole pool and still no room: it can never grow further.
-                self._finish_by_scheduler(request)
+                self.lifecycle.finish_unfittable(request)
             return False
         return True
 
     def _schedule_swapped(self, plan: StepPlan) -> None:
         while self.swapped and plan.budget > 0:
             request = self.swapped[0]
-            if not self._has_seq_room(request):
+            if not self.queues.has_seq_room(request, self.config.max_num_seqs):
                 return
             num_new_tokens = self._num_new_tokens(request, plan.budget)
             pairs = self.kv_manager.swap_in(request, num_new_tokens)
@@ -248,7 +255,7 @@ class Scheduler:
                 if self.running:
                     return
                 self.swapped.popleft()
-                self._finish_by_scheduler(request)
+                self.lifecycle.finish_unfittable(request)
                 continue
             self.swapped.popleft()
             plan.swap_in.extend(pairs)
@@ -263,9 +270,9 @@ class Scheduler:
             request = self.waiting[0]
             if not self.can_ever_fit(request.num_tokens):
                 self.waiting.popleft()
-                self._finish_by_scheduler(request)
+                self.lifecycle.finish_unfittable(request)
                 continue
-            if not self._has_seq_room(request):
+            if not self.queues.has_seq_room(request, self.config.max_num_seqs):
                 return
             hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
             num_arrived = self.arrivals.num_external_tokens(request, num_hit_tokens)
@@ -283,12 +290,6 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.add(request, num_new_tokens)
-
-    def _has_seq_room(self, request: Request) -> bool:
-        """Whether max_num_seqs allows the request and the siblings it (or anyone running) will fork into."""
-        num_seqs = sum(1 + running.num_forks for running in self.running)
-        # A group larger than max_num_seqs may still run alone, or it would never run.
-        return not self.running or num_seqs + 1 + request.num_forks <= self.config.max_num_seqs
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         return min(request.num_tokens - request.num_computed_tokens, budget, self.config.prefill_chunk)
@@ -311,79 +312,3 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
-
-    def _fork_children(self, parent: Request, scheduled: ScheduledRequest, model_output: ModelOutput) -> list[Request]:
-        if len(scheduled.sample_ids) == 1:
-            return []
-        children = []
-        forks = zip(scheduled.sample_ids[1:], scheduled.sample_seeds[1:])
-        for sample_index, (child_id, seed) in enumerate(forks, start=1):
-            child = parent.fork(child_id, sample_index, model_output.sampled[child_id].token_id, seed)
-            self.kv_manager.fork(parent, child)
-            self.requests[child_id] = child
-            children.append(child)
-        position = self.running.index(parent) + 1
-        self.running[position:position] = children
-        parent.num_forks = 0
-        return children
-
-    def _apply_stop(self, request: Request) -> None:
-        stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
-        if stop is not None:
-            self.running.remove(request)
-            self._finish(request, stop[0])
-            request.stop_reason = stop[1]
-
-    def _fork_beam(self, parent: Request, child_id: str, token_id: int) -> Request:
-        child = parent.fork_beam(child_id, token_id)
-        self.kv_manager.fork(parent, child)
-        self.requests[child_id] = child
-        self.running.insert(self.running.index(parent) + 1, child)
-        return child
-
-    def _drop_beam(self, beam: Request) -> None:
-        self._remove_from_queue(beam)
-        self._finish(beam, RequestStatus.FINISHED_STOPPED)
-
-    def _follow_guide(self, request: Request) -> None:
-        """Append the tokens the sequence's grammar forces (jump-forward: they are computed in one pass
-        next step, not sampled one a step), and finish it once the grammar is complete."""
-        if request.is_finished:
-            return
-        forced = request.guide.forced(request.output_token_ids)
-        for token in forced[:num_forced_tokens(request, self.config.max_model_len)]:
-            request.append_output_token(token)
-            self._apply_stop(request)
-            if request.is_finished:
-                return
-        if request.guide.complete(request.output_token_ids):
-            self.running.remove(request)
-            self._finish(request, RequestStatus.FINISHED_STOPPED)
-
-    def _finish_by_scheduler(self, request: Request) -> None:
-        """Finish a sequence that can never fit the KV cache (it is already out of every queue)."""
-        if request.num_output_tokens:
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
-        else:
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            request.stop_reason = (
-                f"prompt of {request.num_tokens} tokens can never fit: max_model_len={self.config.max_model_len}, "
-                f"KV cache holds {self.kv_manager.num_reachable_blocks * self.kv_manager.block_size} tokens"
-            )
-        self._finished_by_scheduler.append(request)
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        request.status = status
-        self.kv_manager.free(request)
-        self.arrivals.discard(request.request_id)
-        self.spec.free(request.request_id)
-        self.requests.pop(request.request_id, None)
-        self._finished_ids.add(request.request_id)
-
-    def _remove_from_queue(self, request: Request) -> None:
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-        else:
-            self.waiting.remove(request)
