@@ -1,15 +1,15 @@
 """kvmosaic's perplexity of each weight format against llama.cpp's own, on the same GGUF files.
 
 For every format the same GGUF file goes to both engines: float32 (the f32 GGUF exported from the
-default model), q8_0 / q4_0 / q4_1 / q4_k (that file quantized by llama.cpp's quantizer, "pure":
-every matrix in the format where its rows allow) and "shipped" (the embedded model's own Q4_1
-file, Q8_0 embeddings). kvmosaic loads each file with --quantization (default "auto": quantized
+default model), q8_0 / q4_0 / q4_1 / q4_k / q6_k (that file quantized by llama.cpp's quantizer,
+"pure": every matrix in the format where its rows allow), q4_k_m (llama.cpp's own mix) and "shipped"
+(the embedded model's own Q4_1 file, Q8_0 embeddings). kvmosaic loads each file with --quantization (default "auto": quantized
 linears kept as they are; "none": dequantized to float32). The same token windows of the built-in
 evaluation corpus go to both, each from an empty cache, every position 1..n-1 scored, float32 KV
 in both (kvmosaic/eval/oracle.py). The engines must agree within 1% per format.
 
     bash scripts/setup_peers.sh llamacpp
-    python benchmarks/ppl_oracle.py [--formats float32,q8_0,q4_0,q4_1,q4_k,shipped] [--window 512]
+    python benchmarks/ppl_oracle.py [--formats float32,q8_0,q4_0,q4_1,q4_k,q6_k,q4_k_m,shipped] [--window 512]
                                     [--max-tokens 4096] [--quantization auto] [--json out.json]
 """
 

@@ -17,6 +17,7 @@ from kvmosaic.model import loader
 from kvmosaic.model.gguf_loader import dequantize_tensor, llama3_freq_factors
 from kvmosaic.model.hf_loader import hf_model_config
 from kvmosaic.model.loader import LoadedModel, export_hf, load_model
+from kvmosaic.quant import weights as qw
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 32, 4, 2, 8, 48, 2
@@ -76,8 +77,10 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, extra=None) -> dict[str, np.ndarray]:
-    """A 2-layer model plus byte-level vocabulary; returns the HF-layout weights it encodes."""
+def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, extra=None,
+                    matrix_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+    """A 2-layer model plus byte-level vocabulary; returns the HF-layout weights it encodes (before any
+    quantization). ``matrix_type``: the matrices whose rows fit its blocks are stored in that type."""
     tokens = SPECIALS + _byte_alphabet()
     weights = _tiny_hf_weights(arch, len(tokens), tied)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -102,6 +105,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, extra=No
             w = _llama_cpp_permute(w, HEADS)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             w = _llama_cpp_permute(w, KV_HEADS)
+        if matrix_type is not None and w.ndim == 2 and w.shape[1] % gguf.GGML_QUANT_SIZES[matrix_type][0] == 0:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, matrix_type), raw_dtype=matrix_type)
+            continue
         writer.add_tensor(_gguf_name(name), w)
     _finish(writer)
     return weights
@@ -214,6 +220,25 @@ def test_llama_gguf_qk_unpermuted(tmp_path):
     assert (cfg.architecture, cfg.head_dim, cfg.num_key_value_heads, cfg.vocab_size) == ("llama", HEAD_DIM, 2, 259)
     assert cfg.tie_word_embeddings and not cfg.attention_bias and cfg.rms_norm_eps == 1e-6
     assert model.tokenizer.encode("<|im_start|>hi") == [1, 3 + ord("h"), 3 + ord("i")]
+
+
+@pytest.mark.parametrize("matrix_type", [Q.Q5_0, Q.Q5_1])
+def test_types_without_a_kernel_are_held_as_q8_0(tmp_path, matrix_type):
+    """Kept quantized, a Q5_0 / Q5_1 matrix becomes Q8_0 of its values, not a float copy: off by half a
+    Q8_0 step at most, plus the float16 rounding of the step (2^-11 of it, times up to 127 codes)."""
+    path = tmp_path / "q5.gguf"
+    write_tiny_gguf(path, matrix_type=matrix_type)
+    kept = load_model(str(path), quantization="auto").weights
+    exact = load_model(str(path), quantization=None).weights
+    requantized = [name for name, w in kept.items() if isinstance(w, qw.QuantizedWeight)]
+    assert "model.layers.0.self_attn.q_proj.weight" in requantized and "model.embed_tokens.weight" in requantized
+    assert "model.layers.0.mlp.down_proj.weight" not in requantized  # 48-wide rows: not a Q5 file tensor
+    for name in requantized:
+        w = kept[name]
+        assert w.kind == "q8" and w.source == f"{matrix_type.name} as Q8_0", name
+        error = (qw.dequantize(w) - exact[name]).abs().view(w.shape[0], -1, qw.BLOCK)
+        assert bool((error <= w.scale.float().unsqueeze(-1) * (0.5 + 127 / 2048)).all()), name
+        assert error.max() > 0 and torch.equal(qw.requantize(exact[name], matrix_type.name).codes, w.codes)
 
 
 def test_qwen2_gguf_not_permuted_with_bias_and_lm_head(tmp_path):

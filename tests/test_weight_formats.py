@@ -63,12 +63,38 @@ def test_interleave_round_trip_and_rows(quantization):
     assert torch.equal(qw.dequantize_rows(packed, index, torch.float32), qw.dequantize(w)[index])
 
 
-def test_concat_rows_and_mismatch():
+def test_concat_rows_widens_scales_or_meets_as_q8_0():
     a, b = qw.quantize(_weight(16), "q4_1"), qw.quantize(_weight(32, seed=1), "q4_1")
     both = qw.concat_rows([a, b])
     assert both.shape == (48, 512)
     assert torch.equal(qw.dequantize(both), torch.cat([qw.dequantize(a), qw.dequantize(b)]))
-    assert qw.concat_rows([a, qw.quantize(_weight(16), "q8_0")]) is None
+    k = qw.quantize(_weight(16, seed=2), "q4_k")  # float32 scales next to float16 ones: widened, exact
+    wide = qw.concat_rows([a, k])
+    assert wide.kind == "q4" and wide.scale.dtype == torch.float32
+    assert torch.equal(qw.dequantize(wide), torch.cat([qw.dequantize(a), qw.dequantize(k)]))
+    q8 = qw.quantize(_weight(16, seed=3), "q8_0")  # kinds differ: the q4 one is requantized to Q8_0
+    mixed = qw.concat_rows([a, q8])
+    assert mixed.kind == "q8" and mixed.source == "Q4_1 as Q8_0+Q8_0"
+    assert torch.equal(mixed.codes[16:], q8.codes) and torch.equal(mixed.scale[16:], q8.scale)
+    assert torch.equal(mixed.codes[:16], qw.requantize(qw.dequantize(a), "Q4_1").codes)
+
+
+def test_q6_k_is_held_as_q8_0_close_to_its_values():
+    """Q6_K has no kernel of its own: its values (gguf.quants' dequantization) are held as Q8_0, off by
+    about half a Q8_0 step: an eighth of the larger Q6_K step (d * sc of a 16-value sub-block) of the
+    two sub-blocks in each 32-value block."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (16, 2 * 210), dtype=np.uint8)  # 2 super-blocks of 256 a row
+    blocks = raw.reshape(16, 2, 210)
+    blocks[..., 208:210] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)  # a sane d
+    values = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K).reshape(16, 512).astype(np.float32))
+    held = qw.requantize(values, "Q6_K")
+    assert held.kind == "q8" and held.source == "Q6_K as Q8_0" and held.nbytes == 16 * 512 * 34 // 32
+    q6_step = 1e-3 * torch.from_numpy(blocks[..., 192:208].view(np.int8).astype(np.float32)).abs()
+    q6_step = q6_step.view(16, 16, 2).amax(-1)  # the larger of each 32-value block's two sub-blocks
+    error = (qw.dequantize(held) - values).abs().view(16, 16, 32).amax(-1)
+    assert bool((error <= held.scale.float() * (0.5 + 127 / 2048)).all())
+    assert bool((error <= q6_step * (0.5 + 127 / 2048) * 32 / 127 + 1e-7).all())
 
 
 def test_unsupported_type_is_a_clear_error():

@@ -49,7 +49,8 @@ _IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
 def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
               ) -> tuple[ModelConfig, dict[str, torch.Tensor | qw.QuantizedWeight], Tokenizer]:
     """``keep_quantized``: matrices of a type the kernels run natively (Q8_0, Q4_0, Q4_1, Q4_K) stay
-    quantized (``QuantizedWeight``); everything else is dequantized to ``dtype``."""
+    quantized (``QuantizedWeight``), those of the other quantized types are held as Q8_0
+    (``qw.requantize``); everything else is dequantized to ``dtype``."""
     reader = GGUFFile(path)
     fields = reader.fields
     if gguf_field(fields, "split.count", 1) > 1:
@@ -64,14 +65,21 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
             if name not in _IGNORED:
                 logger.warning("ignoring unexpected GGUF tensor %s", name)
             continue
-        native = keep_quantized and Q(tensor.tensor_type) in qw.NATIVE_TYPES and len(tensor.shape) == 2
-        weight = qw.from_gguf(tensor.data, Q(tensor.tensor_type)) if native else dequantize_tensor(tensor)
+        qtype = Q(tensor.tensor_type)
+        matrix = keep_quantized and len(tensor.shape) == 2
+        native = matrix and qtype in qw.NATIVE_TYPES
+        weight = qw.from_gguf(tensor.data, qtype) if native else dequantize_tensor(tensor)
         heads = _permuted_heads(config, hf_name)
         if heads and native:  # rows move whole: permute the quantized rows
             weight = weight.rows(unpermute_qk(torch.arange(weight.shape[0]), heads))
         elif heads:
             weight = unpermute_qk(weight, heads)
-        weights[hf_name] = weight if native else weight.to(dtype)
+        if native:
+            weights[hf_name] = weight
+        elif matrix and qtype in qw.REQUANTIZED_TYPES:
+            weights[hf_name] = qw.requantize(weight, qtype.name)
+        else:
+            weights[hf_name] = weight.to(dtype)
     return config, weights, tokenizer
 
 

@@ -12,6 +12,10 @@ m are float16 in the file and -8 d is exact), float32 for Q4_K, whose d * sc nee
 bits. So every dequantized value equals ``gguf.quants.dequantize`` bit for bit, and the default
 model's Q4_1 stays at 20 bytes per 32 weights instead of the 24 a float32 scale and min would take.
 
+GGUF types with no kernel of their own (Q5_0, Q5_1 and the K-quants but Q4_K: 2 to 6 bits a weight)
+are requantized to Q8_0 at load (``requantize``): 8.5 bits a weight instead of a float copy, and an
+error of about half a Q8_0 step per weight: an eighth of a 6-bit type's own step, less for fewer bits.
+
 ``interleave`` turns either kind into the kernels' layout: 16 output columns side by side per 4
 (q8) or 8 (q4) k steps, so one 64-byte load feeds an int8 dot product into 16 column sums.
 """
@@ -29,6 +33,7 @@ SUPER = 256  # Q4_K super-block
 COLUMNS = 16  # output columns side by side in the interleaved layout
 Q = gguf.GGMLQuantizationType
 NATIVE_TYPES = frozenset((Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K))
+REQUANTIZED_TYPES = frozenset((Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q6_K))  # held as Q8_0
 QUANTIZATIONS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K}
 
 
@@ -215,11 +220,28 @@ def quantize(weight: torch.Tensor, quantization: str) -> QuantizedWeight:
     return from_gguf(quantize_gguf(weight, qtype), qtype)
 
 
-def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
-    """Weights stacked along out_features (q/k/v, gate/up), or None when their kinds or scale dtypes differ."""
+def requantize(weight: torch.Tensor, source: str) -> QuantizedWeight:
+    """Float32 values of a weight stored as ``source`` (a GGUF type of REQUANTIZED_TYPES, say), held as Q8_0."""
+    q8 = from_gguf(quantize_gguf(weight, Q.Q8_0), Q.Q8_0)
+    return QuantizedWeight(q8.codes, q8.scale, None, f"{source} as Q8_0")
+
+
+def _widened(w: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with float32 scales and mins (float16 ones widen exactly)."""
+    wide = lambda t: None if t is None else t.float()
+    return QuantizedWeight(w.codes, wide(w.scale), wide(w.min), w.source)
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights stacked along out_features (q/k/v, gate/up). Scales of different dtypes widen to
+    float32 (exact); weights of different kinds (a Q4_K file's Q6_K v projection next to its Q4_K q
+    and k) meet as Q8_0: the q4 ones are requantized, as a fused product has one kind."""
     first = weights[0]
-    if any(w.kind != first.kind or w.scale.dtype != first.scale.dtype for w in weights):
-        return None
+    if any(w.kind != first.kind for w in weights):
+        weights = [w if w.kind == "q8" else requantize(dequantize(w), w.source) for w in weights]
+        first = weights[0]
+    if any(w.scale.dtype != first.scale.dtype for w in weights):
+        weights = [_widened(w) for w in weights]
     cat = lambda ts: torch.cat(ts) if ts[0] is not None else None
     sources = "+".join(dict.fromkeys(w.source for w in weights))
     return QuantizedWeight(cat([w.codes for w in weights]), cat([w.scale for w in weights]),

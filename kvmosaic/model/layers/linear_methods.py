@@ -172,12 +172,10 @@ def gated_method(gate: Weight, up: Weight, kernels: Kernels, dtype: torch.dtype 
 
 
 def fuse_rows(weights: list[Weight], dtype: torch.dtype = torch.float32) -> Weight:
-    """Weights stacked along out_features; quantized ones of different kinds (or quantized and float)
-    meet as ``dtype``, the model's float dtype."""
+    """Weights stacked along out_features; quantized ones stay quantized (``qw.concat_rows``), quantized
+    and float ones meet as ``dtype``, the model's float dtype."""
     if all(isinstance(w, torch.Tensor) for w in weights):
         return torch.cat(weights)
     if all(isinstance(w, qw.QuantizedWeight) for w in weights):
-        fused = qw.concat_rows(weights)
-        if fused is not None:
-            return fused
+        return qw.concat_rows(weights)
     return torch.cat([w.to(dtype) if isinstance(w, torch.Tensor) else qw.dequantize(w, dtype) for w in weights])
