@@ -3,8 +3,9 @@
 For every format the same GGUF file goes to both engines: float32 (the f32 GGUF exported from the
 default model), q8_0 / q4_0 / q4_1 / q4_k / q6_k (that file quantized by llama.cpp's quantizer,
 "pure": every matrix in the format where its rows allow), q4_k_m (llama.cpp's own mix) and "shipped"
-(the embedded model's own Q4_1 file, Q8_0 embeddings). kvmosaic loads each file with --quantization (default "auto": quantized
-linears kept as they are; "none": dequantized to float32). The same token windows of the built-in
+(the embedded model's own Q4_1 file, Q8_0 embeddings). kvmosaic loads each file with --quantization
+(default "auto": quantized linears kept as they are, types without a kernel held as Q8_0; "none":
+dequantized to float32). The same token windows of the built-in
 evaluation corpus go to both, each from an empty cache, every position 1..n-1 scored, float32 KV
 in both (kvmosaic/eval/oracle.py). The engines must agree within 1% per format.
 
@@ -63,11 +64,11 @@ def run(formats: list[str], quantization: str | None, window: int, max_tokens: i
 
 
 def table(rows: list[OracleRow]) -> list[str]:
-    lines = ["| weights | GGUF matrices | kvmosaic loads as | kvmosaic PPL | llama.cpp PPL | difference | within 1% |",
-             "|---|---|---|---:|---:|---:|---|"]
+    lines = ["| weights | GGUF matrices | kvmosaic loads as | kvmosaic holds | kvmosaic PPL | llama.cpp PPL "
+             "| difference | within 1% |", "|---|---|---|---|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r.label} | {r.tensor_types} | {r.weight_format} | {r.kvmosaic:.4f} | {r.llamacpp:.4f} | "
-                     f"{100 * r.difference:+.2f}% | {'yes' if r.agrees else 'NO'} |")
+        lines.append(f"| {r.label} | {r.tensor_types} | {r.weight_format} | {r.held} | {r.kvmosaic:.4f} | "
+                     f"{r.llamacpp:.4f} | {100 * r.difference:+.2f}% | {'yes' if r.agrees else 'NO'} |")
     return lines
 
 

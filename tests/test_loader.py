@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvmosaic.eval.oracle import held_formats
 from kvmosaic.model import loader
 from kvmosaic.model.gguf_loader import dequantize_tensor, llama3_freq_factors
 from kvmosaic.model.hf_loader import hf_model_config
@@ -233,6 +234,7 @@ def test_types_without_a_kernel_are_held_as_q8_0(tmp_path, matrix_type):
     requantized = [name for name, w in kept.items() if isinstance(w, qw.QuantizedWeight)]
     assert "model.layers.0.self_attn.q_proj.weight" in requantized and "model.embed_tokens.weight" in requantized
     assert "model.layers.0.mlp.down_proj.weight" not in requantized  # 48-wide rows: not a Q5 file tensor
+    assert held_formats(kept) == f"{matrix_type.name} as Q8_0 x13, float32 x2"
     for name in requantized:
         w = kept[name]
         assert w.kind == "q8" and w.source == f"{matrix_type.name} as Q8_0", name

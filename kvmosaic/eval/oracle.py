@@ -15,6 +15,7 @@ import os
 import subprocess
 import tempfile
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,15 @@ def tensor_types(gguf: str | Path) -> str:
     return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
 
 
+def held_formats(weights: Mapping[str, object]) -> str:
+    """How kvmosaic holds a loaded model's matrices, e.g. "Q5_0 as Q8_0 x181, Q4_K x30" (1-D left out)."""
+    from kvmosaic.quant.weights import QuantizedWeight
+
+    counts = Counter(w.source if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
+                     for w in weights.values() if isinstance(w, QuantizedWeight) or w.dim() == 2)
+    return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
+
+
 @dataclass(frozen=True, slots=True)
 class OracleRow:
     label: str
@@ -88,6 +98,7 @@ class OracleRow:
     llamacpp: float
     kvmosaic_s: float
     llamacpp_info: str  # llama.cpp's system info: the CPU features its build uses
+    held: str = ""  # how kvmosaic holds the matrices (held_formats)
 
     @property
     def difference(self) -> float:
@@ -107,4 +118,4 @@ def compare(label: str, gguf: str | Path, em: EvalModel, windows: list[list[int]
     if theirs.num_tokens != ours.num_tokens:
         raise RuntimeError(f"scored {ours.num_tokens} tokens here and {theirs.num_tokens} in llama.cpp")
     return OracleRow(label, str(gguf), tensor_types(gguf), em.weight_format, ours.num_tokens, ours.perplexity,
-                     theirs.perplexity, ours.seconds, theirs.system_info)
+                     theirs.perplexity, ours.seconds, theirs.system_info, held_formats(em.loaded.weights))
