@@ -223,3 +223,30 @@ def test_layer_stack_checks_weights_and_caches_once_with_clear_errors(ops):
         ops.layer_stack(torch.randn(2, 32), weights, caches, *args)
     with pytest.raises(RuntimeError, match="one per row"):
         ops.layer_stack(torch.randn(1, 32), weights, caches, torch.zeros(2, dtype=torch.long), *args[1:])
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])
+def test_argmax_rows_gives_torchs_ids(ops, width):
+    """The greedy pick: torch.argmax(dim=-1) bit for bit, ties (first index), NaN (the first one, as
+    torch counts NaN largest), +-inf, all -inf and -0.0 next to 0.0 included, at every row width's tail."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width, generator=gen)
+    last = width - 1
+    x[1, :] = x[1, last // 2]  # every value tied
+    x[2, last] = float("inf")
+    x[3, :] = float("-inf")
+    x[4, last // 3] = float("nan")
+    x[4, last] = float("nan")
+    x[5, last] = float("nan")  # NaN after the largest number
+    x[6, :] = 0.0
+    x[6, last // 2] = -0.0
+    x[7, last // 2] = x[7, last] = 1e30  # a tie of two maxima far apart
+    x[8, :] = torch.arange(width, 0, -1, dtype=torch.float32)  # the first lane of all
+    x[9, :] = torch.arange(width, dtype=torch.float32)  # the last lane of all
+    got = ops.argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1))
+    strided = x.t().contiguous().t()  # not contiguous
+    assert torch.equal(ops.argmax_rows(strided), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(x[:0]), x[:0].argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(x.double())

@@ -194,6 +194,25 @@ def test_greedy_is_argmax_and_first_index_on_ties():
     assert [t.token_id for t in out] == [1, 0]
 
 
+def test_greedy_rows_take_the_argmax_given():
+    """``argmax`` picks the greedy rows' tokens, all-greedy batches and mixed ones alike; a penalized or
+    banned row reaches it processed; random rows never do."""
+    seen = []
+
+    def argmax(x):
+        seen.append(x.clone())
+        return x.argmax(dim=-1)
+
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 1.0, 4.0], [0.0, 0.0, 9.0]])
+    greedy = [_row(temperature=0.0), _row(temperature=0.0, output=[0], repetition_penalty=2.0), _row(temperature=0.0)]
+    assert [t.token_id for t in sample(logits, greedy, argmax)] == [1, 2, 2]
+    assert torch.equal(seen[-1][1], torch.tensor([2.5, 1.0, 4.0]))
+    mixed = [_row(temperature=0.0), _row(temperature=1.0, generator=torch.Generator().manual_seed(0)),
+             _row(temperature=0.0)]
+    out = sample(logits, mixed, argmax)
+    assert [out[0].token_id, out[2].token_id] == [1, 2] and torch.equal(seen[-1], logits[[0, 2]])
+
+
 def test_greedy_sees_penalties():
     logits = torch.tensor([[3.0, 2.0, 1.0]])
     out = sample(logits, [_row(temperature=0.0, output=[0], repetition_penalty=2.0)])

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from kvmosaic.ops.levels import Level, levels_to_build, resolve_level, runnable_levels
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,13 @@ class Kernels:
     def has(self, name: str) -> bool:
         """Whether the float kernels export ``name`` (an extension built from older sources may not)."""
         return self.ops is not None and hasattr(self.ops, name)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(dim=-1)`` of [rows, n] logits, ties and NaNs alike: on the kernel for float32
+        (ATen's reduction takes 125 us a row of the default model's vocab on an AVX2 host, the kernel 9)."""
+        if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 and self.has("argmax_rows"):
+            return self.ops.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
 
 NO_KERNELS = Kernels()

@@ -6,6 +6,7 @@ generator so a seeded request samples the same tokens whatever else shares its b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,13 +30,19 @@ class SamplingRow:
     allowed_token_mask: bytes | None = None  # a grammar's packed bitmask of allowed ids (None: all)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    """Pick one token per row of logits [num_rows, vocab]; logprobs are of the raw logits."""
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> list[SampledToken]:
+    """Pick one token per row of logits [num_rows, vocab]; logprobs are of the raw logits. ``argmax``
+    picks greedy rows' tokens: ``logits.argmax(dim=-1)`` or a kernel that gives the same ids."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
     logits = logits.float()
     processed = penalize_and_ban(logits, rows)
-    token_ids = _choose_tokens(processed, rows)
+    token_ids = _choose_tokens(processed, rows, argmax)
     return sampled_tokens(logits, token_ids, rows)
 
 
@@ -143,13 +150,14 @@ def _ban_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
 
 
-def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow],
+                   argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if len(greedy) == len(rows):  # the common all-greedy batch: no scatter into a result tensor
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy:
-        token_ids[greedy] = _take_rows(logits, greedy).argmax(dim=-1)
+        token_ids[greedy] = argmax(_take_rows(logits, greedy))
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random:
         token_ids[random] = _sample_random(_take_rows(logits, random), [rows[i] for i in random])

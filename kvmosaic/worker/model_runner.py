@@ -10,11 +10,13 @@ from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.sample.prompt_logprobs import first_rows, prompt_targets, score_prompt_rows
-from kvmosaic.sample.sampler import SamplingRow, sample
+from kvmosaic.sample.sampler import SamplingRow, sample, torch_argmax
 from kvmosaic.sample.verify import Verification, verify
 from kvmosaic.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvmosaic.spec.drafter import Drafter
 
 # A sequence's tokens in a step of up to this many are computed as decode rows, each over the context up
@@ -28,9 +30,11 @@ DECODE_ROW_SPAN = 12
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: AttentionBackend, eos_token_ids: tuple[int, ...],
-                 drafter: Drafter | None = None) -> None:
-        """``drafter``: a draft model that follows every step and proposes for the next (speculation)."""
+                 drafter: Drafter | None = None, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
+        """``drafter``: a draft model that follows every step and proposes for the next (speculation);
+        ``argmax``: how greedy rows pick their token (``Kernels.argmax``: the same ids, faster)."""
         self.model = model
+        self.argmax = argmax
         self.drafter = drafter
         self.attention = attention
         self.kv_cache = attention.kv_cache
@@ -165,7 +169,7 @@ class ModelRunner:
         if rows:
             # one row per request and no verification rows: the logits are already in row order
             identity = not verifications and len(row_index) == logits.shape[0]
-            tokens = sample(logits if identity else logits[row_index], rows)
+            tokens = sample(logits if identity else logits[row_index], rows, self.argmax)
             out.sampled = dict(zip(seq_ids, tokens, strict=True))
         if verifications:
             spec_requests = [s for s in requests if s.spec_token_ids]

@@ -81,7 +81,7 @@ class Worker:
         backend = make_attention_backend(loaded.config, self.kv_cache, self.kernels, self.thresholds)
         self.attention = attention_wrapper(backend) if attention_wrapper is not None else backend
         drafter = self._build_drafter(draft, loaded) if draft is not None else None
-        self.runner = ModelRunner(self.model, self.attention, self.eos_token_ids, drafter)
+        self.runner = ModelRunner(self.model, self.attention, self.eos_token_ids, drafter, self.kernels.argmax)
         del loaded, backend, draft  # the loader's weights dict holds tensors the model copied (fused, packed)
         release_free_memory()  # what loading and the sizing run freed
 

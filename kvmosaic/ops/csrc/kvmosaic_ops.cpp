@@ -41,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<at::Tensor>>())
       .def_property_readonly("layers", &kvops::StackCaches::layers);
   m.def("layer_stack", &layer_stack, "a step (decode rows, then spans) through all decoder layers (packed weights)");
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (torch.argmax(dim=-1))");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
 }

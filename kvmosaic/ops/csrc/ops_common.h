@@ -59,6 +59,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, int64_t context_len, double scale,
                                    const c10::optional<at::Tensor>& out);
+at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double eps);
 bool packed_linear_supports(at::ScalarType dtype, int64_t out_features, int64_t in_features);

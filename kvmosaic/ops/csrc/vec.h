@@ -117,6 +117,7 @@ inline F16 abs(F16 a) { return {_mm512_abs_ps(a.v)}; }
 // a * 2^n for integral n (overflowing to inf as expf does).
 inline F16 scale_pow2(F16 a, F16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 inline Mask greater(F16 a, F16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
+inline Mask is_nan(F16 a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
 
 #elif defined(KVM_VEC_AVX2)
 struct F16 {
@@ -206,6 +207,10 @@ inline __m256 pow2_8(__m256 n) {  // 2^n for integral n in [-127, 128] (128: inf
 inline F16 scale_pow2(F16 a, F16 n) {
   const __m256 lo_n = _mm256_min_ps(n.lo, _mm256_set1_ps(128.f)), hi_n = _mm256_min_ps(n.hi, _mm256_set1_ps(128.f));
   return {_mm256_mul_ps(a.lo, pow2_8(lo_n)), _mm256_mul_ps(a.hi, pow2_8(hi_n))};
+}
+inline Mask is_nan(F16 a) {
+  return static_cast<Mask>(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q))) |
+         static_cast<Mask>(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q))) << 8;
 }
 inline Mask greater(F16 a, F16 b) {
   return static_cast<Mask>(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ))) |
@@ -298,6 +303,11 @@ inline F16 scale_pow2(F16 a, F16 n) {
 inline Mask greater(F16 a, F16 b) {
   Mask m = 0;
   for (int j = 0; j < 16; ++j) m |= static_cast<Mask>(a.v[j] > b.v[j]) << j;
+  return m;
+}
+inline Mask is_nan(F16 a) {
+  Mask m = 0;
+  for (int j = 0; j < 16; ++j) m |= static_cast<Mask>(std::isnan(a.v[j])) << j;
   return m;
 }
 #endif
