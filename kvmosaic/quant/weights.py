@@ -22,6 +22,7 @@ error of about half a Q8_0 step per weight: an eighth of a 6-bit type's own step
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import gguf
@@ -222,8 +223,7 @@ def quantize(weight: torch.Tensor, quantization: str) -> QuantizedWeight:
 
 def requantize(weight: torch.Tensor, source: str) -> QuantizedWeight:
     """Float32 values of a weight stored as ``source`` (a GGUF type of REQUANTIZED_TYPES, say), held as Q8_0."""
-    q8 = from_gguf(quantize_gguf(weight, Q.Q8_0), Q.Q8_0)
-    return QuantizedWeight(q8.codes, q8.scale, None, f"{source} as Q8_0")
+    return dataclasses.replace(quantize(weight, "q8_0"), source=f"{source} as Q8_0")
 
 
 def _widened(w: QuantizedWeight) -> QuantizedWeight:
