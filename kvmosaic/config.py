@@ -191,7 +191,8 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"
-    # weight format: "auto" (a GGUF's quantized matrices kept), None / "none" (all float), q8_0, q4_0, q4_1, q4_k
+    # weight format: "auto" (a GGUF's quantized matrices kept), None / "none" (all float), q8_0, q4_0, q4_1,
+    # q4_k, q6_k
     quantization: str | None = "auto"
     seed: int = 0
     num_threads: int | None = None

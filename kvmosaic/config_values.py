@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-WEIGHT_QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q4_k")  # kvmosaic.model.loader.QUANTIZATIONS
+WEIGHT_QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")  # kvmosaic.model.loader.QUANTIZATIONS
 
 
 def is_fraction(value: object) -> bool:

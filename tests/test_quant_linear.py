@@ -10,7 +10,7 @@ from kvmosaic.ops import Kernels
 from kvmosaic.quant import weights as qw
 from kvmosaic.quant.qmatmul import quantize_activations, quantized_linear_reference
 
-FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k"]
+FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
 
 
 def _weight(quantization: str, n: int = 48, k: int = 256, seed: int = 0) -> qw.QuantizedWeight:
@@ -32,7 +32,7 @@ def test_kernel_matches_reference_every_row_tail(level_kernels, quantization, dt
     for rows in (*range(1, 10), 13, 37, 70):
         x = torch.randn(rows, 256, generator=gen).to(dtype)
         x[0, :32] = 0.0  # an all-zero activation block
-        out = ops.quantized_linear(x, packed.codes, packed.scale, packed.min, bias)
+        out = ops.quantized_linear(x, packed.codes, packed.scale, packed.extra, bias)
         ref = quantized_linear_reference(x, w, bias)
         assert out.shape == (rows, 48) and out.dtype == dtype
         assert torch.equal(out, ref), f"{rows} rows: max diff {(out.float() - ref.float()).abs().max()}"
@@ -46,11 +46,11 @@ def test_kernel_rows_equal_the_dequantized_rows(level_kernels, quantization, dty
     w = _weight(quantization)
     packed = qw.interleave(w)
     index = torch.tensor([0, 17, 47, 1, 15, 16, 17])
-    rows = level_kernels.ops.quantized_rows(packed.codes, packed.scale, packed.min, index, dtype)
+    rows = level_kernels.ops.quantized_rows(packed.codes, packed.scale, packed.extra, index, dtype)
     assert rows.dtype == dtype and torch.equal(rows, qw.dequantize_rows(packed, index, dtype))
     assert torch.equal(rows.float()[1], qw.dequantize(w)[17].to(dtype).float())
     with pytest.raises(RuntimeError, match="out of range"):
-        level_kernels.ops.quantized_rows(packed.codes, packed.scale, packed.min, torch.tensor([48]), dtype)
+        level_kernels.ops.quantized_rows(packed.codes, packed.scale, packed.extra, torch.tensor([48]), dtype)
 
 
 def test_reference_is_close_to_float_product():
@@ -76,6 +76,11 @@ def test_kernel_rejects_bad_input(level_kernels):
     with pytest.raises(RuntimeError, match="mins"):
         ops.quantized_linear(torch.zeros(1, 256), packed.codes, packed.scale)
     assert ops.quantized_linear(torch.zeros(0, 256), packed.codes, packed.scale, packed.min).shape == (0, 48)
+    q6 = qw.interleave(_weight("q6_k"))
+    with pytest.raises(RuntimeError, match="super-block scales"):
+        ops.quantized_linear(torch.zeros(1, 256), q6.codes, q6.scale)
+    with pytest.raises(RuntimeError, match="super-block scales"):
+        ops.quantized_rows(q6.codes, q6.scale, q6.super_scale.half(), torch.tensor([0]), torch.float32)
 
 
 def test_layers_pick_the_quantized_formats(level_kernels):

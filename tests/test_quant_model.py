@@ -81,17 +81,21 @@ def _step(worker: Worker, new: list[int], start: int) -> torch.Tensor:
     return worker.runner.compute_logits([req])[1][0]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_decode_equals_pytorch_reference(native_model, dtype):
+@pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "q6_k")])
+def test_greedy_decode_equals_pytorch_reference(native_model, dtype, quantization):
     """The engine's quantized kernels (int8 steps inside one layer_stack call) give bit for bit the
     logits, so the greedy tokens, of the PyTorch reference of the same arithmetic (the layer loop,
     other ops on the same kernels), for the prompt's prefill rows as for the decode steps. Bit for
-    bit matters: int8 activation rounding is chaotic (see the next test)."""
+    bit matters: int8 activation rounding is chaotic (see the next test). q6_k: Q6_K down projections
+    (the other matrices' 576-wide rows fill no 256 super-block: Q8_0)."""
     kernels = Kernels.load()
     if not kernels.has("quantized_linear"):
         pytest.skip("no C++ kernels built")
     config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=8))
-    loaded = native_model if dtype == "float32" else load_model(None, torch.bfloat16)
+    loaded = native_model if (dtype, quantization) == ("float32", "auto") else load_model(
+        None, getattr(torch, dtype), quantization=quantization)
+    if quantization == "q6_k":
+        assert loaded.weights["model.layers.3.mlp.down_proj.weight"].kind == "q6"
     fast = Worker(config, loader=lambda path, d: loaded, kernels=kernels)
     slow_kernels = Kernels(_WithoutQuantizedLinear(kernels.ops), kernels.quant, kernels.level)
     slow = Worker(config, loader=lambda path, d: loaded, kernels=slow_kernels)

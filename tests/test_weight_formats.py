@@ -26,7 +26,7 @@ def test_quantize_matches_gguf_bytes(qtype):
     np.testing.assert_array_equal(ours, theirs)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K])
 def test_dequantize_matches_gguf_bit_exact(qtype):
     w = _weight()
     raw = qw.quantize_gguf(w, qtype)
@@ -37,7 +37,8 @@ def test_dequantize_matches_gguf_bit_exact(qtype):
     assert bool((same_bits | ((ours == 0) & (theirs == 0))).all())
 
 
-@pytest.mark.parametrize("qtype,tolerance", [(Q.Q8_0, 0.01), (Q.Q4_0, 0.2), (Q.Q4_1, 0.12), (Q.Q4_K, 0.12)])
+@pytest.mark.parametrize("qtype,tolerance", [(Q.Q8_0, 0.01), (Q.Q4_0, 0.2), (Q.Q4_1, 0.12), (Q.Q4_K, 0.12),
+                                             (Q.Q6_K, 0.05)])
 def test_quantization_error_is_small(qtype, tolerance):
     w = _weight()
     back = qw.dequantize(qw.from_gguf(qw.quantize_gguf(w, qtype), qtype))
@@ -51,14 +52,17 @@ def test_scale_dtypes_are_exact_and_small():
     q41 = qw.quantize(w, "q4_1")
     assert q41.nbytes == w.numel() // 32 * 20
     assert qw.quantize(w[:, :32 * 9], "q4_k").source == "Q4_1"  # no whole super-block: Q4_1
+    assert qw.quantize(w[:, :32 * 9], "q6_k").source == "Q8_0"  # and Q8_0 for Q6_K
+    q6 = qw.quantize(w, "q6_k")  # 8-bit codes in rows, 6 in the kernels' layout (Q6_K's 210 bytes a 256)
+    assert q6.kind == "q6" and qw.interleave(q6).nbytes == w.numel() // 256 * 212  # d: float16 widened to float32
 
 
-@pytest.mark.parametrize("quantization", ["q8_0", "q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
 def test_interleave_round_trip_and_rows(quantization):
     w = qw.quantize(_weight(), quantization)
     packed = qw.interleave(w)
     back = qw.deinterleave(packed)
-    assert torch.equal(back.codes, w.codes) and torch.equal(back.scale, w.scale)
+    assert torch.equal(back.codes, w.codes) and torch.equal(back.scale, w.scale) and back.kind == w.kind
     index = torch.tensor([0, 17, 47, 1])
     assert torch.equal(qw.dequantize_rows(packed, index, torch.float32), qw.dequantize(w)[index])
 
@@ -79,24 +83,38 @@ def test_concat_rows_widens_scales_or_meets_as_q8_0():
     assert torch.equal(mixed.codes[:16], qw.requantize(qw.dequantize(a), "Q4_1").codes)
 
 
-def test_q6_k_is_held_as_q8_0_close_to_its_values():
-    """Q6_K has no kernel of its own: its values (gguf.quants' dequantization) are held as Q8_0, off by
-    about half a Q8_0 step: an eighth of the larger Q6_K step (d * sc of a 16-value sub-block) of the
-    two sub-blocks in each 32-value block."""
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, (16, 2 * 210), dtype=np.uint8)  # 2 super-blocks of 256 a row
-    blocks = raw.reshape(16, 2, 210)
-    blocks[..., 208:210] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)  # a sane d
-    values = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K).reshape(16, 512).astype(np.float32))
-    held = qw.requantize(values, "Q6_K")
-    assert held.kind == "q8" and held.source == "Q6_K as Q8_0" and held.nbytes == 16 * 512 * 34 // 32
-    q6_step = 1e-3 * torch.from_numpy(blocks[..., 192:208].view(np.int8).astype(np.float32)).abs()
-    q6_step = q6_step.view(16, 16, 2).amax(-1)  # the larger of each 32-value block's two sub-blocks
-    error = (qw.dequantize(held) - values).abs().view(16, 16, 32).amax(-1)
-    assert bool((error <= held.scale.float() * (0.5 + 127 / 2048)).all())
-    assert bool((error <= q6_step * (0.5 + 127 / 2048) * 32 / 127 + 1e-7).all())
+def _random_q6_k(rows: int, supers: int, seed: int = 0) -> np.ndarray:
+    """Random Q6_K blocks (every code, negative and positive sub-block scales) with a sane d."""
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, supers * 210), dtype=np.uint8)
+    raw.reshape(rows, supers, 210)[..., 208:210] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    return raw
+
+
+def test_q6_k_runs_natively_bit_exact_and_fuses():
+    """Q6_K's codes and scales are kept as they are: gguf.quants' values bit for bit, the kernels'
+    layout round-trips, rows of the interleaved weight are its values; fused with other Q6_K
+    matrices it stays q6, next to another kind it meets as Q8_0."""
+    raw = _random_q6_k(32, 2)
+    w = qw.from_gguf(raw, Q.Q6_K)
+    assert w.kind == "q6" and w.shape == (32, 512) and w.source == "Q6_K"
+    values = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K).reshape(32, 512).astype(np.float32))
+    assert torch.equal(qw.dequantize(w), values)
+    assert torch.equal(qw.from_gguf(torch.from_numpy(raw), Q.Q6_K).codes, w.codes)
+    packed = qw.interleave(w)
+    assert packed.codes.shape == (2, 16, 6, 16, 4) and packed.kind == "q6"
+    back = qw.deinterleave(packed)
+    assert all(torch.equal(x, y) for x, y in ((back.codes, w.codes), (back.scale, w.scale),
+                                              (back.super_scale, w.super_scale)))
+    index = torch.tensor([0, 17, 31, 1, 16])
+    assert torch.equal(qw.dequantize_rows(packed, index, torch.float32), values[index])
+    both = qw.concat_rows([w, qw.from_gguf(_random_q6_k(16, 2, seed=1), Q.Q6_K)])
+    assert both.kind == "q6" and both.shape == (48, 512) and torch.equal(qw.dequantize(both)[:32], values)
+    mixed = qw.concat_rows([qw.quantize(_weight(16), "q4_k"), w])
+    assert mixed.kind == "q8" and mixed.source == "Q4_K as Q8_0+Q6_K as Q8_0"
+    with pytest.raises(ValueError, match="super-block"):
+        qw.QuantizedWeight(w.codes[:, :256], w.scale[:, :16], None, "Q6_K", w.super_scale)
 
 
 def test_unsupported_type_is_a_clear_error():
     with pytest.raises(ValueError, match="no native kernel format"):
-        qw.from_gguf(np.zeros((1, 210), np.uint8), Q.Q6_K)
+        qw.from_gguf(np.zeros((1, 176), np.uint8), Q.Q5_K)

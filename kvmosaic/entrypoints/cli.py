@@ -21,9 +21,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype; auto = bfloat16 on CPUs with AVX512-BF16, else float32")
     p.add_argument("--quantization", default="auto", choices=WEIGHT_QUANTIZATIONS,
-                   help="weight format: auto (a GGUF's Q8_0/Q4_0/Q4_1/Q4_K matrices run natively, an HF "
+                   help="weight format: auto (a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices run natively, an HF "
                         "directory stays float), none (every weight dequantized to --dtype), or q8_0 / q4_0 / "
-                        "q4_1 / q4_k (quantized at load)")
+                        "q4_1 / q4_k / q6_k (quantized at load)")
     p.add_argument("--kv-cache-memory", default="auto",
                    help="KV pool size such as 2GiB; auto: profile, then take a share of the RAM still available")
     p.add_argument("--memory-utilization", type=float, default=0.5,

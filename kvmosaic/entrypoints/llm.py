@@ -52,9 +52,10 @@ class LLM:
         """``instances > 1`` (or a ``ray_address``) runs that many engine instances as Ray actors that
         lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``.
         ``kv_cache_memory="auto"`` sizes the pool from a profiling run (``memory_utilization`` of the
-        RAM still available). ``quantization``: the weight format (``auto``: a GGUF's Q8_0 / Q4_x matrices run
-        natively, an HF directory stays float; None: every weight dequantized to ``dtype``; ``q8_0``,
-        ``q4_0``, ``q4_1``, ``q4_k``: quantized at load). ``speculative``: speculative decoding, e.g.
+        RAM still available). ``quantization``: the weight format (``auto``: a GGUF's Q8_0 / Q4_x / Q6_K
+        matrices run natively, an HF directory stays float; None: every weight dequantized to ``dtype``;
+        ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k``: quantized at load). ``speculative``: speculative
+        decoding, e.g.
         ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``
         (``SpeculativeConfig``; a bad one raises ``SpeculativeConfigError``). ``model_loader(path, dtype)`` reads the
         weights of an in-process engine instead (its own weight format). ``prefill_workers`` /

@@ -9,7 +9,7 @@ import sys
 from kvmosaic.eval.corpus import CALIBRATION_SOURCE, EVAL_SOURCE, read_text
 from kvmosaic.quant.format import KV_CACHE_DTYPES
 
-WEIGHT_FORMATS = ("none", "q8_0", "q4_0", "q4_1", "q4_k", "auto")
+WEIGHT_FORMATS = ("none", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "auto")
 
 
 def _add_model_args(p: argparse.ArgumentParser, text_default: str) -> None:
@@ -37,7 +37,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV format; repeat the option to compare several in one run")
     p.add_argument("--quantization", default=None, choices=WEIGHT_FORMATS, action="append", dest="weight_formats",
                    help="weight format: none (every weight dequantized to --dtype, the default), q8_0 / q4_0 / "
-                        "q4_1 / q4_k (quantized at load), auto (a GGUF's quantized linears kept); repeat the "
+                        "q4_1 / q4_k / q6_k (quantized at load), auto (a GGUF's quantized linears kept); repeat the "
                         "option to compare several in one run")
     p.add_argument("--kv-thresholds", default=None, help="Oaken thresholds file (default: the shipped one)")
     p.add_argument("--window", type=int, default=512, help="tokens per evaluation window")

@@ -48,7 +48,7 @@ _IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
 
 def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
               ) -> tuple[ModelConfig, dict[str, torch.Tensor | qw.QuantizedWeight], Tokenizer]:
-    """``keep_quantized``: matrices of a type the kernels run natively (Q8_0, Q4_0, Q4_1, Q4_K) stay
+    """``keep_quantized``: matrices of a type the kernels run natively (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay
     quantized (``QuantizedWeight``), those of the other quantized types are held as Q8_0
     (``qw.requantize``); everything else is dequantized to ``dtype``."""
     reader = GGUFFile(path)

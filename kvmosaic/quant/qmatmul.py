@@ -4,6 +4,8 @@ It follows the kernel's arithmetic at every row count: the activations are quant
 int8 per 32 values (d = max|x| / 127, codes rounded half to even) and each weight block is an integer
 dot product (exact in float32: |sum| < 2^24), scaled per block:
     out[m, n] = sum_b scale[n, b] d[m, b] isum[m, n, b] + min[n, b] d[m, b] xsum[m, b]
+(a q6 weight's isum weighs each 16 codes by their int8 scale sc, and its scale is the super-block's d:
+the integer sum stays below 2^24, so this is still exact)
 summed block after block with one rounding per multiply-add, as the kernel's fused multiply-adds
 do, so the two agree bit for bit (float64 carries each product exactly; rounding it and the sum to
 float32 differs from a single rounding only in double-rounding ties, vanishingly rare). That matters:
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmosaic.quant.weights import BLOCK, QuantizedWeight, codes_of
+from kvmosaic.quant.weights import BLOCK, SUB, SUPER, QuantizedWeight, codes_of
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,13 +33,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight, rows_per_pass: int = 64) -> torch.Tensor:
     """The kernel's arithmetic in float32 [M, N], ``rows_per_pass`` rows at a time (bounded memory)."""
     n, _ = weight.shape
-    wq = codes_of(weight).float().view(n, -1, BLOCK)
+    wq, block_scale = _integer_blocks(weight)
     mins = None if weight.min is None else weight.min.float()
     parts = []
     for chunk in x.split(rows_per_pass):
         xq, d, xsum = quantize_activations(chunk)
         isum = torch.einsum("mbk,nbk->mnb", xq, wq)  # integers below 2^24: exact
-        scale = weight.scale.float().unsqueeze(0) * d.unsqueeze(1)  # [M, N, B], float32 products as the kernel's
+        scale = block_scale.unsqueeze(0) * d.unsqueeze(1)  # [M, N, B], float32 products as the kernel's
         acc = torch.zeros(chunk.shape[0], n, dtype=torch.float64)
         for b in range(isum.shape[-1]):
             acc = _fma(isum[..., b], scale[..., b], acc)
@@ -45,6 +47,16 @@ def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight, rows_per_pas
                 acc = _fma(mins[:, b].unsqueeze(0), xsum[:, b].unsqueeze(1), acc)
         parts.append(acc.float())
     return torch.cat(parts) if parts else torch.zeros(0, n)
+
+
+def _integer_blocks(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer weights [N, K / 32, 32] (as float32) and their float scale per 32 [N, K / 32]."""
+    n, _ = weight.shape
+    codes = codes_of(weight).float()
+    if weight.kind != "q6":
+        return codes.view(n, -1, BLOCK), weight.scale.float()
+    scaled = codes.view(n, -1, SUB) * weight.scale.float().unsqueeze(-1)  # q * sc: |.| <= 4096
+    return scaled.view(n, -1, BLOCK), weight.super_scale.repeat_interleave(SUPER // BLOCK, dim=1)
 
 
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

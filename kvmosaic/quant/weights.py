@@ -1,28 +1,32 @@
-"""Quantized linear weights: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K as pure tensor functions.
+"""Quantized linear weights: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K as pure tensor functions.
 
-Two in-memory kinds, whatever the GGUF type they came from:
+Three in-memory kinds, whatever the GGUF type they came from:
 
 * ``q8``: int8 codes [N, K] and one scale per 32 weights: w = scale * q.
 * ``q4``: uint8 [N, K / 2], 16 bytes per 32 weights (byte j: weight j in the low nibble, weight
   j + 16 in the high one, GGUF's Q4_0 order) and a scale and a min per 32 weights: w = scale * q + min.
   Q4_0 is min = -8 d; Q4_K's sub-block scale d * sc and min -dmin * m.
+* ``q6`` (Q6_K): int8 codes q in [-32, 31] [N, K], an int8 scale sc per 16 weights and a float32 d
+  per 256 (``super_scale``): w = (d * sc) * q. In the kernels' layout the codes take 6 bits.
 
 Scales and mins keep the narrowest dtype that is exact: float16 for Q8_0, Q4_0 and Q4_1 (their d and
 m are float16 in the file and -8 d is exact), float32 for Q4_K, whose d * sc needs up to 17 mantissa
 bits. So every dequantized value equals ``gguf.quants.dequantize`` bit for bit, and the default
 model's Q4_1 stays at 20 bytes per 32 weights instead of the 24 a float32 scale and min would take.
 
-GGUF types with no kernel of their own (Q5_0, Q5_1 and the K-quants but Q4_K: 2 to 6 bits a weight)
+GGUF types with no kernel of their own (Q5_0, Q5_1, Q2_K, Q3_K and Q5_K: 2 to 5 bits a weight)
 are requantized to Q8_0 at load (``requantize``): 8.5 bits a weight instead of a float copy, and an
-error of about half a Q8_0 step per weight: an eighth of a 6-bit type's own step, less for fewer bits.
+error of about half a Q8_0 step per weight: a sixteenth of a 5-bit type's own step, less for fewer bits.
 
-``interleave`` turns either kind into the kernels' layout: 16 output columns side by side per 4
-(q8) or 8 (q4) k steps, so one 64-byte load feeds an int8 dot product into 16 column sums.
+``interleave`` turns each kind into the kernels' layout: 16 output columns side by side per 4
+(q8) or 8 (q4, q6's low nibbles) k steps, so one 64-byte load feeds an int8 dot product into 16
+column sums.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -33,27 +37,36 @@ BLOCK = 32  # weights per scale
 SUPER = 256  # Q4_K super-block
 COLUMNS = 16  # output columns side by side in the interleaved layout
 Q = gguf.GGMLQuantizationType
-NATIVE_TYPES = frozenset((Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K))
-REQUANTIZED_TYPES = frozenset((Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q6_K))  # held as Q8_0
-QUANTIZATIONS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K}
+SUB = 16  # Q6_K sub-block: weights per int8 scale
+NATIVE_TYPES = frozenset((Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K))
+REQUANTIZED_TYPES = frozenset((Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K))  # held as Q8_0
+QUANTIZATIONS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q6_k": Q.Q6_K}
+SUPER_BLOCK_TYPES = (Q.Q4_K, Q.Q6_K)  # in_features must fill 256-weight super-blocks
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A [N, K] linear weight in the q8 or q4 kind (see the module doc); ``source`` is its GGUF type."""
+    """A [N, K] linear weight in the q8, q4 or q6 kind (see the module doc); ``source`` is its GGUF type."""
 
-    codes: torch.Tensor  # int8 [N, K] (q8) or uint8 [N, K / 2] (q4)
-    scale: torch.Tensor  # [N, K / 32] float16 or float32
-    min: torch.Tensor | None  # q4: like scale; q8: None
+    codes: torch.Tensor  # int8 [N, K] (q8, q6) or uint8 [N, K / 2] (q4)
+    scale: torch.Tensor  # [N, K / 32] float16 or float32; q6: int8 [N, K / 16]
+    min: torch.Tensor | None  # q4: like scale; q8, q6: None
     source: str
+    super_scale: torch.Tensor | None = None  # q6: float32 [N, K / 256]
 
     def __post_init__(self) -> None:
-        n, blocks = self.scale.shape
-        width = blocks * (BLOCK if self.min is None else BLOCK // 2)
-        expected = torch.int8 if self.min is None else torch.uint8
-        if self.codes.dtype != expected or tuple(self.codes.shape) != (n, width):
-            raise ValueError(f"{self.kind} codes must be {expected} [{n}, {width}], got "
+        n, k = self.shape
+        packed = self.kind == "q4"
+        expected = torch.uint8 if packed else torch.int8
+        if self.codes.dtype != expected or tuple(self.codes.shape) != (n, k // 2 if packed else k):
+            raise ValueError(f"{self.kind} codes must be {expected} [{n}, {k // 2 if packed else k}], got "
                              f"{self.codes.dtype} {tuple(self.codes.shape)}")
+        if self.kind == "q6":
+            if self.scale.dtype != torch.int8 or self.min is not None or k % SUPER:
+                raise ValueError("q6 weights have int8 sub-block scales, no mins and whole 256-weight super-blocks")
+            if self.super_scale.dtype != torch.float32 or tuple(self.super_scale.shape) != (n, k // SUPER):
+                raise ValueError(f"q6 super-block scales must be float32 [{n}, {k // SUPER}]")
+            return
         if self.scale.dtype not in (torch.float16, torch.float32):
             raise ValueError(f"scales must be float16 or float32, got {self.scale.dtype}")
         if self.min is not None and (self.min.shape != self.scale.shape or self.min.dtype != self.scale.dtype):
@@ -61,21 +74,21 @@ class QuantizedWeight:
 
     @property
     def kind(self) -> str:
-        return "q8" if self.min is None else "q4"
+        return "q6" if self.super_scale is not None else ("q8" if self.min is None else "q4")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scale.shape[0], self.scale.shape[1] * BLOCK
+        return self.scale.shape[0], self.scale.shape[1] * (SUB if self.kind == "q6" else BLOCK)
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.min is None else self.min.nbytes
-        return self.codes.nbytes + self.scale.nbytes + extra
+        return sum(t.nbytes for t in (self.codes, self.scale, self.min, self.super_scale) if t is not None)
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows ``index`` (a row permutation, or a lookup)."""
         pick = lambda t: None if t is None else t[index].contiguous()
-        return QuantizedWeight(pick(self.codes), pick(self.scale), pick(self.min), self.source)
+        return QuantizedWeight(pick(self.codes), pick(self.scale), pick(self.min), self.source,
+                               pick(self.super_scale))
 
 
 # ---------------------------------------------------------------------------------------- GGUF bytes
@@ -125,21 +138,37 @@ def from_gguf(raw: np.ndarray | torch.Tensor, qtype: Q) -> QuantizedWeight:
         codes = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 32)  # [n, sub-blocks, 32]
         return QuantizedWeight(_pack_nibbles(codes).reshape(n, -1), scale.reshape(n, -1).contiguous(),
                                low.reshape(n, -1).contiguous(), qtype.name)
+    if qtype == Q.Q6_K:  # per 128 weights r: ql byte r % 64 (nibble r // 64), qh byte r % 32 (bits 2 (r // 32))
+        blocks = data.view(n, -1, 210)
+        ql = blocks[..., :128].reshape(n, -1, 2, 64)
+        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        high = (qh & 0x03).reshape(n, -1, 2, 128)
+        low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)
+        codes = (low | (high << 4)).view(torch.int8) - 32
+        return QuantizedWeight(codes.reshape(n, -1).contiguous(), blocks[..., 192:208].reshape(n, -1).view(torch.int8),
+                               None, qtype.name, _f16(blocks[..., 208:210]).reshape(n, -1))
     raise ValueError(f"GGUF type {qtype.name} has no native kernel format; supported: "
                      f"{', '.join(t.name for t in sorted(NATIVE_TYPES))}")
 
 
 def codes_of(w: QuantizedWeight) -> torch.Tensor:
-    """The integer codes [N, K] (int8 for q8, 0..15 as uint8 for q4)."""
-    if w.kind == "q8":
+    """The integer codes [N, K] (int8 for q8 and q6, 0..15 as uint8 for q4)."""
+    if w.kind != "q4":
         return w.codes
     n = w.codes.shape[0]
     return _nibble_codes(w.codes.view(n, -1, 16)).reshape(n, -1)
 
 
+def sub_block_scales(w: QuantizedWeight) -> torch.Tensor:
+    """A q6 weight's float32 scale of each 16 weights [N, K / 16]: d * sc, exact (11 + 8 bits)."""
+    return w.super_scale.repeat_interleave(SUPER // SUB, dim=1) * w.scale.float()
+
+
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Float [N, K]; in float32 equal bit for bit to ``gguf.quants.dequantize`` of the source blocks."""
     n, k = w.shape
+    if w.kind == "q6":
+        return (w.codes.float().view(n, -1, SUB) * sub_block_scales(w).unsqueeze(-1)).view(n, k).to(dtype)
     codes = codes_of(w).float().view(n, -1, BLOCK)
     values = codes * w.scale.float().unsqueeze(-1)
     if w.min is not None:
@@ -166,11 +195,15 @@ def _halves(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_gguf(weight: torch.Tensor, qtype: Q) -> torch.Tensor:
     """float [N, K] -> GGUF blocks uint8 [N, row_bytes]; Q8_0, Q4_0 and Q4_1 byte-exact with
-    ``gguf.quants.quantize`` (ggml's reference quantizers), Q4_K a plain min/max fit."""
+    ``gguf.quants.quantize`` (ggml's reference quantizers), Q4_K and Q6_K plain fits (no search)."""
     x = weight.detach().float().contiguous()
     n = x.shape[0]
+    if qtype in SUPER_BLOCK_TYPES and x.shape[1] % SUPER:
+        raise ValueError(f"{qtype.name} needs in_features divisible by {SUPER}, got {x.shape[1]}")
     if qtype == Q.Q4_K:
         return _quantize_q4k(x)
+    if qtype == Q.Q6_K:
+        return _quantize_q6k(x)
     blocks = x.view(n, -1, BLOCK)
     if qtype == Q.Q8_0:
         d = blocks.abs().amax(-1, keepdim=True) / 127
@@ -190,9 +223,7 @@ def quantize_gguf(weight: torch.Tensor, qtype: Q) -> torch.Tensor:
 
 
 def _quantize_q4k(x: torch.Tensor) -> torch.Tensor:
-    n, k = x.shape
-    if k % SUPER:
-        raise ValueError(f"Q4_K needs in_features divisible by {SUPER}, got {k}")
+    n = x.shape[0]
     sub = x.view(n, -1, 8, BLOCK)  # [n, supers, 8, 32]
     low = sub.amin(-1).clamp(max=0)
     scale = (sub.amax(-1) - low) / 15
@@ -211,13 +242,31 @@ def _quantize_q4k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_halves(d), _halves(dmin), packed_scales, nibbles], -1).view(n, -1)
 
 
+def _quantize_q6k(x: torch.Tensor) -> torch.Tensor:
+    """Each 16 weights' largest magnitude lands on code -32 (as Q4_0's on -8); the sub-block scales are
+    int8 steps of d = the super-block's largest scale / 127."""
+    n = x.shape[0]
+    sub = x.view(n, -1, SUPER // SUB, SUB)  # [n, supers, 16, 16]
+    peak = torch.gather(sub, -1, sub.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    scale = peak / -32
+    d = (scale.abs().amax(-1) / 127).to(torch.float16).float()  # [n, supers]
+    sc = _roundf(scale * _safe_inverse(d).unsqueeze(-1)).clamp(-128, 127)
+    step = (d.unsqueeze(-1) * sc).unsqueeze(-1)
+    u = (_roundf(sub * _safe_inverse(step)).clamp(-32, 31) + 32).to(torch.uint8).view(n, -1, 2, 128)
+    ql = u[..., :64] & 0x0F | ((u[..., 64:] & 0x0F) << 4)  # [n, supers, 2, 64]
+    hi = (u >> 4).view(n, -1, 2, 4, 32) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    qh = hi[..., 0, :] | hi[..., 1, :] | hi[..., 2, :] | hi[..., 3, :]  # [n, supers, 2, 32]
+    sc_bytes = sc.to(torch.int8).view(torch.uint8)
+    return torch.cat([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc_bytes, _halves(d)], -1).view(n, -1)
+
+
 def quantize(weight: torch.Tensor, quantization: str) -> QuantizedWeight:
-    """A float weight quantized at load: ``quantization`` is one of QUANTIZATIONS. Q4_K needs
-    in_features % 256 == 0; narrower weights take Q4_1 (the q4 kind either way), as llama.cpp's
-    quantizer falls back for rows that do not fill a super-block."""
+    """A float weight quantized at load: ``quantization`` is one of QUANTIZATIONS. Q4_K and Q6_K need
+    in_features % 256 == 0; narrower weights take Q4_1 and Q8_0, as llama.cpp's quantizer falls back
+    for rows that do not fill a super-block."""
     qtype = QUANTIZATIONS[quantization]
-    if qtype == Q.Q4_K and weight.shape[1] % SUPER:
-        qtype = Q.Q4_1
+    if qtype in SUPER_BLOCK_TYPES and weight.shape[1] % SUPER:
+        qtype = Q.Q4_1 if qtype == Q.Q4_K else Q.Q8_0
     return from_gguf(quantize_gguf(weight, qtype), qtype)
 
 
@@ -235,11 +284,15 @@ def _widened(w: QuantizedWeight) -> QuantizedWeight:
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights stacked along out_features (q/k/v, gate/up). Scales of different dtypes widen to
     float32 (exact); weights of different kinds (a Q4_K file's Q6_K v projection next to its Q4_K q
-    and k) meet as Q8_0: the q4 ones are requantized, as a fused product has one kind."""
+    and k) meet as Q8_0: the others are requantized, as a fused product has one kind."""
     first = weights[0]
     if any(w.kind != first.kind for w in weights):
         weights = [w if w.kind == "q8" else requantize(dequantize(w), w.source) for w in weights]
         first = weights[0]
+    if first.kind == "q6":
+        return QuantizedWeight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]), None,
+                               "+".join(dict.fromkeys(w.source for w in weights)),
+                               torch.cat([w.super_scale for w in weights]))
     if any(w.scale.dtype != first.scale.dtype for w in weights):
         weights = [_widened(w) for w in weights]
     cat = lambda ts: torch.cat(ts) if ts[0] is not None else None
@@ -255,24 +308,40 @@ class InterleavedWeight:
 
     q8 codes: int8 [N/16, K/4, 16, 4] (column j's k..k+3 at [.., k/4, j, :]).
     q4 codes: uint8 [N/16, K/8, 16, 4] (byte t of column j holds k = 8g + t low, 8g + 4 + t high).
-    scale / min: [N/16, K/32, 16], the source's dtype; min of q8 is None."""
+    q6 codes: uint8 [N/16, K/32, 6, 16, 4], per 32 k six 64-byte vectors of q + 32 (0..63): four of
+    low nibbles as q4's, then two of high bit pairs (vector h, byte t of column j: k = 16h + 4s + t in
+    bits 2s, 2s + 1).
+    scale / min: [N/16, K/32, 16], the source's dtype; min of q8 and q6 is None.
+    q6 scale: int8 [N/16, K/16, 16]; super_scale: float32 [N/16, K/256, 16]."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor | None
     source: str
+    super_scale: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:
-        return "q8" if self.min is None else "q4"
+        return "q6" if self.super_scale is not None else ("q8" if self.min is None else "q4")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scale.shape[0] * COLUMNS, self.scale.shape[1] * BLOCK
+        return self.scale.shape[0] * COLUMNS, self.scale.shape[1] * (SUB if self.kind == "q6" else BLOCK)
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + (0 if self.min is None else self.min.nbytes)
+        return sum(t.nbytes for t in (self.codes, self.scale, self.min, self.super_scale) if t is not None)
+
+    @property
+    def extra(self) -> torch.Tensor | None:
+        """The kernels' third tensor: q4's mins, q6's super-block scales, None for q8."""
+        return self.super_scale if self.kind == "q6" else self.min
+
+    def placed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> InterleavedWeight:
+        """The same weight with every tensor moved by ``place`` (into huge pages, an arena)."""
+        move = lambda t: None if t is None else place(t)
+        return InterleavedWeight(move(self.codes), move(self.scale), move(self.min), self.source,
+                                 move(self.super_scale))
 
 
 def interleave(w: QuantizedWeight) -> InterleavedWeight:
@@ -282,10 +351,33 @@ def interleave(w: QuantizedWeight) -> InterleavedWeight:
     by_columns = lambda t: None if t is None else t.view(n // COLUMNS, COLUMNS, -1).transpose(1, 2).contiguous()
     if w.kind == "q8":
         codes = w.codes.view(n // COLUMNS, COLUMNS, k // 4, 4).transpose(1, 2).contiguous()
+    elif w.kind == "q6":
+        codes = _q6_vectors(w.codes, n, k)
     else:
         split = codes_of(w).view(n // COLUMNS, COLUMNS, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
         codes = (split[..., 0] | (split[..., 1] << 4)).contiguous()
-    return InterleavedWeight(codes, by_columns(w.scale), by_columns(w.min), w.source)
+    return InterleavedWeight(codes, by_columns(w.scale), by_columns(w.min), w.source, by_columns(w.super_scale))
+
+
+_PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+
+
+def _q6_vectors(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """int8 q [N, K] -> the q6 code vectors [N/16, K/32, 6, 16, 4]."""
+    u = (codes + 32).view(torch.uint8).view(n // COLUMNS, COLUMNS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    low = u & 0x0F  # [N/16, K/32, 8 (k // 4 in the block), 16, 4]
+    nibbles = low[:, :, 0::2] | (low[:, :, 1::2] << 4)  # vector g: k 8g + t low, 8g + 4 + t high
+    pairs = (u >> 4).reshape(n // COLUMNS, k // BLOCK, 2, 4, COLUMNS, 4) << _PAIR_SHIFTS.view(4, 1, 1)
+    high = pairs[:, :, :, 0] | pairs[:, :, :, 1] | pairs[:, :, :, 2] | pairs[:, :, :, 3]
+    return torch.cat([nibbles, high], dim=2).contiguous()
+
+
+def _q6_codes(vectors: torch.Tensor) -> torch.Tensor:
+    """The q6 code vectors [..., 6, 16, 4] -> q [..., 8 (k // 4), 16, 4] as int8 (the inverse, per block)."""
+    nibbles, high = vectors[..., :4, :, :], vectors[..., 4:, :, :]
+    low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-3).flatten(-4, -3)  # [..., 8, 16, 4]
+    pairs = (high.unsqueeze(-3) >> _PAIR_SHIFTS.view(4, 1, 1)) & 0x03  # [..., 2, 4, 16, 4]
+    return (low | (pairs.flatten(-4, -3) << 4)).view(torch.int8) - 32
 
 
 def deinterleave(w: InterleavedWeight) -> QuantizedWeight:
@@ -294,6 +386,9 @@ def deinterleave(w: InterleavedWeight) -> QuantizedWeight:
     rows = lambda t: None if t is None else t.transpose(1, 2).reshape(n, -1).contiguous()
     if w.kind == "q8":
         return QuantizedWeight(w.codes.transpose(1, 2).reshape(n, k).contiguous(), rows(w.scale), None, w.source)
+    if w.kind == "q6":
+        codes = _q6_codes(w.codes).permute(0, 3, 1, 2, 4).reshape(n, k).contiguous()  # via [N/16, 16, K/32, 8, 4]
+        return QuantizedWeight(codes, rows(w.scale), None, w.source, rows(w.super_scale))
     return QuantizedWeight(_rows_of_q4(w.codes, n, k), rows(w.scale), rows(w.min), w.source)
 
 
@@ -306,6 +401,9 @@ def _rows_of_q4(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def dequantize_rows(w: InterleavedWeight, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``index`` of the float weight [len(index), K] (an embedding lookup of a tied head)."""
     group, lane = index // COLUMNS, index % COLUMNS
+    if w.kind == "q6":
+        picked = deinterleave(InterleavedWeight(w.codes[group], w.scale[group], None, w.source, w.super_scale[group]))
+        return dequantize(picked.rows(torch.arange(len(index)) * COLUMNS + lane), dtype)
     scale = w.scale[group, :, lane].float().unsqueeze(-1)  # [n, K/32, 1]
     if w.kind == "q8":
         codes = w.codes[group, :, lane].float()  # [n, K/4, 4]

@@ -5,10 +5,11 @@ kernels at hand (``linear_method`` / ``gated_method``), and handed to ``Linear``
 
 * ``DenseFloat``: the weight as is, oneDNN or ``F.linear`` (no kernels, or a shape they do not take).
 * ``PackedFloat``: 16-column blocks for ``ops.packed_linear`` (``ops.packed_swiglu`` with SwiGLU fused).
-* ``QuantizedKernel``: a q8 / q4 weight in the interleaved layout for ``ops.quantized_linear``.
+* ``QuantizedKernel``: a q8 / q4 / q6 weight in the interleaved layout for ``ops.quantized_linear``.
 * ``QuantizedReference``: the same weight through the PyTorch reference of that kernel.
 
-``stack_weights`` gives what ``ops.layer_stack`` takes for the method (weight, scales, mins; empty
+``stack_weights`` gives what ``ops.layer_stack`` takes for the method (weight, scales, mins or q6's
+super-block scales; empty
 tensors where a format has none), or None when the method does not run inside it.
 """
 
@@ -94,22 +95,20 @@ class QuantizedKernel:
                  place: Placement = to_huge) -> None:
         self.out_features, self.in_features = weight.shape
         self.name = weight.source.lower()
-        w = qw.interleave(weight)
-        self.weight = qw.InterleavedWeight(place(w.codes), place(w.scale), None if w.min is None else place(w.min),
-                                           w.source)
-        self.codes, self.scale, self.min = self.weight.codes, self.weight.scale, self.weight.min
+        self.weight = qw.interleave(weight).placed(place)
+        self.codes, self.scale, self.extra = self.weight.codes, self.weight.scale, self.weight.extra
         self.bias = None if bias is None else bias.float().contiguous()
         self._kernel = ops.quantized_linear
         self._rows = ops.quantized_rows
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, self.codes, self.scale, self.min, self.bias)
+        return self._kernel(x, self.codes, self.scale, self.extra, self.bias)
 
     def stack_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.codes, self.scale, _NONE if self.min is None else self.min
+        return self.codes, self.scale, _NONE if self.extra is None else self.extra
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._rows(self.codes, self.scale, self.min, index, dtype)
+        return self._rows(self.codes, self.scale, self.extra, index, dtype)
 
 
 class QuantizedReference:

@@ -16,7 +16,7 @@ StackLinear stack_linear(const at::Tensor* w, const float* bias, bool swiglu) {
     const PackedWeight p = PackedWeight::of(w[0], swiglu, bias);
     return {false, p, {}, p.k, p.width()};
   }
-  const QuantizedWeight q = QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, bias);
+  const QuantizedWeight q = QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, bias, "layer_stack");
   return {true, {}, q, q.k, q.groups * 16};
 }
 
@@ -26,15 +26,7 @@ void check_linear(const at::Tensor* w, at::ScalarType dtype) {
                 "layer_stack: packed float weights must be in the norms' dtype");
     return;
   }
-  const bool q4 = w[0].scalar_type() == at::kByte;
-  const at::Tensor& scale = w[1];
-  TORCH_CHECK((q4 || w[0].scalar_type() == at::kChar) && w[0].is_contiguous() && scale.dim() == 3 &&
-                  scale.size(2) == 16 && scale.is_contiguous() &&
-                  (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat) &&
-                  w[0].numel() == scale.numel() * 32 / (q4 ? 2 : 1) && q4 == (w[2].numel() > 0) &&
-                  (!q4 || (w[2].sizes() == scale.sizes() && w[2].scalar_type() == scale.scalar_type() &&
-                           w[2].is_contiguous())),
-              "layer_stack: a quantized weight is not in the interleaved layout");
+  QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, nullptr, "layer_stack");
 }
 
 // The int8 activations of a quantized linear: one copy per thread when every thread quantizes the
@@ -87,15 +79,13 @@ constexpr int64_t kPrefetchBytes = 16 << 10;
 void prefetch_share(const Team& team, const StackLinear& l) {
   if (!l.quantized) return;
   const QuantizedWeight& w = l.quant;
-  const bool q4 = w.mins != nullptr;
-  const int64_t group_bytes = w.k * 16 / (q4 ? 2 : 1);
-  const int64_t scale_bytes = (w.k / 32) * 16 * (w.half_scales ? 2 : 4);
+  const int64_t group_bytes = w.group_code_bytes(), scale_bytes = w.group_scale_bytes();
   const Share s = team.share(w.groups);
   const int64_t groups = std::min<int64_t>(s.end - s.begin, std::max<int64_t>(1, kPrefetchBytes / group_bytes));
   const char* codes = reinterpret_cast<const char*>(w.codes) + s.begin * group_bytes;
   for (int64_t b = 0; b < groups * group_bytes; b += 64) __builtin_prefetch(codes + b, 0, 2);
   const char* sc = static_cast<const char*>(w.scale) + s.begin * scale_bytes;
-  const char* mn = q4 ? static_cast<const char*>(w.mins) + s.begin * scale_bytes : nullptr;
+  const char* mn = w.mins != nullptr ? static_cast<const char*>(w.mins) + s.begin * scale_bytes : nullptr;
   for (int64_t b = 0; b < groups * scale_bytes; b += 64) {
     __builtin_prefetch(sc + b, 0, 2);
     if (mn != nullptr) __builtin_prefetch(mn + b, 0, 2);

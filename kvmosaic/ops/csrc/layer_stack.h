@@ -8,7 +8,7 @@
 
 namespace kvops {
 
-// input norm, qkv (3), qkv bias, o (3), post norm, gate/up (3), down (3); a linear is (weight, scales, mins)
+// input norm, qkv (3), qkv bias, o (3), post norm, gate/up (3), down (3); a linear is (weight, scales, extra)
 constexpr size_t kPerLayer = 15;
 
 struct StackLinear {  // one product of the stack on packed float or quantized weights
@@ -27,7 +27,8 @@ class StackWeights {
   };
 
   // kPerLayer tensors per layer in the order above: an empty tensor for no qkv bias; a packed float
-  // linear has empty scales and mins, a q8 one empty mins; a float gate/up pair is packed with SwiGLU.
+  // linear has empty scales and extra, a q8 one an empty extra (q4: its mins, q6: its super-block
+  // scales); a float gate/up pair is packed with SwiGLU.
   explicit StackWeights(std::vector<at::Tensor> tensors);
   const std::vector<at::Tensor>& tensors() const { return tensors_; }
   const std::vector<Layer>& plan() const { return plan_; }

@@ -69,8 +69,9 @@ bool packed_swiglu_supports(at::ScalarType dtype, int64_t intermediate, int64_t 
 at::Tensor pack_swiglu_weight(const at::Tensor& gate_up);
 at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
-// qlinear.cpp: linears on quantized (q8 / q4) weights in the interleaved layout of kvmosaic/quant/weights.py.
+// qlinear.cpp: linears on quantized (q8 / q4 / q6) weights in the interleaved layout of kvmosaic/quant/weights.py;
+// extra: q4's mins, q6's super-block scales.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                            const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias);
-at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                            const c10::optional<at::Tensor>& extra, const c10::optional<at::Tensor>& bias);
+at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,
                           const at::Tensor& index, at::ScalarType dtype);

@@ -1,10 +1,13 @@
 // Linear layers on quantized weights (q8: w = scale * q; q4: w = scale * q + min; one scale and min per
-// 32 weights of a column), in the interleaved layout of kvmosaic/quant/weights.py: 16 output columns
-// side by side, codes [N/16, K/4 (q8) or K/8 (q4), 16, 4] bytes, scales and mins [N/16, K/32, 16].
+// 32 weights of a column; q6: w = d * sc * q, an int8 sc per 16 weights and a float d per 256), in the
+// interleaved layout of kvmosaic/quant/weights.py: 16 output columns side by side, codes
+// [N/16, K/4 (q8) or K/8 (q4), 16, 4] bytes or [N/16, K/32, 6, 16, 4] (q6), scales and mins
+// [N/16, K/32, 16], q6 scales [N/16, K/16, 16] and super-block scales [N/16, K/256, 16].
 //
 // The activations are quantized to int8 per 32 values (d = max|x| / 127, codes rounded half to even)
 // and every weight block is an integer dot product per column:
 //   out[r, n] += scale[n, b] * d[r, b] * sum_k q[n, k] x[r, k] + min[n, b] * d[r, b] * sum_k x[r, k]
+// (q6: scale is the super-block's d, and the integer sum weighs each 16 codes by their sc)
 // Each thread takes a contiguous range of 16-column groups and runs every row over a group (4 rows per
 // pass) while its codes sit in L1, so the weights stream from memory once per call at any row count.
 // Written once over vec.h / qdot.h.
@@ -31,6 +34,9 @@ using kvmosaic_qdot::V64;
 
 constexpr int64_t kCols = 16;
 constexpr int64_t kQBlock = 32;
+constexpr int64_t kQ6Vectors = 6;  // 64-byte code vectors per 32-k block of a q6 group
+constexpr int64_t kQ6Sub = 16;     // weights per q6 sub-block scale
+constexpr int64_t kQ6Super = 256;  // weights per q6 super-block scale
 constexpr int kMaxRows = 4;  // activation rows sharing one pass over a group's codes
 
 // Bytes of codes a product asks for ahead of the block it multiplies. On an AVX2 host (Zen 3) the
@@ -141,33 +147,98 @@ void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* 
   for (int r = 0; r < R; ++r) (acc[r] + bv).store(out + r * ldo);
 }
 
-template <typename T, typename S, bool kQ4>
-void rows_dispatch(int rows, const QuantRow* q, int64_t k, const uint8_t* codes, const S* scale, const S* mins,
-                   const float* bias, T* out, int64_t ldo) {
-  switch (rows) {
-    case 4: return group_rows<T, S, kQ4, 4>(q, k, codes, scale, mins, bias, out, ldo);
-    case 3: return group_rows<T, S, kQ4, 3>(q, k, codes, scale, mins, bias, out, ldo);
-    case 2: return group_rows<T, S, kQ4, 2>(q, k, codes, scale, mins, bias, out, ldo);
-    default: return group_rows<T, S, kQ4, 1>(q, k, codes, scale, mins, bias, out, ldo);
+// Four code bytes of q6 sub-vector kS (k = 4 kS .. 4 kS + 3 of the block) of each column, as signed
+// codes, dotted with R rows' activations into sums: the low nibble comes from vector kS / 2, the high
+// bit pair from vector 4 + kS / 4.
+template <int kS, int R>
+inline void q6_dots(V64 nibbles, V64 pairs, const QuantRow* rows, int64_t b, Q4Sum* sums) {
+  const V64 low = kS % 2 == 0 ? nibbles.low_nibbles() : nibbles.high_nibbles();
+  const V64 w = (low | pairs.template pair_bits<kS % 4>()).minus32();
+  const V64 magnitude = w.abs_s8();
+  for (int r = 0; r < R; ++r) {
+    const V64 x = V64::broadcast4(load4(rows[r].codes + b * kQBlock + 4 * kS));
+    sums[r] = sums[r].add(magnitude, w.sign_of(x));
   }
 }
 
-template <typename T, typename S, bool kQ4>
+// R rows x one group of 16 columns of a q6 weight: per 32-k block two sub-blocks of 16, each an int16
+// sum of four dots (qdot.h's Q4Sum) widened with its int8 scale, then the block's one float multiply-add.
+template <typename T, int R>
+void group_rows_q6(const QuantRow* rows, int64_t k, const uint8_t* codes, const int8_t* scale, const float* supers,
+                   const float* bias, T* out, int64_t ldo) {
+  F16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = F16::zero();
+  const int64_t blocks = k / kQBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = codes + b * kQ6Vectors * 64;
+    if constexpr (kStreamAhead > 0) {
+      for (int64_t q = 0; q < kQ6Vectors * 64; q += 64) kvmosaic_vec::prefetch_l1(wb + kStreamAhead + q);
+      kvmosaic_vec::prefetch_l1(scale + (2 * b) * kCols + kStreamAhead / 12);  // 32 scale bytes per 384 code bytes
+    }
+    const V64 n0 = V64::load(wb), n1 = V64::load(wb + 64), n2 = V64::load(wb + 128), n3 = V64::load(wb + 192);
+    const V64 p0 = V64::load(wb + 256), p1 = V64::load(wb + 320);
+    Q4Sum first[R], second[R];
+    for (int r = 0; r < R; ++r) first[r] = second[r] = Q4Sum::zero();
+    q6_dots<0, R>(n0, p0, rows, b, first);
+    q6_dots<4, R>(n2, p1, rows, b, second);
+    q6_dots<1, R>(n0, p0, rows, b, first);
+    q6_dots<5, R>(n2, p1, rows, b, second);
+    q6_dots<2, R>(n1, p0, rows, b, first);
+    q6_dots<6, R>(n3, p1, rows, b, second);
+    q6_dots<3, R>(n1, p0, rows, b, first);
+    q6_dots<7, R>(n3, p1, rows, b, second);
+    const I16 sc0 = I16::load_s8(scale + (2 * b) * kCols), sc1 = I16::load_s8(scale + (2 * b + 1) * kCols);
+    const F16 d = F16::load(supers + (b * kQBlock / kQ6Super) * kCols);
+    for (int r = 0; r < R; ++r) {
+      const I16 total = kvmosaic_qdot::add(first[r].scaled(sc0), second[r].scaled(sc1));
+      acc[r] = kvmosaic_vec::fma(total.to_float(), d * F16::set1(rows[r].scale[b]), acc[r]);
+    }
+  }
+  const F16 bv = bias != nullptr ? F16::load(bias) : F16::zero();
+  for (int r = 0; r < R; ++r) (acc[r] + bv).store(out + r * ldo);
+}
+
+enum class Kind { kQ8, kQ4, kQ6 };
+
+// S: the scale dtype (int8 for q6); extra: q4's mins (S) or q6's super-block scales (float)
+template <typename T, typename S, Kind kKind, int R>
+void group_rows_of(const QuantRow* q, int64_t k, const uint8_t* codes, const S* scale, const void* extra,
+                   const float* bias, T* out, int64_t ldo) {
+  if constexpr (kKind == Kind::kQ6)
+    group_rows_q6<T, R>(q, k, codes, scale, static_cast<const float*>(extra), bias, out, ldo);
+  else
+    group_rows<T, S, kKind == Kind::kQ4, R>(q, k, codes, scale, static_cast<const S*>(extra), bias, out, ldo);
+}
+
+template <typename T, typename S, Kind kKind>
+void rows_dispatch(int rows, const QuantRow* q, int64_t k, const uint8_t* codes, const S* scale, const void* extra,
+                   const float* bias, T* out, int64_t ldo) {
+  switch (rows) {
+    case 4: return group_rows_of<T, S, kKind, 4>(q, k, codes, scale, extra, bias, out, ldo);
+    case 3: return group_rows_of<T, S, kKind, 3>(q, k, codes, scale, extra, bias, out, ldo);
+    case 2: return group_rows_of<T, S, kKind, 2>(q, k, codes, scale, extra, bias, out, ldo);
+    default: return group_rows_of<T, S, kKind, 1>(q, k, codes, scale, extra, bias, out, ldo);
+  }
+}
+
+template <typename T, typename S, Kind kKind>
 void groups_of(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
                int64_t g1) {
   const int64_t k = w.k, blocks = k / kQBlock;
-  const int64_t group_bytes = k * kCols / (kQ4 ? 2 : 1), group_scales = blocks * kCols;
+  const int64_t group_bytes = w.group_code_bytes();
+  const int64_t group_scales = (kKind == Kind::kQ6 ? k / kQ6Sub : blocks) * kCols;
   const S* scale = static_cast<const S*>(w.scale);
-  const S* mins = static_cast<const S*>(w.mins);
   for (int64_t g = g0; g < g1; ++g) {
+    const void* extra = nullptr;
+    if constexpr (kKind == Kind::kQ4) extra = static_cast<const S*>(w.mins) + g * group_scales;
+    if constexpr (kKind == Kind::kQ6) extra = w.super_scale + g * (k / kQ6Super) * kCols;
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
       QuantRow q[kMaxRows];
       for (int r = 0; r < rows; ++r)
         q[r] = {x.codes + (r0 + r) * k, x.scale + (r0 + r) * blocks, x.sum + (r0 + r) * blocks};
-      rows_dispatch<T, S, kQ4>(rows, q, k, w.codes + g * group_bytes, scale + g * group_scales,
-                               kQ4 ? mins + g * group_scales : nullptr,
-                               w.bias != nullptr ? w.bias + g * kCols : nullptr, out + r0 * ldo + g * kCols, ldo);
+      rows_dispatch<T, S, kKind>(rows, q, k, w.codes + g * group_bytes, scale + g * group_scales, extra,
+                                 w.bias != nullptr ? w.bias + g * kCols : nullptr, out + r0 * ldo + g * kCols, ldo);
     }
   }
 }
@@ -192,12 +263,14 @@ void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, 
 template <typename T>
 void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
                       int64_t g1) {
-  if (w.half_scales) {
-    if (w.mins != nullptr) groups_of<T, c10::Half, true>(w, x, m, out, ldo, g0, g1);
-    else groups_of<T, c10::Half, false>(w, x, m, out, ldo, g0, g1);
+  if (w.super_scale != nullptr) {
+    groups_of<T, int8_t, Kind::kQ6>(w, x, m, out, ldo, g0, g1);
+  } else if (w.half_scales) {
+    if (w.mins != nullptr) groups_of<T, c10::Half, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
+    else groups_of<T, c10::Half, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
   } else {
-    if (w.mins != nullptr) groups_of<T, float, true>(w, x, m, out, ldo, g0, g1);
-    else groups_of<T, float, false>(w, x, m, out, ldo, g0, g1);
+    if (w.mins != nullptr) groups_of<T, float, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
+    else groups_of<T, float, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
   }
 }
 
@@ -208,11 +281,42 @@ template void quantized_groups<float>(const QuantizedWeight&, const QuantizedRow
 template void quantized_groups<c10::BFloat16>(const QuantizedWeight&, const QuantizedRows&, int64_t,
                                               c10::BFloat16*, int64_t, int64_t, int64_t);
 
-QuantizedWeight QuantizedWeight::of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* mins,
-                                    const float* bias) {
-  return {reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(),
-          mins != nullptr ? mins->data_ptr() : nullptr, scale.scalar_type() == at::kHalf,
-          scale.size(1) * kQBlock, scale.size(0), bias};
+QuantizedWeight QuantizedWeight::of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
+                                    const float* bias, const char* who) {
+  TORCH_CHECK(scale.dim() == 3 && scale.size(2) == kCols && scale.is_contiguous() && codes.is_contiguous(), who,
+              ": the weight is not in the interleaved layout");
+  const int64_t groups = scale.size(0);
+  if (scale.scalar_type() == at::kChar) {  // q6
+    const int64_t k = scale.size(1) * kQ6Sub;
+    TORCH_CHECK(codes.scalar_type() == at::kByte && k % kQ6Super == 0 && codes.numel() == groups * kCols * k * 3 / 4,
+                who, ": q6 codes do not match the scales");
+    TORCH_CHECK(extra != nullptr && extra->scalar_type() == at::kFloat && extra->is_contiguous() &&
+                    extra->sizes() == at::IntArrayRef({groups, k / kQ6Super, kCols}),
+                who, ": q6 weights come with float32 super-block scales [N/16, K/256, 16]");
+    return {codes.data_ptr<uint8_t>(), scale.data_ptr(), nullptr, extra->data_ptr<float>(), false, k, groups, bias};
+  }
+  const bool q4 = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 == (extra != nullptr), who, ": q4 (uint8) codes come with mins, q8 (int8) without");
+  TORCH_CHECK(q4 || codes.scalar_type() == at::kChar, who, ": codes must be int8 or uint8");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, who,
+              ": scales must be float16 or float32 (int8 for q6)");
+  const int64_t k = scale.size(1) * kQBlock;
+  TORCH_CHECK(codes.numel() == groups * kCols * k / (q4 ? 2 : 1), who, ": codes do not match the scales");
+  if (q4)
+    TORCH_CHECK(extra->sizes() == scale.sizes() && extra->scalar_type() == scale.scalar_type() &&
+                    extra->is_contiguous(), who, ": mins do not match the scales");
+  return {reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(), q4 ? extra->data_ptr() : nullptr,
+          nullptr, scale.scalar_type() == at::kHalf, k, groups, bias};
+}
+
+int64_t QuantizedWeight::group_code_bytes() const {
+  if (super_scale != nullptr) return k * kCols * 3 / 4;
+  return k * kCols / (mins != nullptr ? 2 : 1);
+}
+
+int64_t QuantizedWeight::group_scale_bytes() const {
+  if (super_scale != nullptr) return (k / kQ6Sub) * kCols;
+  return (k / kQBlock) * kCols * (half_scales ? 2 : 4);
 }
 
 }  // namespace kvops
@@ -237,31 +341,21 @@ void product(const at::Tensor& x, const QuantizedWeight& w, at::Tensor& out) {
 
 }  // namespace
 
-// x [M, K] (float32 or bfloat16) times a quantized weight: q8 when codes are int8, q4 (with mins) when uint8.
+// x [M, K] (float32 or bfloat16) times a quantized weight: q8 (int8 codes), q4 (uint8 codes, extra = its
+// mins) or q6 (uint8 codes, int8 scales, extra = its float32 super-block scales).
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                            const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias) {
+                            const c10::optional<at::Tensor>& extra, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "quantized_linear needs x [M, K]");
-  const bool q4 = codes.scalar_type() == at::kByte;
-  TORCH_CHECK(q4 == mins.has_value(), "quantized_linear: q4 (uint8) codes come with mins, q8 (int8) without");
-  TORCH_CHECK(q4 || codes.scalar_type() == at::kChar, "quantized_linear: codes must be int8 or uint8");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, "scales: float16 or float32");
-  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && scale.dim() == 3 && scale.size(2) == kCols,
-              "quantized_linear: weight is not in the interleaved layout");
-  const int64_t k = x.size(1), n = scale.size(0) * kCols;
-  TORCH_CHECK(scale.size(1) * kQBlock == k, "quantized_linear: x has ", k, " features, the weight ",
-              scale.size(1) * kQBlock);
-  TORCH_CHECK(codes.numel() == n * k / (q4 ? 2 : 1), "quantized_linear: codes do not match the scales");
-  if (q4) TORCH_CHECK(mins->sizes() == scale.sizes() && mins->scalar_type() == scale.scalar_type(), "mins mismatch");
   at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == n, "quantized_linear: bias must be [N]");
-  }
+  if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+  const QuantizedWeight w = QuantizedWeight::of(codes, scale, extra.has_value() ? &*extra : nullptr,
+                                                bias.has_value() ? b.data_ptr<float>() : nullptr, "quantized_linear");
+  const int64_t k = x.size(1), n = w.groups * kCols;
+  TORCH_CHECK(w.k == k, "quantized_linear: x has ", k, " features, the weight ", w.k);
+  if (bias.has_value()) TORCH_CHECK(b.dim() == 1 && b.size(0) == n, "quantized_linear: bias must be [N]");
   auto xc = x.contiguous();
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
-  const at::Tensor* mp = mins.has_value() ? &*mins : nullptr;
-  const QuantizedWeight w = QuantizedWeight::of(codes, scale, mp, bias.has_value() ? b.data_ptr<float>() : nullptr);
   if (x.scalar_type() == at::kFloat) product<float>(xc, w, out);
   else if (x.scalar_type() == at::kBFloat16) product<c10::BFloat16>(xc, w, out);
   else TORCH_CHECK(false, "quantized_linear: activations must be float32 or bfloat16");
@@ -270,69 +364,72 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const 
 
 namespace {
 
+// Weight k of a column (lane) of a group's codes, as its integer code (q4: 0..15; q8, q6: signed).
+inline int code_at(const QuantizedWeight& w, const uint8_t* group, int64_t lane, int64_t kk) {
+  if (w.super_scale != nullptr) {  // q6: vector kS / 2 holds the low nibble, vector 4 + kS / 4 the high pair
+    const int64_t block = kk / kQBlock, sub = (kk % kQBlock) / 4, t = kk % 4;
+    const uint8_t* vectors = group + block * kQ6Vectors * 64;
+    const uint8_t nibbles = vectors[((sub / 2) * kCols + lane) * 4 + t];
+    const uint8_t pairs = vectors[((4 + sub / 4) * kCols + lane) * 4 + t];
+    const int low = sub % 2 == 0 ? nibbles & 0x0F : nibbles >> 4;
+    return (low | (((pairs >> (2 * (sub % 4))) & 3) << 4)) - 32;
+  }
+  if (w.mins != nullptr) {  // byte [k / 8, lane, k % 4] holds k % 8 < 4 in its low nibble, the rest in its high one
+    const uint8_t byte = group[((kk / 8) * kCols + lane) * 4 + kk % 4];
+    return kk % 8 < 4 ? byte & 0x0F : byte >> 4;
+  }
+  return static_cast<int8_t>(group[((kk / 4) * kCols + lane) * 4 + kk % 4]);
+}
+
 // Rows of the float weight from the interleaved layout: w[n, k] = code * scale (+ min), rounded as
-// the reference dequantization rounds (a float product, then a float sum).
+// the reference dequantization rounds (a float product, then a float sum; q6's scale d * sc is exact).
 template <typename T, typename S>
-void rows_of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* mins, const int64_t* index,
-             int64_t count, int64_t k, T* out) {
-  const int64_t blocks = k / kQBlock;
-  const bool q4 = mins != nullptr;
-  const int64_t group_bytes = k * kCols / (q4 ? 2 : 1);
-  const auto* code_p = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const S* scale_p = static_cast<const S*>(scale.data_ptr());
-  const S* min_p = q4 ? static_cast<const S*>(mins->data_ptr()) : nullptr;
+void rows_of(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
+  const int64_t k = w.k, group_bytes = w.group_code_bytes();
+  const bool q6 = w.super_scale != nullptr;
+  const int64_t per_group = (q6 ? k / kQ6Sub : k / kQBlock) * kCols;
   for (int64_t r = 0; r < count; ++r) {
     const int64_t group = index[r] / kCols, lane = index[r] % kCols;
-    const uint8_t* gc = code_p + group * group_bytes;
+    const uint8_t* gc = w.codes + group * group_bytes;
     T* row = out + r * k;
     for (int64_t kk = 0; kk < k; ++kk) {
-      const int64_t b = kk / kQBlock;
-      const float sc = static_cast<float>(scale_p[(group * blocks + b) * kCols + lane]);
+      const float code = static_cast<float>(code_at(w, gc, lane, kk));
       float v;
-      if (q4) {  // byte [k / 8, lane, k % 4] holds k % 8 < 4 in its low nibble, the rest in its high one
-        const uint8_t byte = gc[((kk / 8) * kCols + lane) * 4 + kk % 4];
-        const float code = static_cast<float>(kk % 8 < 4 ? byte & 0x0F : byte >> 4);
-        v = code * sc + static_cast<float>(min_p[(group * blocks + b) * kCols + lane]);
+      if (q6) {
+        const float d = w.super_scale[(group * (k / kQ6Super) + kk / kQ6Super) * kCols + lane];
+        v = code * (d * static_cast<float>(static_cast<const int8_t*>(w.scale)[group * per_group + (kk / kQ6Sub) * kCols + lane]));
       } else {
-        v = static_cast<float>(static_cast<int8_t>(gc[((kk / 4) * kCols + lane) * 4 + kk % 4])) * sc;
+        const int64_t at = group * per_group + (kk / kQBlock) * kCols + lane;
+        v = code * static_cast<float>(static_cast<const S*>(w.scale)[at]);
+        if (w.mins != nullptr) v += static_cast<float>(static_cast<const S*>(w.mins)[at]);
       }
       row[kk] = static_cast<T>(v);
     }
   }
 }
 
+template <typename T>
+void dequantized_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
+  if (w.half_scales) rows_of<T, c10::Half>(w, index, count, out);
+  else rows_of<T, float>(w, index, count, out);
+}
+
 }  // namespace
 
-// Rows `index` of a q8 / q4 weight in the interleaved layout, dequantized: an embedding lookup
+// Rows `index` of a q8 / q4 / q6 weight in the interleaved layout, dequantized: an embedding lookup
 // through a tied quantized LM head, without a float copy of the table.
-at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,
                           const at::Tensor& index, at::ScalarType dtype) {
-  const bool q4 = codes.scalar_type() == at::kByte;
-  TORCH_CHECK(q4 == mins.has_value() && (q4 || codes.scalar_type() == at::kChar),
-              "quantized_rows: q4 (uint8) codes come with mins, q8 (int8) without");
-  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && scale.dim() == 3 && scale.size(2) == kCols &&
-                  (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat),
-              "quantized_rows: weight is not in the interleaved layout");
-  const int64_t n = scale.size(0) * kCols, k = scale.size(1) * kQBlock;
-  TORCH_CHECK(codes.numel() == n * k / (q4 ? 2 : 1), "quantized_rows: codes do not match the scales");
-  if (q4)
-    TORCH_CHECK(mins->sizes() == scale.sizes() && mins->scalar_type() == scale.scalar_type() && mins->is_contiguous(),
-                "quantized_rows: mins mismatch");
+  const QuantizedWeight w = QuantizedWeight::of(codes, scale, extra.has_value() ? &*extra : nullptr, nullptr,
+                                                "quantized_rows");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quantized_rows: rows are float32 or bfloat16");
+  const int64_t n = w.groups * kCols;
   const at::Tensor idx = index.to(at::kLong).contiguous().view({-1});
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t r = 0; r < idx.numel(); ++r)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "quantized_rows: index ", ip[r], " out of range for ", n, " rows");
-  at::Tensor out = at::empty({idx.numel(), k}, scale.options().dtype(dtype));
-  const at::Tensor* mp = q4 ? &*mins : nullptr;
-  const bool half = scale.scalar_type() == at::kHalf;
-  if (dtype == at::kFloat) {
-    if (half) rows_of<float, c10::Half>(codes, scale, mp, ip, idx.numel(), k, out.data_ptr<float>());
-    else rows_of<float, float>(codes, scale, mp, ip, idx.numel(), k, out.data_ptr<float>());
-  } else {
-    auto* op = out.data_ptr<c10::BFloat16>();
-    if (half) rows_of<c10::BFloat16, c10::Half>(codes, scale, mp, ip, idx.numel(), k, op);
-    else rows_of<c10::BFloat16, float>(codes, scale, mp, ip, idx.numel(), k, op);
-  }
+  at::Tensor out = at::empty({idx.numel(), w.k}, scale.options().dtype(dtype));
+  if (dtype == at::kFloat) dequantized_rows(w, ip, idx.numel(), out.data_ptr<float>());
+  else dequantized_rows(w, ip, idx.numel(), out.data_ptr<c10::BFloat16>());
   return out;
 }

@@ -34,13 +34,18 @@ struct QuantizedRows {  // m activation rows quantized to int8 per 32 values
 
 struct QuantizedWeight {
   const uint8_t* codes;
-  const void* scale;  // float16 or float32 [groups, K / 32, 16]
-  const void* mins;   // the same, q4 only (null for q8)
+  const void* scale;         // float16 or float32 [groups, K / 32, 16]; q6: int8 [groups, K / 16, 16]
+  const void* mins;          // like scale, q4 only (null for q8 and q6)
+  const float* super_scale;  // q6 only: [groups, K / 256, 16]
   bool half_scales;
   int64_t k, groups;
   const float* bias;  // [groups * 16] or null
-  static QuantizedWeight of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* mins,
-                            const float* bias);
+  // checked: the kind follows the dtypes (q6: int8 scales; q4: uint8 codes; q8: int8 codes); extra is
+  // q4's mins or q6's super-block scales, null for q8; `who` names the caller in errors
+  static QuantizedWeight of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
+                            const float* bias, const char* who);
+  int64_t group_code_bytes() const;   // codes of one group of 16 columns
+  int64_t group_scale_bytes() const;  // scales (and as many mins) of one group
 };
 
 template <typename T>
