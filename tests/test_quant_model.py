@@ -1,6 +1,8 @@
 """The model on quantized weights: the default GGUF's Q4_1 / Q8_0 matrices run natively, weights
 quantized at load, the weight-format option at every entry point."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,15 +88,17 @@ def test_greedy_decode_equals_pytorch_reference(native_model, dtype, quantizatio
     """The engine's quantized kernels (int8 steps inside one layer_stack call) give bit for bit the
     logits, so the greedy tokens, of the PyTorch reference of the same arithmetic (the layer loop,
     other ops on the same kernels), for the prompt's prefill rows as for the decode steps. Bit for
-    bit matters: int8 activation rounding is chaotic (see the next test). q6_k: Q6_K down projections
-    (the other matrices' 576-wide rows fill no 256 super-block: Q8_0)."""
+    bit matters: int8 activation rounding is chaotic (see the next test). q6_k: the down projections
+    requantized to Q6_K (1536-wide rows; 576-wide ones fill no 256-weight super-block)."""
     kernels = Kernels.load()
     if not kernels.has("quantized_linear"):
         pytest.skip("no C++ kernels built")
     config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=8))
-    loaded = native_model if (dtype, quantization) == ("float32", "auto") else load_model(
-        None, getattr(torch, dtype), quantization=quantization)
+    loaded = native_model if dtype == "float32" else load_model(None, torch.bfloat16)
     if quantization == "q6_k":
+        down = {name: qw.quantize(qw.dequantize(w), "q6_k") for name, w in loaded.weights.items()
+                if name.endswith("down_proj.weight")}
+        loaded = dataclasses.replace(loaded, weights={**loaded.weights, **down})
         assert loaded.weights["model.layers.3.mlp.down_proj.weight"].kind == "q6"
     fast = Worker(config, loader=lambda path, d: loaded, kernels=kernels)
     slow_kernels = Kernels(_WithoutQuantizedLinear(kernels.ops), kernels.quant, kernels.level)

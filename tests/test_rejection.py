@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from kvmosaic.sample.rejection import verify_dense, verify_greedy, verify_one_hot
-from kvmosaic.sample.sampler import random_sample
+from kvmosaic.sample.sampler import SamplingRow, random_sample
+from kvmosaic.sample.verify import Verification
+from kvmosaic.sample.verify import verify as verify_rows
+from kvmosaic.sampling_params import SamplingParams
 
 NUM_SAMPLES = 100_000
 # chi-square with 5 degrees of freedom: P(X > 20.52) = 0.001
@@ -25,6 +28,22 @@ def test_greedy_by_hand():
     target = torch.tensor([[5, 7, 9, 2], [5, 7, 9, 2], [5, 7, 9, 2], [3, 3, 3, 3]])
     draft = torch.tensor([[5, 7, 1], [5, 7, 9], [1, 7, 9], [3, 4, 3]])
     assert _emitted(*verify_greedy(target, draft)) == [[5, 7, 9], [5, 7, 9, 2], [5], [3, 3]]
+
+
+def test_verify_takes_greedy_targets_from_the_argmax_it_is_given(level_kernels):
+    """Proposals 1 and 2 match the target's picks, the bonus row ties (4, 4): the first index wins, with
+    the kernel's argmax at every built level as with torch's; one call for the sequence's rows."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 5.0], [4.0, 4.0, 0.0]])
+    rows = [SamplingRow(SamplingParams(temperature=0.0), None, [7], []) for _ in range(3)]
+    calls = []
+
+    def argmax(x):
+        calls.append(tuple(x.shape))
+        return level_kernels.argmax(x)
+
+    (emitted,) = verify_rows(logits, [Verification(rows, [1, 2])], argmax)
+    assert calls == [(3, 3)] and [t.token_id for t in emitted] == [1, 2, 0]
+    assert [t.token_id for t in verify_rows(logits, [Verification(rows, [1, 0])])[0]] == [1, 2]
 
 
 def test_greedy_without_proposals_emits_the_target_token():

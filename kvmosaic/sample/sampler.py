@@ -30,12 +30,14 @@ class SamplingRow:
     allowed_token_mask: bytes | None = None  # a grammar's packed bitmask of allowed ids (None: all)
 
 
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [rows, n] -> each row's first largest index
+
+
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> list[SampledToken]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], argmax: Argmax = torch_argmax) -> list[SampledToken]:
     """Pick one token per row of logits [num_rows, vocab]; logprobs are of the raw logits. ``argmax``
     picks greedy rows' tokens: ``logits.argmax(dim=-1)`` or a kernel that gives the same ids."""
     if logits.shape[0] != len(rows):
@@ -151,7 +153,7 @@ def _ban_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow],
-                   argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                   argmax: Argmax) -> torch.Tensor:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if len(greedy) == len(rows):  # the common all-greedy batch: no scatter into a result tensor
         return argmax(logits)

@@ -13,7 +13,7 @@ import torch
 
 from kvmosaic.outputs import SampledToken
 from kvmosaic.sample.rejection import verify_dense, verify_greedy, verify_one_hot
-from kvmosaic.sample.sampler import SamplingRow, penalize_and_ban, sampled_tokens, target_probs
+from kvmosaic.sample.sampler import Argmax, SamplingRow, penalize_and_ban, sampled_tokens, target_probs, torch_argmax
 
 
 @dataclass(slots=True)
@@ -28,9 +28,11 @@ class Verification:
                              f"got {len(self.rows)}")
 
 
-def verify(logits: torch.Tensor, verifications: list[Verification]) -> list[list[SampledToken]]:
+def verify(logits: torch.Tensor, verifications: list[Verification],
+           argmax: Argmax = torch_argmax) -> list[list[SampledToken]]:
     """logits [sum of k + 1, vocab], the sequences' rows back to back -> each sequence's emitted
-    tokens: accepted proposals, then the target's own token; logprobs from the raw logits."""
+    tokens: accepted proposals, then the target's own token; logprobs from the raw logits. ``argmax``
+    gives greedy sequences' target tokens (``logits.argmax(dim=-1)`` or a kernel with the same ids)."""
     rows = [row for v in verifications for row in v.rows]
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
@@ -41,7 +43,7 @@ def verify(logits: torch.Tensor, verifications: list[Verification]) -> list[list
     counts: list[int] = []
     offset = 0
     for v in verifications:
-        token_ids, num_emitted = _verify_one(processed[offset:offset + len(v.rows)], v)
+        token_ids, num_emitted = _verify_one(processed[offset:offset + len(v.rows)], v, argmax)
         emitted_rows.extend(range(offset, offset + num_emitted))
         emitted_ids.extend(token_ids[:num_emitted])
         counts.append(num_emitted)
@@ -55,11 +57,11 @@ def verify(logits: torch.Tensor, verifications: list[Verification]) -> list[list
     return out
 
 
-def _verify_one(processed: torch.Tensor, v: Verification) -> tuple[list[int], int]:
+def _verify_one(processed: torch.Tensor, v: Verification, argmax: Argmax) -> tuple[list[int], int]:
     draft_ids = torch.tensor([v.draft_ids], dtype=torch.long)
     first = v.rows[0]
     if first.params.greedy:
-        token_ids, num_emitted = verify_greedy(processed.argmax(dim=-1)[None], draft_ids)
+        token_ids, num_emitted = verify_greedy(argmax(processed)[None], draft_ids)
     else:
         probs = target_probs(processed, v.rows)[None]
         if v.draft_probs is None:

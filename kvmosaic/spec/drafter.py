@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmosaic.outputs import ModelOutput, ScheduledRequest
-from kvmosaic.sample.sampler import SamplingRow, random_sample, target_probs
+from kvmosaic.sample.sampler import Argmax, SamplingRow, random_sample, target_probs, torch_argmax
 from kvmosaic.spec.ngram import lookup
 from kvmosaic.spec.proposer import Proposal
 
@@ -64,11 +64,13 @@ class _Draft:
 
 class Drafter(ABC):
     def __init__(self, runner, num_blocks: int, num_scratch_blocks: int, max_positions: int,
-                 lookup_sizes: tuple[int, int] | None = None) -> None:
+                 lookup_sizes: tuple[int, int] | None = None, argmax: Argmax = torch_argmax) -> None:
         """``runner``: a ModelRunner over the draft model and the attention its K/V lives in; block
         ids ``num_blocks`` .. ``num_blocks + num_scratch_blocks - 1`` are scratch. ``lookup_sizes``:
-        (min, max) n-gram sizes of a prompt lookup tried before drafting (None: none)."""
+        (min, max) n-gram sizes of a prompt lookup tried before drafting (None: none). ``argmax``:
+        greedy sequences' pick (``Kernels.argmax``: torch's ids, faster)."""
         self.runner = runner
+        self.argmax = argmax
         self.lookup_sizes = lookup_sizes
         self.block_size = runner.block_size
         self.num_blocks = num_blocks
@@ -135,7 +137,7 @@ class Drafter(ABC):
 
     def _choose(self, draft: _Draft, logits: torch.Tensor) -> None:
         if draft.greedy:
-            draft.token_ids.append(int(logits.argmax()))
+            draft.token_ids.append(int(self.argmax(logits)[0]))
             return
         q = target_probs(logits.float(), [SamplingRow(draft.request.sampling_params, None, [], [])])
         draft.token_ids.append(int(random_sample(q, [None])[0]))
@@ -185,8 +187,8 @@ class MirroringDrafter(Drafter):
     holds stale draft K/V; a prefix hit on it costs acceptance, never correctness."""
 
     def __init__(self, runner, num_blocks: int, num_scratch_blocks: int, max_positions: int,
-                 lookup_sizes: tuple[int, int] | None = None) -> None:
-        super().__init__(runner, num_blocks, num_scratch_blocks, max_positions, lookup_sizes)
+                 lookup_sizes: tuple[int, int] | None = None, argmax: Argmax = torch_argmax) -> None:
+        super().__init__(runner, num_blocks, num_scratch_blocks, max_positions, lookup_sizes, argmax)
         # Decoded tokens not yet mirrored, per sequence: (position of the first, the tokens).
         self._unmirrored: dict[str, tuple[int, list[int]]] = {}
 

@@ -10,13 +10,11 @@ from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvmosaic.sample.prompt_logprobs import first_rows, prompt_targets, score_prompt_rows
-from kvmosaic.sample.sampler import SamplingRow, sample, torch_argmax
+from kvmosaic.sample.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvmosaic.sample.verify import Verification, verify
 from kvmosaic.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from kvmosaic.spec.drafter import Drafter
 
 # A sequence's tokens in a step of up to this many are computed as decode rows, each over the context up
@@ -30,7 +28,7 @@ DECODE_ROW_SPAN = 12
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: AttentionBackend, eos_token_ids: tuple[int, ...],
-                 drafter: Drafter | None = None, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
+                 drafter: Drafter | None = None, argmax: Argmax = torch_argmax) -> None:
         """``drafter``: a draft model that follows every step and proposes for the next (speculation);
         ``argmax``: how greedy rows pick their token (``Kernels.argmax``: the same ids, faster)."""
         self.model = model
@@ -173,7 +171,7 @@ class ModelRunner:
             out.sampled = dict(zip(seq_ids, tokens, strict=True))
         if verifications:
             spec_requests = [s for s in requests if s.spec_token_ids]
-            for s, emitted in zip(spec_requests, verify(logits[verify_index], verifications), strict=True):
+            for s, emitted in zip(spec_requests, verify(logits[verify_index], verifications, self.argmax), strict=True):
                 out.accepted[s.request_id] = emitted[:-1]
                 out.sampled[s.request_id] = emitted[-1]
         return out

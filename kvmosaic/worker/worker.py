@@ -92,12 +92,11 @@ class Worker:
         lookup_sizes = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.lookup_first else None
         model = self.model if draft is target else LlamaForCausalLM(draft.config, draft.weights, self.kernels,
                                                                      max_positions=max_len).eval()
+        sizes = (self.kv_cache.num_blocks, self._num_scratch_blocks, max_len, lookup_sizes, self.kernels.argmax)
         if self.draft_shares_cache:
-            return CacheSharingDrafter(ModelRunner(model, self.attention, self.eos_token_ids),
-                                       self.kv_cache.num_blocks, self._num_scratch_blocks, max_len, lookup_sizes)
+            return CacheSharingDrafter(ModelRunner(model, self.attention, self.eos_token_ids), *sizes)
         backend = make_attention_backend(draft.config, self.kv_cache.draft, self.kernels)
-        return MirroringDrafter(ModelRunner(model, backend, self.eos_token_ids), self.kv_cache.num_blocks,
-                                self._num_scratch_blocks, max_len, lookup_sizes)
+        return MirroringDrafter(ModelRunner(model, backend, self.eos_token_ids), *sizes)
 
     # ------------------------------------------------------------------ KV pool
     @property
