@@ -18,6 +18,7 @@ import torch
 from linear import SHAPES, time_call
 
 from kvmosaic.ops import Kernels
+from kvmosaic.quant import interleaved as qi
 from kvmosaic.quant import weights as qw
 
 FORMATS = ("q8_0", "q4_1", "q4_k")
@@ -32,7 +33,7 @@ def measure(ops, n: int, k: int, rows: int) -> dict[str, tuple[float, float]]:
     seconds = min(time_call(lambda: ops.packed_linear(x, packed)) for _ in range(3))
     results["float32"] = (seconds * 1e6, packed.nbytes / seconds / 1e9)
     for fmt in FORMATS:
-        q = qw.interleave(qw.quantize(w, fmt))
+        q = qi.interleave(qw.quantize(w, fmt))
         seconds = min(time_call(lambda q=q: ops.quantized_linear(x, q.codes, q.scale, q.min)) for _ in range(3))
         results[fmt] = (seconds * 1e6, q.nbytes / seconds / 1e9)
     return results

@@ -7,6 +7,7 @@ import torch
 from kvmosaic.model.layers.linear import make_gated, make_linear
 from kvmosaic.model.layers.linear_methods import QuantizedKernel, QuantizedReference
 from kvmosaic.ops import Kernels
+from kvmosaic.quant import interleaved as qi
 from kvmosaic.quant import weights as qw
 from kvmosaic.quant.qmatmul import quantize_activations, quantized_linear_reference
 
@@ -26,7 +27,7 @@ def test_kernel_matches_reference_every_row_tail(level_kernels, quantization, dt
     order, so bit for bit, at every ISA level built."""
     ops = level_kernels.ops
     w = _weight(quantization)
-    packed = qw.interleave(w)
+    packed = qi.interleave(w)
     bias = torch.randn(48)
     gen = torch.Generator().manual_seed(1)
     for rows in (*range(1, 10), 13, 37, 70):
@@ -44,10 +45,10 @@ def test_kernel_rows_equal_the_dequantized_rows(level_kernels, quantization, dty
     """An embedding lookup through a tied quantized head: the kernel's rows are the reference's, bit
     for bit, in every lane of the 16-column groups, at every ISA level built."""
     w = _weight(quantization)
-    packed = qw.interleave(w)
+    packed = qi.interleave(w)
     index = torch.tensor([0, 17, 47, 1, 15, 16, 17])
     rows = level_kernels.ops.quantized_rows(packed.codes, packed.scale, packed.extra, index, dtype)
-    assert rows.dtype == dtype and torch.equal(rows, qw.dequantize_rows(packed, index, dtype))
+    assert rows.dtype == dtype and torch.equal(rows, qi.dequantize_rows(packed, index, dtype))
     assert torch.equal(rows.float()[1], qw.dequantize(w)[17].to(dtype).float())
     with pytest.raises(RuntimeError, match="out of range"):
         level_kernels.ops.quantized_rows(packed.codes, packed.scale, packed.extra, torch.tensor([48]), dtype)
@@ -70,13 +71,13 @@ def test_activation_quantization_rounds_half_to_even():
 
 def test_kernel_rejects_bad_input(level_kernels):
     ops = level_kernels.ops
-    packed = qw.interleave(_weight("q4_1"))
+    packed = qi.interleave(_weight("q4_1"))
     with pytest.raises(RuntimeError, match="features"):
         ops.quantized_linear(torch.zeros(1, 128), packed.codes, packed.scale, packed.min)
     with pytest.raises(RuntimeError, match="mins"):
         ops.quantized_linear(torch.zeros(1, 256), packed.codes, packed.scale)
     assert ops.quantized_linear(torch.zeros(0, 256), packed.codes, packed.scale, packed.min).shape == (0, 48)
-    q6 = qw.interleave(_weight("q6_k"))
+    q6 = qi.interleave(_weight("q6_k"))
     with pytest.raises(RuntimeError, match="super-block scales"):
         ops.quantized_linear(torch.zeros(1, 256), q6.codes, q6.scale)
     with pytest.raises(RuntimeError, match="super-block scales"):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvmosaic.quant import interleaved as qi
 from kvmosaic.quant import weights as qw
 
 Q = gguf.GGMLQuantizationType
@@ -54,17 +55,17 @@ def test_scale_dtypes_are_exact_and_small():
     assert qw.quantize(w[:, :32 * 9], "q4_k").source == "Q4_1"  # no whole super-block: Q4_1
     assert qw.quantize(w[:, :32 * 9], "q6_k").source == "Q8_0"  # and Q8_0 for Q6_K
     q6 = qw.quantize(w, "q6_k")  # 8-bit codes in rows, 6 in the kernels' layout (Q6_K's 210 bytes a 256)
-    assert q6.kind == "q6" and qw.interleave(q6).nbytes == w.numel() // 256 * 212  # d: float16 widened to float32
+    assert q6.kind == "q6" and qi.interleave(q6).nbytes == w.numel() // 256 * 212  # d: float16 widened to float32
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
 def test_interleave_round_trip_and_rows(quantization):
     w = qw.quantize(_weight(), quantization)
-    packed = qw.interleave(w)
-    back = qw.deinterleave(packed)
+    packed = qi.interleave(w)
+    back = qi.deinterleave(packed)
     assert torch.equal(back.codes, w.codes) and torch.equal(back.scale, w.scale) and back.kind == w.kind
     index = torch.tensor([0, 17, 47, 1])
-    assert torch.equal(qw.dequantize_rows(packed, index, torch.float32), qw.dequantize(w)[index])
+    assert torch.equal(qi.dequantize_rows(packed, index, torch.float32), qw.dequantize(w)[index])
 
 
 def test_concat_rows_widens_scales_or_meets_as_q8_0():
@@ -100,13 +101,13 @@ def test_q6_k_runs_natively_bit_exact_and_fuses():
     values = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K).reshape(32, 512).astype(np.float32))
     assert torch.equal(qw.dequantize(w), values)
     assert torch.equal(qw.from_gguf(torch.from_numpy(raw), Q.Q6_K).codes, w.codes)
-    packed = qw.interleave(w)
+    packed = qi.interleave(w)
     assert packed.codes.shape == (2, 16, 6, 16, 4) and packed.kind == "q6"
-    back = qw.deinterleave(packed)
+    back = qi.deinterleave(packed)
     assert all(torch.equal(x, y) for x, y in ((back.codes, w.codes), (back.scale, w.scale),
                                               (back.super_scale, w.super_scale)))
     index = torch.tensor([0, 17, 31, 1, 16])
-    assert torch.equal(qw.dequantize_rows(packed, index, torch.float32), values[index])
+    assert torch.equal(qi.dequantize_rows(packed, index, torch.float32), values[index])
     both = qw.concat_rows([w, qw.from_gguf(_random_q6_k(16, 2, seed=1), Q.Q6_K)])
     assert both.kind == "q6" and both.shape == (48, 512) and torch.equal(qw.dequantize(both)[:32], values)
     mixed = qw.concat_rows([qw.quantize(_weight(16), "q4_k"), w])

@@ -18,15 +18,12 @@ GGUF types with no kernel of their own (Q5_0, Q5_1, Q2_K, Q3_K and Q5_K: 2 to 5 
 are requantized to Q8_0 at load (``requantize``): 8.5 bits a weight instead of a float copy, and an
 error of about half a Q8_0 step per weight: a sixteenth of a 5-bit type's own step, less for fewer bits.
 
-``interleave`` turns each kind into the kernels' layout: 16 output columns side by side per 4
-(q8) or 8 (q4, q6's low nibbles) k steps, so one 64-byte load feeds an int8 dot product into 16
-column sums.
+The kernels' layout of each kind is ``kvmosaic.quant.interleaved``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -35,13 +32,18 @@ import torch
 
 BLOCK = 32  # weights per scale
 SUPER = 256  # Q4_K super-block
-COLUMNS = 16  # output columns side by side in the interleaved layout
 Q = gguf.GGMLQuantizationType
 SUB = 16  # Q6_K sub-block: weights per int8 scale
 NATIVE_TYPES = frozenset((Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K))
 REQUANTIZED_TYPES = frozenset((Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K))  # held as Q8_0
 QUANTIZATIONS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q6_k": Q.Q6_K}
 SUPER_BLOCK_TYPES = (Q.Q4_K, Q.Q6_K)  # in_features must fill 256-weight super-blocks
+PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # Q6_K: four 2-bit high parts per byte
+
+
+def kind_of(mins: torch.Tensor | None, super_scale: torch.Tensor | None) -> str:
+    """The kind of a weight (row or interleaved layout) from the tensors it carries besides codes and scales."""
+    return "q6" if super_scale is not None else ("q8" if mins is None else "q4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,7 @@ class QuantizedWeight:
 
     @property
     def kind(self) -> str:
-        return "q6" if self.super_scale is not None else ("q8" if self.min is None else "q4")
+        return kind_of(self.min, self.super_scale)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -102,7 +104,7 @@ def _nibble_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
 
 
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """codes [..., 32] (0..15) -> uint8 [..., 16] in Q4_0 order."""
     return codes[..., :16] | (codes[..., 16:] << 4)
 
@@ -136,12 +138,12 @@ def from_gguf(raw: np.ndarray | torch.Tensor, qtype: Q) -> QuantizedWeight:
         low = -(_f16(blocks[..., 2:4]) * mn.float())
         qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
         codes = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 32)  # [n, sub-blocks, 32]
-        return QuantizedWeight(_pack_nibbles(codes).reshape(n, -1), scale.reshape(n, -1).contiguous(),
+        return QuantizedWeight(pack_nibbles(codes).reshape(n, -1), scale.reshape(n, -1).contiguous(),
                                low.reshape(n, -1).contiguous(), qtype.name)
     if qtype == Q.Q6_K:  # per 128 weights r: ql byte r % 64 (nibble r // 64), qh byte r % 32 (bits 2 (r // 32))
         blocks = data.view(n, -1, 210)
         ql = blocks[..., :128].reshape(n, -1, 2, 64)
-        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> PAIR_SHIFTS.view(4, 1)
         high = (qh & 0x03).reshape(n, -1, 2, 128)
         low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)
         codes = (low | (high << 4)).view(torch.int8) - 32
@@ -213,12 +215,12 @@ def quantize_gguf(weight: torch.Tensor, qtype: Q) -> torch.Tensor:
         peak = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))
         d = peak / -8
         qs = torch.trunc(blocks * _safe_inverse(d) + 8.5).clamp(0, 15).to(torch.uint8)
-        return torch.cat([_halves(d.squeeze(-1)), _pack_nibbles(qs)], -1).view(n, -1)
+        return torch.cat([_halves(d.squeeze(-1)), pack_nibbles(qs)], -1).view(n, -1)
     if qtype == Q.Q4_1:
         hi, lo = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)
         d = (hi - lo) / 15
         qs = torch.trunc((blocks - lo) * _safe_inverse(d) + 0.5).clamp(0, 15).to(torch.uint8)
-        return torch.cat([_halves(d.squeeze(-1)), _halves(lo.squeeze(-1)), _pack_nibbles(qs)], -1).view(n, -1)
+        return torch.cat([_halves(d.squeeze(-1)), _halves(lo.squeeze(-1)), pack_nibbles(qs)], -1).view(n, -1)
     raise ValueError(f"cannot quantize to GGUF type {qtype.name}")
 
 
@@ -254,7 +256,7 @@ def _quantize_q6k(x: torch.Tensor) -> torch.Tensor:
     step = (d.unsqueeze(-1) * sc).unsqueeze(-1)
     u = (_roundf(sub * _safe_inverse(step)).clamp(-32, 31) + 32).to(torch.uint8).view(n, -1, 2, 128)
     ql = u[..., :64] & 0x0F | ((u[..., 64:] & 0x0F) << 4)  # [n, supers, 2, 64]
-    hi = (u >> 4).view(n, -1, 2, 4, 32) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    hi = (u >> 4).view(n, -1, 2, 4, 32) << PAIR_SHIFTS.view(4, 1)
     qh = hi[..., 0, :] | hi[..., 1, :] | hi[..., 2, :] | hi[..., 3, :]  # [n, supers, 2, 32]
     sc_bytes = sc.to(torch.int8).view(torch.uint8)
     return torch.cat([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc_bytes, _halves(d)], -1).view(n, -1)
@@ -289,126 +291,9 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     if any(w.kind != first.kind for w in weights):
         weights = [w if w.kind == "q8" else requantize(dequantize(w), w.source) for w in weights]
         first = weights[0]
-    if first.kind == "q6":
-        return QuantizedWeight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]), None,
-                               "+".join(dict.fromkeys(w.source for w in weights)),
-                               torch.cat([w.super_scale for w in weights]))
     if any(w.scale.dtype != first.scale.dtype for w in weights):
         weights = [_widened(w) for w in weights]
     cat = lambda ts: torch.cat(ts) if ts[0] is not None else None
     sources = "+".join(dict.fromkeys(w.source for w in weights))
     return QuantizedWeight(cat([w.codes for w in weights]), cat([w.scale for w in weights]),
-                           cat([w.min for w in weights]), sources)
-
-
-# ---------------------------------------------------------------------------- the kernels' layout
-@dataclass(frozen=True, slots=True)
-class InterleavedWeight:
-    """The kernels' layout of a QuantizedWeight with N % 16 == 0.
-
-    q8 codes: int8 [N/16, K/4, 16, 4] (column j's k..k+3 at [.., k/4, j, :]).
-    q4 codes: uint8 [N/16, K/8, 16, 4] (byte t of column j holds k = 8g + t low, 8g + 4 + t high).
-    q6 codes: uint8 [N/16, K/32, 6, 16, 4], per 32 k six 64-byte vectors of q + 32 (0..63): four of
-    low nibbles as q4's, then two of high bit pairs (vector h, byte t of column j: k = 16h + 4s + t in
-    bits 2s, 2s + 1).
-    scale / min: [N/16, K/32, 16], the source's dtype; min of q8 and q6 is None.
-    q6 scale: int8 [N/16, K/16, 16]; super_scale: float32 [N/16, K/256, 16]."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    min: torch.Tensor | None
-    source: str
-    super_scale: torch.Tensor | None = None
-
-    @property
-    def kind(self) -> str:
-        return "q6" if self.super_scale is not None else ("q8" if self.min is None else "q4")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.scale.shape[0] * COLUMNS, self.scale.shape[1] * (SUB if self.kind == "q6" else BLOCK)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.scale, self.min, self.super_scale) if t is not None)
-
-    @property
-    def extra(self) -> torch.Tensor | None:
-        """The kernels' third tensor: q4's mins, q6's super-block scales, None for q8."""
-        return self.super_scale if self.kind == "q6" else self.min
-
-    def placed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> InterleavedWeight:
-        """The same weight with every tensor moved by ``place`` (into huge pages, an arena)."""
-        move = lambda t: None if t is None else place(t)
-        return InterleavedWeight(move(self.codes), move(self.scale), move(self.min), self.source,
-                                 move(self.super_scale))
-
-
-def interleave(w: QuantizedWeight) -> InterleavedWeight:
-    n, k = w.shape
-    if n % COLUMNS:
-        raise ValueError(f"the interleaved layout needs out_features % {COLUMNS} == 0, got {n}")
-    by_columns = lambda t: None if t is None else t.view(n // COLUMNS, COLUMNS, -1).transpose(1, 2).contiguous()
-    if w.kind == "q8":
-        codes = w.codes.view(n // COLUMNS, COLUMNS, k // 4, 4).transpose(1, 2).contiguous()
-    elif w.kind == "q6":
-        codes = _q6_vectors(w.codes, n, k)
-    else:
-        split = codes_of(w).view(n // COLUMNS, COLUMNS, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
-        codes = (split[..., 0] | (split[..., 1] << 4)).contiguous()
-    return InterleavedWeight(codes, by_columns(w.scale), by_columns(w.min), w.source, by_columns(w.super_scale))
-
-
-_PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-
-
-def _q6_vectors(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """int8 q [N, K] -> the q6 code vectors [N/16, K/32, 6, 16, 4]."""
-    u = (codes + 32).view(torch.uint8).view(n // COLUMNS, COLUMNS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
-    low = u & 0x0F  # [N/16, K/32, 8 (k // 4 in the block), 16, 4]
-    nibbles = low[:, :, 0::2] | (low[:, :, 1::2] << 4)  # vector g: k 8g + t low, 8g + 4 + t high
-    pairs = (u >> 4).reshape(n // COLUMNS, k // BLOCK, 2, 4, COLUMNS, 4) << _PAIR_SHIFTS.view(4, 1, 1)
-    high = pairs[:, :, :, 0] | pairs[:, :, :, 1] | pairs[:, :, :, 2] | pairs[:, :, :, 3]
-    return torch.cat([nibbles, high], dim=2).contiguous()
-
-
-def _q6_codes(vectors: torch.Tensor) -> torch.Tensor:
-    """The q6 code vectors [..., 6, 16, 4] -> q [..., 8 (k // 4), 16, 4] as int8 (the inverse, per block)."""
-    nibbles, high = vectors[..., :4, :, :], vectors[..., 4:, :, :]
-    low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-3).flatten(-4, -3)  # [..., 8, 16, 4]
-    pairs = (high.unsqueeze(-3) >> _PAIR_SHIFTS.view(4, 1, 1)) & 0x03  # [..., 2, 4, 16, 4]
-    return (low | (pairs.flatten(-4, -3) << 4)).view(torch.int8) - 32
-
-
-def deinterleave(w: InterleavedWeight) -> QuantizedWeight:
-    """The inverse of ``interleave``."""
-    n, k = w.shape
-    rows = lambda t: None if t is None else t.transpose(1, 2).reshape(n, -1).contiguous()
-    if w.kind == "q8":
-        return QuantizedWeight(w.codes.transpose(1, 2).reshape(n, k).contiguous(), rows(w.scale), None, w.source)
-    if w.kind == "q6":
-        codes = _q6_codes(w.codes).permute(0, 3, 1, 2, 4).reshape(n, k).contiguous()  # via [N/16, 16, K/32, 8, 4]
-        return QuantizedWeight(codes, rows(w.scale), None, w.source, rows(w.super_scale))
-    return QuantizedWeight(_rows_of_q4(w.codes, n, k), rows(w.scale), rows(w.min), w.source)
-
-
-def _rows_of_q4(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    split = torch.stack([codes & 0x0F, codes >> 4], dim=-1)  # [N/16, K/8, 16, 4(t), 2(h)]
-    plain = split.permute(0, 2, 1, 4, 3).reshape(n, k // BLOCK, BLOCK)
-    return _pack_nibbles(plain).reshape(n, -1).contiguous()
-
-
-def dequantize_rows(w: InterleavedWeight, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``index`` of the float weight [len(index), K] (an embedding lookup of a tied head)."""
-    group, lane = index // COLUMNS, index % COLUMNS
-    if w.kind == "q6":
-        picked = deinterleave(InterleavedWeight(w.codes[group], w.scale[group], None, w.source, w.super_scale[group]))
-        return dequantize(picked.rows(torch.arange(len(index)) * COLUMNS + lane), dtype)
-    scale = w.scale[group, :, lane].float().unsqueeze(-1)  # [n, K/32, 1]
-    if w.kind == "q8":
-        codes = w.codes[group, :, lane].float()  # [n, K/4, 4]
-        return (codes.view(len(index), -1, BLOCK) * scale).view(len(index), -1).to(dtype)
-    raw = w.codes[group, :, lane]  # [n, K/8, 4]
-    codes = torch.stack([raw & 0x0F, raw >> 4], dim=-2).float()  # [n, K/8, 2, 4]: k = 8g + 4h + t
-    values = codes.view(len(index), -1, BLOCK) * scale + w.min[group, :, lane].float().unsqueeze(-1)
-    return values.view(len(index), -1).to(dtype)
+                           cat([w.min for w in weights]), sources, cat([w.super_scale for w in weights]))

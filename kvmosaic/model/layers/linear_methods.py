@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvmosaic.ops import Kernels
 from kvmosaic.ops.memory import to_huge
+from kvmosaic.quant import interleaved as qi
 from kvmosaic.quant import weights as qw
 from kvmosaic.quant.qmatmul import quantized_linear_reference
 
@@ -95,7 +96,7 @@ class QuantizedKernel:
                  place: Placement = to_huge) -> None:
         self.out_features, self.in_features = weight.shape
         self.name = weight.source.lower()
-        self.weight = qw.interleave(weight).placed(place)
+        self.weight = qi.interleave(weight).placed(place)
         self.codes, self.scale, self.extra = self.weight.codes, self.weight.scale, self.weight.extra
         self.bias = None if bias is None else bias.float().contiguous()
         self._kernel = ops.quantized_linear
@@ -141,7 +142,7 @@ def _float_ops(weight: torch.Tensor, kernels: Kernels) -> ModuleType | None:
 
 
 def _quantized_kernel_ok(weight: qw.QuantizedWeight, kernels: Kernels) -> bool:
-    return kernels.has("quantized_linear") and weight.shape[0] % qw.COLUMNS == 0
+    return kernels.has("quantized_linear") and weight.shape[0] % qi.COLUMNS == 0
 
 
 def linear_method(weight: Weight, bias: torch.Tensor | None, kernels: Kernels,
