@@ -128,11 +128,11 @@ def test_long_prefill_chunked_queries_match_naive(cached, new):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hk,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5), (4, 4, 64, 3), (6, 2, 32, 16)])
-@pytest.mark.parametrize("threads", [None, 8])  # 8 threads > 6 sequences: items are (sequence, KV head, context piece)
+@pytest.mark.parametrize("threads", [None, 8])  # 8 threads > 6 sequences: items are (sequence, context piece)
 def test_decode_kernel_matches_naive(ops, dtype, hq, hk, dim, block_size, threads):
     """The decode kernel (register-blocked for head_dim 64/128, generic otherwise) on contexts that end
     inside, at and across its 16-token chunks, with shuffled block tables; with more threads than
-    sequences each (sequence, KV head) is split into pieces of its context (some empty: the 1-token
+    sequences each sequence is split into pieces of its context (some empty: the 1-token
     context) whose partial sums are merged."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)

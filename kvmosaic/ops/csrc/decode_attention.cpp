@@ -164,9 +164,9 @@ inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t sl
 // Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
 // over the context with an online softmax. One work item is one sequence: its K/V rows are read
 // from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
-// sixteen tokens at a time, with the next sixteen prefetched. With fewer sequences than threads
-// (single-stream decode) a work item is one KV head of a sequence over a piece of its context
-// (decode_attention_work), so every thread has the same work; the pieces' partial sums are merged after.
+// sixteen tokens at a time, with the chunk after next prefetched. With fewer sequences than threads
+// (single-stream decode) a work item is a piece of a sequence's context (decode_attention_work), so
+// every thread has the same work; the pieces' partial sums are merged after.
 template <typename T, int NC>
 void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work, float* partials, int64_t begin,
                int64_t end) {
@@ -174,10 +174,8 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
   const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr, head_dim] = db;
   const int64_t slot_stride = hk * D;
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
-  const int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));  // one KV head of a slot
   const vec::F16 vscale = vec::F16::set1(scale);
-  const int64_t parts = work.parts, splits = work.splits;
-  const int64_t part_heads = hk / parts;
+  const int64_t splits = work.splits;
   {
     std::vector<QueryDot<T, NC>> qd(hq);
     std::vector<vec::F16> part(group * 16), acc(hq * NC);
@@ -185,46 +183,52 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     std::vector<float> probs(hq * 16);
     int64_t slots[16];
     std::vector<const char*> pf_lines(2 * 16 * ((slot_bytes + 63) / 64));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (parts * splits), piece = item % (parts * splits);
-      const int64_t kh0 = piece / splits * part_heads, kh1 = kh0 + part_heads, split = piece % splits;
-      const int64_t ctx = lens[b];
-      // this split's tokens: whole chunks of sixteen, the last split the rest (maybe none)
+    // The tokens [t_begin, t_end) of sequence b that a work item covers
+    struct Piece {
+      int64_t b, t_begin, t_end;
+      int64_t chunks() const { return (t_end - t_begin + 15) / 16; }
+    };
+    auto piece_of = [&](int64_t item) {
+      const int64_t b = item / splits, split = item % splits, ctx = lens[b];
+      // a split's tokens: whole chunks of sixteen, the last split the rest (maybe none)
       const int64_t split_tokens = ((ctx + 15) / 16 + splits - 1) / splits * 16;
-      const int64_t t_begin = std::min(ctx, split * split_tokens), t_end = std::min(ctx, t_begin + split_tokens);
+      const int64_t t_begin = std::min(ctx, split * split_tokens);
+      return Piece{b, t_begin, std::min(ctx, t_begin + split_tokens)};
+    };
+    // the K and V cache lines of chunk c of a piece, appended to pf_lines (none past its end)
+    auto add_chunk = [&](const Piece& p, int64_t c, int64_t& nlines) {
+      const int64_t* tbl = tables + p.b * width;
+      for (int64_t t = p.t_begin + 16 * c; t < std::min(p.t_end, p.t_begin + 16 * (c + 1)); ++t) {
+        const int64_t sl = tbl[t / block_size] * block_size + t % block_size;
+        for (int64_t off = 0; off < slot_bytes; off += 64) {
+          pf_lines[nlines++] = reinterpret_cast<const char*>(kc + sl * slot_stride) + off;
+          pf_lines[nlines++] = reinterpret_cast<const char*>(vc + sl * slot_stride) + off;
+        }
+      }
+    };
+    for (int64_t item = begin; item < end; ++item) {
+      const Piece piece = piece_of(item);
+      const int64_t b = piece.b, t_begin = piece.t_begin, t_end = piece.t_end, split = item % splits;
       const int64_t* table = tables + b * width;
       auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
-      for (int64_t h = kh0 * group; h < kh1 * group; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
+      for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
       std::fill(softmax.begin(), softmax.end(), vec::OnlineSoftmax());
       std::fill(acc.begin(), acc.end(), vec::F16::zero());
       for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, t_end - t0);
         const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
         for (int64_t j = 0; j < n; ++j) slots[j] = slot_of(t0 + j);
-        // the rows two chunks ahead (past the end: the next sequence's first ones) are prefetched
+        // the rows two chunks ahead (past the item's end: the next item's first ones) are prefetched
         // into L2, spread evenly over the score loop below: one chunk ahead, or into L1, or in one
         // burst, left the loads waiting on memory (1.5x slower in bf16, measured)
         int64_t nlines = 0;
-        auto add_lines = [&](const int64_t* tbl, int64_t from, int64_t to) {
-          for (int64_t t = from; t < to; ++t) {
-            const int64_t sl = tbl[t / block_size] * block_size + t % block_size;
-            for (int64_t off = kh0 * head_bytes; off < kh1 * head_bytes; off += 64) {
-              pf_lines[nlines++] = reinterpret_cast<const char*>(kc + sl * slot_stride) + off;
-              pf_lines[nlines++] = reinterpret_cast<const char*>(vc + sl * slot_stride) + off;
-            }
-          }
-        };
-        const int64_t ahead = t0 + 32, padded_ctx = (ctx + 15) / 16 * 16;
-        if (ahead < t_end) {
-          add_lines(table, ahead, std::min(t_end, ahead + 16));
-        } else if (parts == 1 && b + 1 < end && ahead - padded_ctx < lens[b + 1]) {
-          const int64_t from = ahead - padded_ctx;
-          add_lines(tables + (b + 1) * width, from, std::min(lens[b + 1], from + 16));
-        }
-        const int64_t per_iter = (nlines + part_heads * 16 - 1) / (part_heads * 16);
+        const int64_t ahead = (t0 - t_begin) / 16 + 2;
+        if (ahead < piece.chunks()) add_chunk(piece, ahead, nlines);
+        else if (item + 1 < end) add_chunk(piece_of(item + 1), ahead - piece.chunks(), nlines);
+        const int64_t per_iter = (nlines + hk * 16 - 1) / (hk * 16);
         int64_t issued = 0;
         // scores of the sixteen tokens for every head, folded into the running softmax
-        for (int64_t kh = kh0; kh < kh1; ++kh) {
+        for (int64_t kh = 0; kh < hk; ++kh) {
           auto prefetch_some = [&] {
             for (int64_t i = 0; i < per_iter && issued < nlines; ++i) vec::prefetch_l2(pf_lines[issued++]);
           };
@@ -253,7 +257,7 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
         }
         // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
         constexpr int64_t HB = PvBlock<NC>::HN;
-        for (int64_t kh = kh0; kh < kh1; ++kh) {
+        for (int64_t kh = 0; kh < hk; ++kh) {
           for (int64_t g0 = 0; g0 < group; g0 += HB) {
             const int64_t h0 = kh * group + g0;
             const T* vrows = vc + kh * D;
@@ -268,7 +272,7 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
           }
         }
       }
-      for (int64_t h = kh0 * group; h < kh1 * group; ++h) {
+      for (int64_t h = 0; h < hq; ++h) {
         if (splits > 1) {  // unscaled sums, the softmax reference and total, for merge_attention_splits
           float* p = partials + ((b * hq + h) * splits + split) * (D + 2);
           for (int c = 0; c < NC; ++c) acc[h * NC + c].store(p + c * 16);
@@ -288,16 +292,18 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
 namespace kvops {
 
 // The register-blocked kernel takes head_dim 64 / 128; other head sizes take the generic loop, one
-// item per KV head. With fewer sequences than threads (single-stream decode) the register kernel
-// takes one item per KV head and splits each head's context into as many pieces as it takes for the
-// items to divide evenly among the threads: the default model's 3 KV heads on 2 threads left one
-// thread waiting half of the attention time (perf, AVX2 host).
+// item per KV head. An item of the register kernel is a sequence with all its KV heads; with fewer
+// sequences than threads (single-stream decode) each sequence's context is split into as many pieces
+// as it takes for the items to divide evenly among the threads. One item per KV head and piece instead
+// (the default model's 3 heads x 2 pieces on 2 threads) reads 256 of every 768 bytes of a slot per
+// item: 1.8x slower at 1024 tokens of context, and the attention's share of a decode step 18% against
+// 20-24% at 128-256 (AVX2 host, Q4_1, three interleaved rounds).
 AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads) {
   const bool registers = head_dim == 64 || head_dim == 128;
-  if (!registers) return {batch * hk, hk, 1};
-  if (batch >= threads) return {batch, 1, 1};
-  const int64_t splits = threads / std::gcd<int64_t>(batch * hk, threads);
-  return {batch * hk * splits, hk, splits};
+  if (!registers) return {batch * hk, 1};
+  if (batch >= threads) return {batch, 1};
+  const int64_t splits = threads / std::gcd<int64_t>(batch, threads);
+  return {batch * splits, splits};
 }
 
 template <typename T>

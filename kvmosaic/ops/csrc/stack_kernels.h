@@ -84,11 +84,11 @@ template <typename T>
 void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1);
 
 // ---- decode attention (decode_attention.cpp)
-// A work item is a group of KV heads of a sequence (parts groups per sequence) over one of `splits`
+// A work item is a sequence (all its KV heads; one KV head in the generic loop) over one of `splits`
 // pieces of its context. With splits > 1 the items leave partial sums in `partials`
 // (partial_floats() floats) and merge_items(), after a barrier, writes the output: batch * hq items.
 struct AttentionWork {
-  int64_t items, parts, splits;
+  int64_t items, splits;
   int64_t partial_floats(int64_t batch, int64_t hq, int64_t head_dim) const {
     return splits > 1 ? batch * hq * splits * (head_dim + 2) : 0;
   }
