@@ -190,8 +190,9 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     };
     auto piece_of = [&](int64_t item) {
       const int64_t b = item / splits, split = item % splits, ctx = lens[b];
-      // a split's tokens: whole chunks of sixteen, the last split the rest (maybe none)
-      const int64_t split_tokens = ((ctx + 15) / 16 + splits - 1) / splits * 16;
+      // a split's tokens: an even share of the context (the last split's maybe fewer), in chunks of
+      // sixteen from its first; whole chunks per split left one thread up to 16 tokens more
+      const int64_t split_tokens = (ctx + splits - 1) / splits;
       const int64_t t_begin = std::min(ctx, split * split_tokens);
       return Piece{b, t_begin, std::min(ctx, t_begin + split_tokens)};
     };
@@ -294,10 +295,11 @@ namespace kvops {
 // The register-blocked kernel takes head_dim 64 / 128; other head sizes take the generic loop, one
 // item per KV head. An item of the register kernel is a sequence with all its KV heads; with fewer
 // sequences than threads (single-stream decode) each sequence's context is split into as many pieces
-// as it takes for the items to divide evenly among the threads. One item per KV head and piece instead
-// (the default model's 3 heads x 2 pieces on 2 threads) reads 256 of every 768 bytes of a slot per
-// item: 1.8x slower at 1024 tokens of context, and the attention's share of a decode step 18% against
-// 20-24% at 128-256 (AVX2 host, Q4_1, three interleaved rounds).
+// as it takes for the items to divide evenly among the threads, each piece an even share of its
+// tokens. One item per KV head and piece instead (the default model's 3 heads x 2 pieces on 2
+// threads) read 256 of every 768 bytes of a slot per item: 1.25-1.8x slower at 1024 tokens of
+// context, and 20-24% of a decode step at 128-256 tokens against 18% (AVX2 host, Q4_1, interleaved
+// runs); pieces of whole 16-token chunks left one thread up to a chunk more, ~30% more at 128-256.
 AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads) {
   const bool registers = head_dim == 64 || head_dim == 128;
   if (!registers) return {batch * hk, 1};

@@ -36,22 +36,33 @@ inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin
 namespace kvops {
 
 template <typename T>
+const char* RopeStep<T>::slot_line(int64_t item, int64_t offset) const {
+  const int64_t heads = hq + 2 * hk, t = item / heads, h = item % heads;
+  if (h >= hk && h < hk + hq) return nullptr;
+  const T* cache = h < hk ? v_cache : k_cache;
+  const int64_t kv = h < hk ? h : h - hk - hq;
+  return reinterpret_cast<const char*>(cache + (slots[t] * hk + kv) * head_dim) + offset;
+}
+
+template <typename T>
 void rope_items(const RopeStep<T>& r, int64_t i0, int64_t i1) {
-  const int64_t d = r.head_dim, half = d / 2, heads = r.hq + r.hk;
+  const int64_t d = r.head_dim, half = d / 2, heads = r.hq + 2 * r.hk;
   const int64_t slot_stride = r.hk * d;  // cache viewed as [slots, hk, d]
   for (int64_t item = i0; item < i1; ++item) {
     const int64_t t = item / heads, h = item % heads;
     const T* row = r.qkv + t * r.row_stride;
-    const float* c = r.cos + r.positions[t] * half;
-    const float* s = r.sin + r.positions[t] * half;
-    if (h < r.hq) {
-      rotate_head(row + h * d, r.q_out + (t * r.hq + h) * d, c, s, half);
+    if (h < r.hk) {  // a V head, copied to its slot
+      std::memcpy(r.v_cache + r.slots[t] * slot_stride + h * d, row + (r.hq + r.hk + h) * d, sizeof(T) * d);
       continue;
     }
-    const int64_t kh = h - r.hq;  // a K head is rotated into its slot, its V head copied next to it
-    const T* ksrc = row + (r.hq + kh) * d;
-    rotate_head(ksrc, r.k_cache + r.slots[t] * slot_stride + kh * d, c, s, half);
-    std::memcpy(r.v_cache + r.slots[t] * slot_stride + kh * d, ksrc + r.hk * d, sizeof(T) * d);
+    const float* c = r.cos + r.positions[t] * half;
+    const float* s = r.sin + r.positions[t] * half;
+    if (h < r.hk + r.hq) {
+      rotate_head(row + (h - r.hk) * d, r.q_out + (t * r.hq + h - r.hk) * d, c, s, half);
+      continue;
+    }
+    const int64_t kh = h - r.hk - r.hq;  // a K head, rotated into its slot
+    rotate_head(row + (r.hq + kh) * d, r.k_cache + r.slots[t] * slot_stride + kh * d, c, s, half);
   }
 }
 
@@ -125,6 +136,8 @@ void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1) {
 
 int64_t silu_work(int64_t rows, int64_t f) { return rows * ((f + kSiluChunk - 1) / kSiluChunk); }
 
+template struct RopeStep<float>;
+template struct RopeStep<bf16>;
 template void rope_items<float>(const RopeStep<float>&, int64_t, int64_t);
 template void rope_items<bf16>(const RopeStep<bf16>&, int64_t, int64_t);
 template void norm_rows<float>(float*, const float*, const float*, float*, int64_t, float, int64_t, int64_t);
@@ -153,13 +166,12 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, co
   auto slots = slot_mapping.contiguous();
   TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
               "rope_and_cache supports float32 and bfloat16");
-  const int64_t heads = hq + hk;
   auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     const RopeStep<T> step{qkv.data_ptr<T>(), qkv.stride(0), pos.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                            cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), k_cache.data_ptr<T>(),
                            v_cache.data_ptr<T>(), q_out.data_ptr<T>(), hq, hk, d};
-    at::parallel_for(0, qkv.size(0) * heads, 16 * heads, [&](int64_t i0, int64_t i1) { rope_items(step, i0, i1); });
+    at::parallel_for(0, step.items(qkv.size(0)), step.items(16), [&](int64_t i0, int64_t i1) { rope_items(step, i0, i1); });
   };
   if (qkv.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
   else run(static_cast<bf16*>(nullptr));

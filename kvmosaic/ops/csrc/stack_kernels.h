@@ -68,9 +68,13 @@ struct RopeStep {  // rotary of q and k of a fused qkv projection, k and v writt
   T* v_cache;
   T* q_out;  // [N, hq, head_dim]
   int64_t hq, hk, head_dim;
+  // a work item is one head of one row, in the order v (copied to its slot), q (rotated), k (rotated
+  // into its slot): a contiguous split gives each thread its part of the cache writes
+  int64_t items(int64_t rows) const { return rows * (hq + 2 * hk); }
+  // the cache line of item i's write that holds byte `offset` of its head, or null for a q head
+  const char* slot_line(int64_t item, int64_t offset) const;
 };
 
-// a work item is one head (q, or k with its v) of one row: N * (hq + hk) items
 template <typename T>
 void rope_items(const RopeStep<T>& step, int64_t i0, int64_t i1);
 
