@@ -161,6 +161,20 @@ inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t sl
   }
 }
 
+// The tokens [t_begin, t_end) of sequence b that a work item of the register kernel covers
+struct Piece {
+  int64_t b, t_begin, t_end;
+  int64_t chunks() const { return (t_end - t_begin + 15) / 16; }
+  static Piece of(const int64_t* lens, int64_t splits, int64_t item) {
+    const int64_t b = item / splits, split = item % splits, ctx = lens[b];
+    // a split's tokens: an even share of the context (the last split's maybe fewer), in chunks of
+    // sixteen from its first; whole chunks per split left one thread up to 16 tokens more
+    const int64_t split_tokens = (ctx + splits - 1) / splits;
+    const int64_t t_begin = std::min(ctx, split * split_tokens);
+    return {b, t_begin, std::min(ctx, t_begin + split_tokens)};
+  }
+};
+
 // Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
 // over the context with an online softmax. One work item is one sequence: its K/V rows are read
 // from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
@@ -183,19 +197,7 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     std::vector<float> probs(hq * 16);
     int64_t slots[16];
     std::vector<const char*> pf_lines(2 * 16 * ((slot_bytes + 63) / 64));
-    // The tokens [t_begin, t_end) of sequence b that a work item covers
-    struct Piece {
-      int64_t b, t_begin, t_end;
-      int64_t chunks() const { return (t_end - t_begin + 15) / 16; }
-    };
-    auto piece_of = [&](int64_t item) {
-      const int64_t b = item / splits, split = item % splits, ctx = lens[b];
-      // a split's tokens: an even share of the context (the last split's maybe fewer), in chunks of
-      // sixteen from its first; whole chunks per split left one thread up to 16 tokens more
-      const int64_t split_tokens = (ctx + splits - 1) / splits;
-      const int64_t t_begin = std::min(ctx, split * split_tokens);
-      return Piece{b, t_begin, std::min(ctx, t_begin + split_tokens)};
-    };
+    auto piece_of = [&](int64_t item) { return Piece::of(lens, splits, item); };
     // the K and V cache lines of chunk c of a piece, appended to pf_lines (none past its end)
     auto add_chunk = [&](const Piece& p, int64_t c, int64_t& nlines) {
       const int64_t* tbl = tables + p.b * width;
@@ -309,6 +311,27 @@ AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim,
 }
 
 template <typename T>
+void prefetch_attention(const DecodeBatch<T>& db, const AttentionWork& work, int64_t i0, int64_t i1,
+                        int64_t bytes) {
+  if (db.head_dim != 64 && db.head_dim != 128) return;
+  const int64_t slot_bytes = db.hk * db.head_dim * static_cast<int64_t>(sizeof(T));
+  int64_t tokens = bytes / (2 * slot_bytes);  // K and V
+  for (int64_t item = i0; item < i1 && tokens > 0; ++item) {
+    const Piece p = Piece::of(db.lens, work.splits, item);
+    const int64_t* table = db.tables + p.b * db.width;
+    for (int64_t t = p.t_begin; t < p.t_end && tokens > 0; ++t, --tokens) {
+      const int64_t slot = table[t / db.block_size] * db.block_size + t % db.block_size;
+      const char* k = reinterpret_cast<const char*>(db.k) + slot * slot_bytes;
+      const char* v = reinterpret_cast<const char*>(db.v) + slot * slot_bytes;
+      for (int64_t off = 0; off < slot_bytes; off += 64) {
+        vec::prefetch_l2(k + off);
+        vec::prefetch_l2(v + off);
+      }
+    }
+  }
+}
+
+template <typename T>
 void decode_attention_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work, float* partials,
                             int64_t i0, int64_t i1) {
   const float fscale = static_cast<float>(scale);
@@ -343,6 +366,10 @@ void merge_attention_splits(const DecodeBatch<T>& db, const AttentionWork& work,
   }
 }
 
+template void prefetch_attention<float>(const DecodeBatch<float>&, const AttentionWork&, int64_t, int64_t,
+                                         int64_t);
+template void prefetch_attention<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, const AttentionWork&, int64_t,
+                                                int64_t, int64_t);
 template void decode_attention_items<float>(const DecodeBatch<float>&, double, const AttentionWork&, float*, int64_t,
                                             int64_t);
 template void decode_attention_items<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, double, const AttentionWork&,

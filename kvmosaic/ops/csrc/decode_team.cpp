@@ -105,6 +105,13 @@ void prefetch_slots(const Team& team, const RopeStep<T>& r, int64_t rows) {
   }
 }
 
+// And this layer's K/V of the thread's attention items, up to this many bytes: the attention (a
+// fifth of a single-stream decode step at 128-256 tokens of context) otherwise waits on memory for
+// them, while the product streams alongside. Measured on the default model, Q4_1, AVX2 host: the qkv
+// product and attention 27% of the layer stack's time against 29.6% (3 interleaved rounds; the first
+// 32 tokens only: 28.8%).
+constexpr int64_t kAttentionPrefetchBytes = 160 << 10;
+
 at::Tensor buffer(int64_t rows, int64_t cols, const at::Tensor& like) { return at::empty({rows, cols}, like.options()); }
 
 // The rows that go on past the last attention, or none when they are all rows in order.
@@ -177,6 +184,11 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
       r.k_cache = static_cast<T*>(caches.k(i));
       r.v_cache = static_cast<T*>(caches.v(i));
       prefetch_slots(team, r, n);
+      DecodeBatch<T> db = batch;
+      db.k = r.k_cache;
+      db.v = r.v_cache;
+      s = team.share(work.items);
+      prefetch_attention(db, work, s.begin, s.end, kAttentionPrefetchBytes);
       team.sync();
       team_linear(team, layer.qkv, normed_p, n, qkv_p, scratch);
       prefetch_share(team, layer.o);
@@ -184,9 +196,6 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
       s = team.share(r.items(n));
       rope_items(r, s.begin, s.end);
       team.sync();
-      DecodeBatch<T> db = batch;
-      db.k = r.k_cache;
-      db.v = r.v_cache;
       s = team.share(work.items);
       decode_attention_items(db, scale, work, partials.data(), s.begin, s.end);
       team.sync();
