@@ -299,7 +299,7 @@ namespace kvops {
 // sequences than threads (single-stream decode) each sequence's context is split into as many pieces
 // as it takes for the items to divide evenly among the threads, each piece an even share of its
 // tokens. One item per KV head and piece instead (the default model's 3 heads x 2 pieces on 2
-// threads) read 256 of every 768 bytes of a slot per item: 1.25-1.8x slower at 1024 tokens of
+// threads) read 256 of every 768 bytes of a slot per item: 1.1-1.9x slower at 1024 tokens of
 // context, and 20-24% of a decode step at 128-256 tokens against 18% (AVX2 host, Q4_1, interleaved
 // runs); pieces of whole 16-token chunks left one thread up to a chunk more, ~30% more at 128-256.
 AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads) {
