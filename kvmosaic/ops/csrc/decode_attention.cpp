@@ -173,6 +173,21 @@ struct Piece {
     const int64_t t_begin = std::min(ctx, split * split_tokens);
     return {b, t_begin, std::min(ctx, t_begin + split_tokens)};
   }
+  // line(address) for every K and V cache line of the piece's tokens [from, to) (clipped to the piece)
+  template <typename T, typename Line>
+  void lines(const DecodeBatch<T>& db, int64_t from, int64_t to, const Line& line) const {
+    const int64_t slot_bytes = db.hk * db.head_dim * static_cast<int64_t>(sizeof(T));
+    const int64_t* table = db.tables + b * db.width;
+    for (int64_t t = std::max(from, t_begin); t < std::min(to, t_end); ++t) {
+      const int64_t slot = table[t / db.block_size] * db.block_size + t % db.block_size;
+      const char* k = reinterpret_cast<const char*>(db.k) + slot * slot_bytes;
+      const char* v = reinterpret_cast<const char*>(db.v) + slot * slot_bytes;
+      for (int64_t off = 0; off < slot_bytes; off += 64) {
+        line(k + off);
+        line(v + off);
+      }
+    }
+  }
 };
 
 // Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
@@ -200,14 +215,7 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     auto piece_of = [&](int64_t item) { return Piece::of(lens, splits, item); };
     // the K and V cache lines of chunk c of a piece, appended to pf_lines (none past its end)
     auto add_chunk = [&](const Piece& p, int64_t c, int64_t& nlines) {
-      const int64_t* tbl = tables + p.b * width;
-      for (int64_t t = p.t_begin + 16 * c; t < std::min(p.t_end, p.t_begin + 16 * (c + 1)); ++t) {
-        const int64_t sl = tbl[t / block_size] * block_size + t % block_size;
-        for (int64_t off = 0; off < slot_bytes; off += 64) {
-          pf_lines[nlines++] = reinterpret_cast<const char*>(kc + sl * slot_stride) + off;
-          pf_lines[nlines++] = reinterpret_cast<const char*>(vc + sl * slot_stride) + off;
-        }
-      }
+      p.lines(db, p.t_begin + 16 * c, p.t_begin + 16 * (c + 1), [&](const char* line) { pf_lines[nlines++] = line; });
     };
     for (int64_t item = begin; item < end; ++item) {
       const Piece piece = piece_of(item);
@@ -314,20 +322,13 @@ template <typename T>
 void prefetch_attention(const DecodeBatch<T>& db, const AttentionWork& work, int64_t i0, int64_t i1,
                         int64_t bytes) {
   if (db.head_dim != 64 && db.head_dim != 128) return;
-  const int64_t slot_bytes = db.hk * db.head_dim * static_cast<int64_t>(sizeof(T));
-  int64_t tokens = bytes / (2 * slot_bytes);  // K and V
+  const int64_t token_lines = 2 * ((db.hk * db.head_dim * static_cast<int64_t>(sizeof(T)) + 63) / 64);
+  int64_t tokens = bytes / (64 * token_lines);
   for (int64_t item = i0; item < i1 && tokens > 0; ++item) {
     const Piece p = Piece::of(db.lens, work.splits, item);
-    const int64_t* table = db.tables + p.b * db.width;
-    for (int64_t t = p.t_begin; t < p.t_end && tokens > 0; ++t, --tokens) {
-      const int64_t slot = table[t / db.block_size] * db.block_size + t % db.block_size;
-      const char* k = reinterpret_cast<const char*>(db.k) + slot * slot_bytes;
-      const char* v = reinterpret_cast<const char*>(db.v) + slot * slot_bytes;
-      for (int64_t off = 0; off < slot_bytes; off += 64) {
-        vec::prefetch_l2(k + off);
-        vec::prefetch_l2(v + off);
-      }
-    }
+    const int64_t n = std::min(tokens, p.t_end - p.t_begin);
+    p.lines(db, p.t_begin, p.t_begin + n, [](const char* line) { vec::prefetch_l2(line); });
+    tokens -= n;
   }
 }
 
