@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from unittest import mock
 
 # Must precede any transformers / huggingface_hub import: tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,8 +51,33 @@ def hf_gguf_model(default_model_path: str):
     """transformers' float32 dequantization of the same GGUF (about 10 s to load), in eval mode."""
     transformers = pytest.importorskip("transformers")
     directory, name = os.path.split(default_model_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses the GGUF twice (config, then weights; ~5 s each here, most of it the
+    tokenizer's 49k-entry arrays) and rebuilds gguf's tensor-name map once per module (~400 times).
+    Both are read-only: reuse one reader per file and one map per (architecture, layers) while
+    the model loads. The weights and their dequantization stay transformers' and gguf's own."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[str, object] = {}
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:
+            return original(path, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in readers:
+            readers[key] = original(path)
+        return readers[key]
+
+    with mock.patch.object(gguf, "GGUFReader", reader), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        yield
 
 
 @pytest.fixture(scope="session")
