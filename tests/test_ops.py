@@ -225,6 +225,38 @@ def test_layer_stack_checks_weights_and_caches_once_with_clear_errors(ops):
         ops.layer_stack(torch.randn(1, 32), weights, caches, torch.zeros(2, dtype=torch.long), *args[1:])
 
 
+def test_layer_stack_with_a_head_returns_the_final_norm_and_lm_head_of_its_output(ops):
+    """With the final norm and LM head in its weights, a step returns the kept rows' float32 logits:
+    the model's own add_rms_norm and linear applied to the headless stack's (residual, delta)."""
+    layer = _stack_layer(ops)
+    none = torch.empty(0)
+    head_weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    norm = torch.rand(32) + 0.5
+    head = [norm, ops.pack_linear_weight(head_weight), none, none]
+    plain, headed = ops.StackWeights(layer + layer), ops.StackWeights(layer + layer, head)
+    assert not plain.has_head and headed.has_head
+    cache = torch.zeros(2, 4, 4, 1, 16)
+    x = torch.randn(1, 32)
+    one = torch.zeros(1, dtype=torch.long)
+    rope = torch.zeros(8, 8)
+    args = (one, rope, rope, one, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+            torch.zeros(0, 3, dtype=torch.long), [], None, 2, 1, 1e-5, 0.25)
+    residual, delta = ops.layer_stack(x.clone(), plain, ops.StackCaches([cache.clone(), cache.clone()]), *args)
+    expected = ops.packed_linear(ops.add_rms_norm(residual, delta, norm, 1e-5), head[1], None)
+    (logits,) = ops.layer_stack(x.clone(), headed, ops.StackCaches([cache.clone(), cache.clone()]), *args)
+    assert logits.dtype == torch.float32 and logits.shape == (1, 48)
+    assert torch.equal(logits, expected)
+    kept_none = args[:-5] + (torch.zeros(0, dtype=torch.long),) + args[-4:]
+    (empty,) = ops.layer_stack(x.clone(), headed, ops.StackCaches([cache.clone(), cache.clone()]), *kept_none)
+    assert empty.shape == (0, 48) and empty.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="the head is the final norm"):
+        ops.StackWeights(layer, head[:3])
+    with pytest.raises(RuntimeError, match="the head is the final norm"):
+        ops.StackWeights(layer, [torch.ones(7)] + head[1:])
+    with pytest.raises(RuntimeError, match="LM head takes 64 features"):
+        ops.StackWeights(layer, [norm, ops.pack_linear_weight(torch.randn(48, 64)), none, none])
+
+
 @pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])
 def test_argmax_rows_gives_torchs_ids(ops, width):
     """The greedy pick: torch.argmax(dim=-1) bit for bit, ties (first index), NaN (the first one, as

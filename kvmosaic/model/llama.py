@@ -101,12 +101,19 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        # A step can run all layers in one kernel call when every product is packed; the kernels
-        # check and plan the weights once here.
+        # A step can run all layers in one kernel call when every product is packed, and the final
+        # norm and LM head with them when the head is packed too; the kernels check and plan the
+        # weights once here.
+        self._stack_ops = kernels.ops
+        self._packed_weights = self._stack_weights(kernels.ops)
+
+    def _stack_weights(self, ops) -> object | None:
         per_layer = [layer.packed_weights() for layer in self.layers]
-        self._packed_weights = None
-        if kernels.ops is not None and all(w is not None for w in per_layer):
-            self._packed_weights = kernels.ops.StackWeights([t for w in per_layer for t in w])
+        if ops is None or any(w is None for w in per_layer):
+            return None
+        head = self.lm_head.method.stack_weights()
+        return ops.StackWeights([t for w in per_layer for t in w],
+                                [] if head is None else [self.norm.weight.data, *head])
 
     def first_layers(self, count: int) -> LlamaForCausalLM:
         """This model cut to its first ``count`` layers, sharing every weight. A forward's activation
@@ -115,14 +122,14 @@ class LlamaForCausalLM(nn.Module):
         cut._modules = dict(self._modules)  # a shallow copy would share (and so change) the module table
         cut._modules["layers"] = nn.ModuleList(list(self.layers)[:count])
         if self._packed_weights is not None:
-            per_layer = [layer.packed_weights() for layer in cut.layers]
-            cut._packed_weights = type(self._packed_weights)([t for w in per_layer for t in w])
+            cut._packed_weights = cut._stack_weights(self._stack_ops)
         return cut
 
     def _run_layer_stack(self, residual: torch.Tensor, attention: AttentionBackend, meta: AttentionMetadata,
-                         keep_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                         keep_rows: torch.Tensor | None) -> list[torch.Tensor] | None:
         """All layers of the step in one call (bit-identical to the layer loop), or None when the
-        weights or this step's attention need the per-layer path."""
+        weights or this step's attention need the per-layer path: [the kept rows' float32 logits]
+        when the stack runs the head too, else (residual, delta) for the final norm."""
         if self._packed_weights is None:
             return None
         stack = attention.layer_stack()
@@ -141,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         meta.positions = positions
         stacked = self._run_layer_stack(residual, attention, meta, logits_indices)
         if stacked is not None:
-            return self.lm_head(self.norm(*stacked)).float()
+            return stacked[0] if len(stacked) == 1 else self.lm_head(self.norm(*stacked)).float()
         delta = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -20,9 +20,10 @@ if TYPE_CHECKING:
     from kvmosaic.worker.kv_cache import KVCache
 
 # ops.layer_stack bound to this backend's caches:
-# (residual, weights, rotary, meta, eps, keep_rows) -> (residual, delta), or None when it cannot run the step;
+# (residual, weights, rotary, meta, eps, keep_rows) -> (residual, delta), or [logits] when the weights
+# hold the final norm and LM head too, or None when it cannot run the step;
 # weights: the model's ops.StackWeights (its layers' tensors, checked and planned once)
-LayerStack = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
+LayerStack = Callable[..., list[torch.Tensor] | None]
 
 
 class AttentionBackend(ABC):

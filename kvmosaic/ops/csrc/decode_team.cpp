@@ -114,6 +114,14 @@ constexpr int64_t kAttentionPrefetchBytes = 160 << 10;
 
 at::Tensor buffer(int64_t rows, int64_t cols, const at::Tensor& like) { return at::empty({rows, cols}, like.options()); }
 
+}  // namespace
+
+at::Tensor empty_logits(const StackWeights& weights, const at::Tensor& like) {
+  return at::empty({0, weights.head()->linear.out}, like.options().dtype(at::kFloat));
+}
+
+namespace {
+
 // The rows that go on past the last attention, or none when they are all rows in order.
 std::vector<int64_t> rows_to_keep(const c10::optional<at::Tensor>& keep_rows, int64_t n, bool* compact) {
   std::vector<int64_t> keep;
@@ -149,6 +157,8 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
   at::Tensor gate_up = fused ? at::Tensor() : buffer(n, 2 * f, residual);
   at::Tensor kept_residual = compact ? buffer(kept, h, residual) : residual;
   at::Tensor kept_attn = compact ? buffer(kept, hq * d, residual) : attn;
+  const StackWeights::Head* head = kept > 0 ? weights.head() : nullptr;
+  at::Tensor logits = head != nullptr ? buffer(kept, head->linear.out, residual) : at::Tensor();
   // a copy per thread when some linear quantizes its rows privately: the last layer's kept rows may be
   // few even when the step's rows are many
   QuantScratch scratch(n, weights.widest_input(), kept <= kPrivateRows ? at::get_num_threads() : 1);
@@ -165,6 +175,7 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
   T* kept_res_p = kept_residual.data_ptr<T>();
   T* kept_attn_p = kept_attn.data_ptr<T>();
   T* qkv_p = qkv.data_ptr<T>();
+  T* logits_p = head != nullptr ? logits.data_ptr<T>() : nullptr;
   const float feps = static_cast<float>(eps);
   const RopeStep<T> rope{qkv_p, qkv.stride(0), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
                          cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), nullptr, nullptr,
@@ -237,15 +248,24 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
       team.sync();
       team_linear(team, layer.down, act_p, m, carry_p, scratch);
       if (i + 1 < layers) prefetch_share(team, weights.plan()[i + 1].qkv);
+      else if (head != nullptr) prefetch_share(team, head->linear);
       team.sync();
     }
+    if (head == nullptr) return;
+    // the final norm of the kept rows and the LM head, as the model's own norm and head compute them
+    const Share s = team.share(kept);
+    norm_rows(kept_res_p, carry_p, static_cast<const T*>(head->norm), normed_p, h, feps, s.begin, s.end);
+    team.sync();
+    team_linear(team, head->linear, normed_p, kept, logits_p, scratch);
   });
+  if (weights.head() != nullptr) return {head != nullptr ? logits.to(at::kFloat) : empty_logits(weights, residual)};
   return {kept_residual, carry.narrow(0, 0, kept)};
 }
 
 }  // namespace
 
-StackWeights::StackWeights(std::vector<at::Tensor> tensors) : tensors_(std::move(tensors)) {
+StackWeights::StackWeights(std::vector<at::Tensor> tensors, std::vector<at::Tensor> head)
+    : tensors_(std::move(tensors)), head_tensors_(std::move(head)) {
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kPerLayer == 0, "layer_stack: ", kPerLayer,
               " weights per layer, got ", tensors_.size());
   dtype_ = tensors_[0].scalar_type();
@@ -275,6 +295,14 @@ StackWeights::StackWeights(std::vector<at::Tensor> tensors) : tensors_(std::move
     plan_.push_back(layer);
     for (const StackLinear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) widest_ = std::max(widest_, l->in);
   }
+  if (head_tensors_.empty()) return;
+  const at::Tensor* w = head_tensors_.data();
+  TORCH_CHECK(head_tensors_.size() == 4 && w[0].scalar_type() == dtype_ && w[0].is_contiguous() && w[0].numel() == h,
+              "layer_stack: the head is the final norm's weight (like the layers' norms) and a linear (3 tensors)");
+  check_linear(w + 1, dtype_);
+  head_ = Head{stack_linear(w + 1, nullptr, false), w[0].data_ptr()};
+  TORCH_CHECK(head_->linear.in == h, "layer_stack: the LM head takes ", head_->linear.in, " features, the layers give ",
+              h);
 }
 
 StackCaches::StackCaches(std::vector<at::Tensor> caches) : caches_(std::move(caches)) {

@@ -49,7 +49,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 // spans: [S, 3] int64 (first row, rows, context length) with span_tables[s] each span's block table.
 // keep_rows: the rows that go on past the last layer's attention (the others' K/V are cached and
 // nothing reads their output, so their o_proj and MLP are skipped); all rows when not given.
-// Returns (residual, delta) of the kept rows: the last layer's MLP output is left for the final norm.
+// Returns (residual, delta) of the kept rows: the last layer's MLP output is left for the final norm;
+// or, when the weights have a head, [the kept rows' float32 logits] (the final norm and LM head run here).
 // A step of decode rows only runs in one team of threads (decode_team.cpp), with the same results.
 std::vector<at::Tensor> layer_stack(at::Tensor residual, const kvops::StackWeights& stack_weights,
                                     const kvops::StackCaches& caches, const at::Tensor& positions,
@@ -95,5 +96,8 @@ std::vector<at::Tensor> layer_stack(at::Tensor residual, const kvops::StackWeigh
     const at::Tensor hidden = add_rms_norm(residual, linear(attn, w + 5, c10::nullopt), w[8], eps);
     carry = linear(gated(hidden, w + 9), w + 12, c10::nullopt);
   }
-  return {residual, *carry};
+  if (stack_weights.head() == nullptr) return {residual, *carry};
+  if (residual.size(0) == 0) return {kvops::empty_logits(stack_weights, residual)};
+  const at::Tensor* head = stack_weights.head_tensors().data();
+  return {linear(add_rms_norm(residual, carry, head[0], eps), head + 1, c10::nullopt).to(at::kFloat)};
 }

@@ -35,8 +35,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<kvops::StackWeights, std::shared_ptr<kvops::StackWeights>>(
       m, "StackWeights", "the decoder layers' weights for layer_stack, checked once",
       py::module_local())  // each ISA level's module has its own
-      .def(py::init<std::vector<at::Tensor>>())
-      .def_property_readonly("layers", &kvops::StackWeights::layers);
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>>(), py::arg("layers"),
+           py::arg("head") = std::vector<at::Tensor>())
+      .def_property_readonly("layers", &kvops::StackWeights::layers)
+      .def_property_readonly("has_head", [](const kvops::StackWeights& w) { return w.head() != nullptr; });
   py::class_<kvops::StackCaches, std::shared_ptr<kvops::StackCaches>>(
       m, "StackCaches", "the decoder layers' KV caches for layer_stack, checked once", py::module_local())
       .def(py::init<std::vector<at::Tensor>>())

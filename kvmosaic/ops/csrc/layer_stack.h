@@ -3,6 +3,8 @@
 // step pays neither the conversion of ~450 tensors from a Python list nor their checks.
 #pragma once
 
+#include <optional>
+
 #include "ops_common.h"
 #include "stack_kernels.h"
 
@@ -26,11 +28,19 @@ class StackWeights {
     const void* post_norm;
   };
 
+  struct Head {  // the final norm and the LM head, run after the last layer when given
+    StackLinear linear;
+    const void* norm;
+  };
+
   // kPerLayer tensors per layer in the order above: an empty tensor for no qkv bias; a packed float
   // linear has empty scales and extra, a q8 one an empty extra (q4: its mins, q6: its super-block
-  // scales); a float gate/up pair is packed with SwiGLU.
-  explicit StackWeights(std::vector<at::Tensor> tensors);
+  // scales); a float gate/up pair is packed with SwiGLU. head: empty, or the final norm's weight and
+  // the LM head as a linear (weight, scales, extra); with it a step returns the kept rows' logits.
+  explicit StackWeights(std::vector<at::Tensor> tensors, std::vector<at::Tensor> head = {});
   const std::vector<at::Tensor>& tensors() const { return tensors_; }
+  const std::vector<at::Tensor>& head_tensors() const { return head_tensors_; }
+  const Head* head() const { return head_.has_value() ? &*head_ : nullptr; }
   const std::vector<Layer>& plan() const { return plan_; }
   size_t layers() const { return plan_.size(); }
   at::ScalarType dtype() const { return dtype_; }  // of the norms and packed float weights
@@ -42,6 +52,8 @@ class StackWeights {
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> biases_;  // float32 copies of the qkv biases
   std::vector<Layer> plan_;
+  std::vector<at::Tensor> head_tensors_;
+  std::optional<Head> head_;
   at::ScalarType dtype_;
   int64_t widest_ = 0;
 };
@@ -63,6 +75,9 @@ class StackCaches {
   std::vector<at::Tensor> caches_;
   std::vector<void*> k_, v_;
 };
+
+// [0, vocab] float32 logits: a step that keeps no row past the last attention.
+at::Tensor empty_logits(const StackWeights& weights, const at::Tensor& like);
 
 // A step of decode rows only, in one team of threads (decode_team.cpp). Inputs checked by the caller.
 std::vector<at::Tensor> decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
