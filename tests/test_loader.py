@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from kvmosaic.eval.oracle import held_formats
 from kvmosaic.model import loader
-from kvmosaic.model.gguf_loader import dequantize_tensor, llama3_freq_factors
+from kvmosaic.model.gguf_loader import dequantize_tensor, hf_tensor_name, llama3_freq_factors, unpermute_qk
 from kvmosaic.model.hf_loader import hf_model_config
 from kvmosaic.model.loader import LoadedModel, export_hf, load_model
 from kvmosaic.quant import weights as qw
@@ -199,6 +199,21 @@ def test_dequantize_types(tmp_path, qtype):
     block_max = np.abs(original).reshape(-1, 32).max(axis=1, keepdims=True)
     error = np.abs(values.numpy() - original).reshape(-1, 32)
     assert (error <= QUANT_TOLERANCE[qtype] * block_max).all()
+
+
+@pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.7.attn_k.weight",
+                                  "blk.29.ffn_down.weight"])
+def test_float_load_of_quantized_matrices_is_ggufs_dequantization(default_model, default_model_path, name):
+    """The float load dequantizes the native formats' matrices with kvmosaic.quant (vectorized):
+    every value is gguf's own dequantization, q/k rows unpermuted as llama.cpp's converter left them."""
+    (tensor,) = [t for t in gguf.GGUFReader(default_model_path).tensors if t.name == name]
+    assert Q(tensor.tensor_type) in qw.NATIVE_TYPES
+    reference = dequantize_tensor(tensor)
+    heads = {"attn_q": default_model.config.num_attention_heads, "attn_k": default_model.config.num_key_value_heads}
+    part = name.split(".")[-2]
+    if part in heads:
+        reference = unpermute_qk(reference, heads[part])
+    assert torch.equal(default_model.weights[hf_tensor_name(name)], reference)
 
 
 def test_unsupported_tensor_type(tmp_path):

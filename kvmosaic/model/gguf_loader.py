@@ -68,7 +68,14 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
         qtype = Q(tensor.tensor_type)
         matrix = keep_quantized and len(tensor.shape) == 2
         native = matrix and qtype in qw.NATIVE_TYPES
-        weight = qw.from_gguf(tensor.data, qtype) if native else dequantize_tensor(tensor)
+        if native:
+            weight = qw.from_gguf(tensor.data, qtype)
+        elif len(tensor.shape) == 2 and qtype in qw.NATIVE_TYPES:
+            # our dequantization equals gguf's bit for bit, in vectorized torch: the default model's
+            # float load takes ~0.3 s of it instead of ~2.2 s
+            weight = qw.dequantize(qw.from_gguf(tensor.data, qtype), torch.float32)
+        else:
+            weight = dequantize_tensor(tensor)
         heads = _permuted_heads(config, hf_name)
         if heads and native:  # rows move whole: permute the quantized rows
             weight = weight.rows(unpermute_qk(torch.arange(weight.shape[0]), heads))
