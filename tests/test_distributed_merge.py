@@ -238,3 +238,40 @@ def test_creditors_return_kv_rows_when_they_are_smaller_than_queries_and_partial
     # a prefill chunk of 64 queries: 64 * 9 * 130 floats of queries and partials against
     # 2 * keys * 3 * 64 of K/V rows, equal at 195 keys
     assert pull_kv(64, 194, hq, hk, d) and not pull_kv(64, 195, hq, hk, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_creditor_decode_partial_on_the_kernel_equals_pytorchs(level_kernels, dtype, head_dim) -> None:
+    """A creditor's partial for a decode row runs the decode attention kernel over its lent blocks in
+    place: the same output and log-sum-exp as gathering the rows and attending in PyTorch, with
+    the query inside the last lent block (a prefix of its slots visible), past all of them, and
+    before the first (nothing visible)."""
+    from types import SimpleNamespace
+
+    from kvmosaic.distributed.dist_attention import _key_positions
+    from kvmosaic.distributed.pool_rows import FloatPoolRows, gathered_partial
+
+    gen = torch.Generator().manual_seed(head_dim)
+    bs, hq, hk, blocks = 16, 9, 3, 12
+    caches = [(torch.randn(blocks, bs, hk, head_dim, generator=gen).to(dtype),
+               torch.randn(blocks, bs, hk, head_dim, generator=gen).to(dtype)) for _ in range(2)]
+    rows = FloatPoolRows(SimpleNamespace(layers=caches, ops=level_kernels.ops))
+    lent = torch.tensor([7, 2, 10])  # physical blocks holding logical blocks 1, 4 and 5 of a sequence
+    k_pos = _key_positions([1, 4, 5], bs)
+    for q_at in (5 * bs + 6, 9 * bs, bs - 1):
+        q = torch.randn(1, hq, head_dim, generator=gen).to(dtype)
+        q_pos = torch.tensor([q_at])
+        got = rows.partial(1, q, q_pos, lent, k_pos, head_dim**-0.5)
+        want = gathered_partial(rows, 1, q, q_pos, lent, k_pos, head_dim**-0.5)
+        assert got.out.dtype == torch.float32 and got.out.shape == (1, hq, head_dim)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.out, want.out, atol=tol, rtol=tol)
+        # the kernel's reference may sit below the row max (it is raised lazily): the pair's
+        # log-sum-exp, what a merge uses, is the same
+        torch.testing.assert_close(got.row_max + got.sum_exp.log(), want.row_max + want.sum_exp.log(),
+                                   atol=tol, rtol=tol)
+        assert (got.row_max <= want.row_max + tol).all()
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        level_kernels.ops.paged_decode_attention_partial(q, *caches[0], torch.tensor([[3, 99]]),
+                                                         torch.tensor([20]), 0.125)

@@ -271,10 +271,10 @@ def creditor_micro_attention(rows: PoolRows, layer: int, items: list[dict], scal
     for item in items:
         if item["slots"]:
             rows.write(layer, item["k_new"], item["v_new"], torch.tensor(item["slots"], dtype=torch.long))
-        k, v = rows.gather(layer, torch.tensor(item["blocks"], dtype=torch.long), item["dtype"])
+        blocks = torch.tensor(item["blocks"], dtype=torch.long)
         if item["q"] is None:
-            answers.append(("kv", k, v))
+            answers.append(("kv", *rows.gather(layer, blocks, item["dtype"])))
         else:
-            partial = partial_attention(item["q"], k, v, item["q_pos"], item["k_pos"], scale)
+            partial = rows.partial(layer, item["q"], item["q_pos"], blocks, item["k_pos"], scale)
             answers.append(("partial", *partial.as_tuple()))
     return answers

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from kvmosaic.distributed.merge import PartialAttention, partial_attention
 from kvmosaic.model.layers.attention import ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.model.layers.quant_attention import QuantizedAttention, dequantize_blocks, rotate_rows, write_quantized
@@ -34,6 +35,18 @@ class PoolRows(Protocol):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None: ...
 
     def gather(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def partial(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor,
+                k_pos: torch.Tensor, scale: float) -> PartialAttention:
+        """Queries ``q`` [N, Hq, D] at ``q_pos`` over the keys of these blocks (at ``k_pos``, every
+        slot of each block in order), as a partial to merge with the other holders'."""
+
+
+def gathered_partial(rows: PoolRows, layer: int, q: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor,
+                     k_pos: torch.Tensor, scale: float) -> PartialAttention:
+    """The blocks' rows gathered in the queries' dtype, then attention in PyTorch (any rows, causal)."""
+    k, v = rows.gather(layer, block_ids, q.dtype)
+    return partial_attention(q, k, v, q_pos, k_pos, scale)
 
 
 class FloatPoolRows:
@@ -62,6 +75,18 @@ class FloatPoolRows:
         k_cache, v_cache = self.local.layers[layer]
         return gather_blocks(k_cache, block_ids).to(dtype), gather_blocks(v_cache, block_ids).to(dtype)
 
+    def partial(self, layer, q, q_pos, block_ids, k_pos, scale):
+        """A decode row (one query, the blocks' first slots up to its position visible) runs the decode
+        attention kernel over the blocks in place, returning its partial sums; anything else, or no
+        kernel, gathers the rows and attends in PyTorch."""
+        k_cache, v_cache = self.local.layers[layer]
+        kernel = getattr(getattr(self.local, "ops", None), "paged_decode_attention_partial", None)
+        if (kernel is None or q.shape[0] != 1 or q.dtype != k_cache.dtype or q.shape[-1] not in (64, 128)
+                or not len(block_ids)):
+            return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
+        visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
+        return PartialAttention(*kernel(q.contiguous(), k_cache, v_cache, block_ids[None], visible, scale))
+
 
 class QuantizedPoolRows:
     """Rows quantized into the records of an int8 / int4 / Oaken pool as they are written, and
@@ -81,6 +106,9 @@ class QuantizedPoolRows:
 
     def write(self, layer, k, v, slots):
         write_quantized(self.local.layers[layer], k, v, slots, self.local.kernels.quant)
+
+    def partial(self, layer, q, q_pos, block_ids, k_pos, scale):
+        return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
 
     def gather(self, layer, block_ids, dtype):
         pools, qops = self.local.layers[layer], self.local.kernels.quant

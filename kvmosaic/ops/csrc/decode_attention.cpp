@@ -5,6 +5,7 @@
 #include "vec.h"
 
 #include <numeric>
+#include <utility>
 
 namespace {
 
@@ -341,29 +342,47 @@ void decode_attention_items(const DecodeBatch<T>& db, double scale, const Attent
   generic_items<T>(db, fscale, i0, i1);
 }
 
+namespace {
+
+// One query head's splits (d + 2 floats each: unscaled sums, reference, total) brought to their common
+// reference: weight[s] rescales split s; returns (reference, total). A split with no tokens has
+// reference -inf; with no tokens at all the reference is -inf and the total 0.
+std::pair<float, float> split_weights(const float* p, int64_t d, int64_t splits, float* weight) {
+  const int64_t stride = d + 2;
+  float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+  for (int64_t s = 0; s < splits; ++s) top = std::max(top, p[s * stride + d]);
+  for (int64_t s = 0; s < splits; ++s) {
+    const float ref = p[s * stride + d];
+    weight[s] = ref == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(ref - top);
+    total += weight[s] * p[s * stride + d + 1];
+  }
+  return {top, total};
+}
+
+// out[0, d) = the splits' sums, rescaled by weight, times inv
+template <typename T>
+void weighted_sums(const float* p, int64_t d, int64_t splits, const float* weight, float inv, T* out) {
+  for (int64_t c = 0; c < d; c += 16) {
+    vec::F16 sum = vec::F16::zero();
+    for (int64_t s = 0; s < splits; ++s)
+      sum = vec::fma(vec::F16::load(p + s * (d + 2) + c), vec::F16::set1(weight[s]), sum);
+    (sum * vec::F16::set1(inv)).store(out + c);
+  }
+}
+
+}  // namespace
+
 // Query heads [i0, i1) of the batch (item = sequence * hq + head): the splits' sums rescaled to their
-// common reference and divided by the common total. A split with no tokens has reference -inf.
+// common reference and divided by the common total.
 template <typename T>
 void merge_attention_splits(const DecodeBatch<T>& db, const AttentionWork& work, const float* partials, int64_t i0,
                             int64_t i1) {
-  const int64_t d = db.head_dim, splits = work.splits, stride = d + 2;
+  const int64_t d = db.head_dim, splits = work.splits;
   std::vector<float> weight(splits);
   for (int64_t i = i0; i < i1; ++i) {
-    const float* p = partials + i * splits * stride;
-    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
-    for (int64_t s = 0; s < splits; ++s) top = std::max(top, p[s * stride + d]);
-    for (int64_t s = 0; s < splits; ++s) {
-      const float ref = p[s * stride + d];
-      weight[s] = ref == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(ref - top);
-      total += weight[s] * p[s * stride + d + 1];
-    }
-    const vec::F16 inv = vec::F16::set1(1.f / total);
-    for (int64_t c = 0; c < d; c += 16) {
-      vec::F16 sum = vec::F16::zero();
-      for (int64_t s = 0; s < splits; ++s)
-        sum = vec::fma(vec::F16::load(p + s * stride + c), vec::F16::set1(weight[s]), sum);
-      (sum * inv).store(db.out + i * d + c);
-    }
+    const float* p = partials + i * splits * (d + 2);
+    const float total = split_weights(p, d, splits, weight.data()).second;
+    weighted_sums(p, d, splits, weight.data(), 1.f / total, db.out + i * d);
   }
 }
 
@@ -418,4 +437,73 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
   return out;
+}
+
+namespace {
+
+template <typename T>
+void decode_partials(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out,
+                     at::Tensor& row_max, at::Tensor& sum_exp) {
+  at::Tensor unused = at::empty_like(q);  // the split items leave their sums in `partials`, not here
+  const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, tables, lens, unused);
+  const int64_t splits = std::max<int64_t>(2, decode_attention_work(db.batch, db.hk, db.head_dim,
+                                                                    at::get_num_threads()).splits);
+  const AttentionWork work{db.batch * splits, splits};
+  std::vector<float> partials(work.partial_floats(db.batch, db.hq, db.head_dim));
+  at::parallel_for(0, work.items, 1,
+                   [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
+  const int64_t d = db.head_dim;
+  float* o = out.data_ptr<float>();
+  float* mx = row_max.data_ptr<float>();
+  float* se = sum_exp.data_ptr<float>();
+  std::vector<float> weight(splits);
+  for (int64_t i = 0; i < db.batch * db.hq; ++i) {
+    const float* p = partials.data() + i * splits * (d + 2);
+    const auto [top, total] = split_weights(p, d, splits, weight.data());
+    mx[i] = top;
+    se[i] = total;
+    if (total > 0.f) weighted_sums(p, d, splits, weight.data(), 1.f / total, o + i * d);
+    else std::fill(o + i * d, o + (i + 1) * d, 0.f);
+  }
+}
+
+}  // namespace
+
+// The decode rows' attention over these keys only, as a partial to merge with other holders' partials
+// (DistAttention's creditor side): float32 (out [B, hq, D] normalised over the keys, a reference [B, hq]
+// at or below the scaled scores' max (the online softmax raises it lazily), sum of exp(score - reference)
+// [B, hq]); a row without keys gives 0, -inf and 0. Head sizes 64 and 128 (the register kernel).
+std::vector<at::Tensor> paged_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                       const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && (q.size(2) == 64 || q.size(2) == 128),
+              "paged_decode_attention_partial: q must be contiguous [B, hq, 64 or 128]");
+  check_cache(k_cache, q);
+  check_cache(v_cache, q);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "paged_decode_attention_partial: int64 block tables [B, width] and context lengths [B]");
+  const auto tables = block_tables.contiguous();
+  const auto lens = context_lens.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t bs = k_cache.size(1);
+  for (int64_t b = 0; b < lens.numel(); ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= tables.size(1) * bs,
+                "paged_decode_attention_partial: a context length exceeds its block table");
+    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[b * tables.size(1) + j] >= 0 && tp[b * tables.size(1) + j] < k_cache.size(0),
+                  "paged_decode_attention_partial: block id out of range");
+  }
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty(q.sizes(), f32), row_max = at::empty({q.size(0), q.size(1)}, f32);
+  at::Tensor sum_exp = at::empty({q.size(0), q.size(1)}, f32);
+  if (q.scalar_type() == at::kFloat)
+    decode_partials<float>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
+  else if (q.scalar_type() == at::kBFloat16)
+    decode_partials<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
+  else
+    TORCH_CHECK(false, "paged_decode_attention_partial supports float32 and bfloat16");
+  return {out, row_max, sum_exp};
 }

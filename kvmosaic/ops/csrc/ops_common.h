@@ -56,6 +56,9 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, co
                           const at::Tensor& slot_mapping, int64_t hq, int64_t hk);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+std::vector<at::Tensor> paged_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                       const at::Tensor& context_lens, double scale);
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, int64_t context_len, double scale,
                                    const c10::optional<at::Tensor>& out);
