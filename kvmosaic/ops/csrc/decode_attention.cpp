@@ -403,14 +403,21 @@ template void merge_attention_splits<c10::BFloat16>(const DecodeBatch<c10::BFloa
 
 namespace {
 
+// Every item of the work under at::parallel_for; the splits' partial sums (none when splits == 1).
+template <typename T>
+std::vector<float> run_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work) {
+  std::vector<float> partials(work.partial_floats(db.batch, db.hq, db.head_dim));
+  at::parallel_for(0, work.items, 1,
+                   [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
+  return partials;
+}
+
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
   const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
   const AttentionWork work = decode_attention_work(db.batch, db.hk, db.head_dim, at::get_num_threads());
-  std::vector<float> partials(work.partial_floats(db.batch, db.hq, db.head_dim));
-  at::parallel_for(0, work.items, 1,
-                   [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
+  const std::vector<float> partials = run_items(db, scale, work);
   merge_attention_splits(db, work, partials.data(), 0, work.merge_items(db.batch, db.hq));  // a few heads' rows
 }
 
@@ -449,10 +456,7 @@ void decode_partials(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, tables, lens, unused);
   const int64_t splits = std::max<int64_t>(2, decode_attention_work(db.batch, db.hk, db.head_dim,
                                                                     at::get_num_threads()).splits);
-  const AttentionWork work{db.batch * splits, splits};
-  std::vector<float> partials(work.partial_floats(db.batch, db.hq, db.head_dim));
-  at::parallel_for(0, work.items, 1,
-                   [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
+  const std::vector<float> partials = run_items(db, scale, AttentionWork{db.batch * splits, splits});
   const int64_t d = db.head_dim;
   float* o = out.data_ptr<float>();
   float* mx = row_max.data_ptr<float>();
