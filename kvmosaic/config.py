@@ -244,6 +244,7 @@ class DistributedConfig:
     # near the driver); ``instance_nodes`` pins instance i to Ray node id instance_nodes[i] instead.
     placement: str = "spread"
     kv_pull: bool = True  # a creditor returns lent K/V rows instead of partials when they are fewer bytes
+    decode_lane: bool = True  # decode rows' micro-attention through the creditor's C++ server, not the channel
     instance_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

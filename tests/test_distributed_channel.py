@@ -32,7 +32,10 @@ def test_tensors_of_every_kind_arrive_bit_exact_in_nested_arguments(server):
     items = [{"q": torch.randn(2, 9, 64, generator=gen), "blocks": [3, 5], "slots": [],
               "k_new": torch.randn(1, 3, 64, generator=gen).to(torch.bfloat16), "v_new": None},
              {"odd": odd, "after": torch.randn(5, generator=gen, dtype=torch.float64),
-              "positions": torch.arange(7), "empty": torch.empty(0, 3, 64), "scalar": torch.tensor(1.5)}]
+              "positions": torch.arange(7), "empty": torch.empty(0, 3, 64), "scalar": torch.tensor(1.5),
+              "strided": torch.randn(4, 6, generator=gen).t(),
+              # more than a socket takes in one write: the gather write goes on where it stopped
+              "large": torch.randn(3_000_001, generator=gen)}]
     client = ChannelClient(server.address, timeout=10.0)
     method, (layer, back, scale) = client.call("attention", 4, items, 0.125)
     assert (method, layer, scale) == ("attention", 4, 0.125)

@@ -89,6 +89,9 @@ def test_creditors_on_the_same_node_lend_first_and_cross_node_attention_matches(
         # both kinds of answer: partials (decode queries) and, for the prefill chunks over a short
         # borrowed tail, the lent K/V rows attended over on instance 0
         assert 0 < stats[0]["dist_kv_pulls"] < stats[0]["dist_remote_calls"]
+        # the decode rows' calls went over the creditors' C++ lanes (one of them on the other node), the
+        # prefill chunks' over the channel
+        assert 0 < stats[0]["dist_lane_calls"] < stats[0]["dist_remote_calls"]
     finally:
         cluster.shutdown()
     reference = Engine(engine_config(64), LocalExecutor(engine_config(64), cached_loader))

@@ -16,13 +16,14 @@ the timeout. Peers are trusted engine instances of one cluster (pickle is not sa
 
 from __future__ import annotations
 
+import io
 import logging
+import math
 import pickle
 import socket
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,33 +37,35 @@ class ChannelError(ConnectionError):
     """The peer closed the connection, failed, or did not answer in time."""
 
 
-@dataclass(frozen=True, slots=True)
-class _TensorRef:
-    index: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
+class _Pickler(pickle.Pickler):
+    """Pickles a message with each tensor as a reference (dtype, shape), collecting the tensors."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        self.tensors.append(obj.detach().contiguous())
+        return obj.dtype, tuple(obj.shape)
 
 
-def _walk(obj: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
-    """``obj`` with every ``leaf`` instance inside dicts, lists and tuples replaced by ``fn(it)``."""
-    if isinstance(obj, leaf):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _walk(v, leaf, fn) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        items = [_walk(v, leaf, fn) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+class _Unpickler(pickle.Unpickler):
+    """Rebuilds the tensors of a message, in pickling order, as views of its data bytes."""
 
+    def __init__(self, skeleton: memoryview, data: memoryview) -> None:
+        super().__init__(io.BytesIO(skeleton))
+        self.data, self.offset = data, 0
 
-def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by a reference; the tensors are appended to ``tensors``."""
-    def ref(t: torch.Tensor) -> _TensorRef:
-        tensors.append(t.detach().contiguous())
-        return _TensorRef(len(tensors) - 1, t.dtype, tuple(t.shape), t.numel() * t.element_size())
-
-    return _walk(obj, torch.Tensor, ref)
+    def persistent_load(self, pid: tuple[torch.dtype, tuple[int, ...]]) -> torch.Tensor:
+        dtype, shape = pid
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self.data, dtype=dtype, count=count, offset=self.offset)
+        self.offset += _padded(count * dtype.itemsize)
+        return flat.reshape(shape)
 
 
 def _padded(nbytes: int) -> int:
@@ -71,14 +74,40 @@ def _padded(nbytes: int) -> int:
 
 
 def send_message(sock: socket.socket, obj: Any) -> None:
+    """One message in one gather write: header, skeleton, then each tensor's bytes padded to _ALIGN.
+    (A write per tensor cost a system call and a wake-up of the reader each.)"""
     tensors: list[torch.Tensor] = []
-    skeleton = pickle.dumps(_strip(obj, tensors), protocol=pickle.HIGHEST_PROTOCOL)
-    views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors if t.numel()]
-    sock.sendall(_HEADER.pack(len(skeleton), sum(_padded(v.nbytes) for v in views)) + skeleton)
-    for view in views:
-        sock.sendall(view)
+    buffer = io.BytesIO()
+    _Pickler(buffer, tensors).dump(obj)
+    skeleton = buffer.getbuffer()
+    parts: list[bytes | memoryview] = [b"", skeleton]
+    data_len = 0
+    for t in tensors:
+        if not t.numel():
+            continue
+        view = memoryview((t if t.dim() else t.reshape(1)).view(torch.uint8).numpy()).cast("B")
+        parts.append(view)
+        data_len += _padded(view.nbytes)
         if _padded(view.nbytes) != view.nbytes:
-            sock.sendall(bytes(_padded(view.nbytes) - view.nbytes))
+            parts.append(_ZEROS[: _padded(view.nbytes) - view.nbytes])
+    parts[0] = _HEADER.pack(len(skeleton), data_len)
+    _send_all(sock, parts)
+
+
+_ZEROS = bytes(_ALIGN)
+_MAX_BUFFERS = 512  # per sendmsg: the system's limit is 1024 or more
+
+
+def _send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """sendall over several buffers: sendmsg writes as much as the socket takes, the rest goes on."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views[:_MAX_BUFFERS])
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
 
 
 def _recv_exact(sock: socket.socket, buffer: memoryview) -> None:
@@ -93,23 +122,11 @@ def recv_message(sock: socket.socket) -> Any:
     header = bytearray(_HEADER.size)
     _recv_exact(sock, memoryview(header))
     skeleton_len, data_len = _HEADER.unpack(header)
-    skeleton = bytearray(skeleton_len)
-    _recv_exact(sock, memoryview(skeleton))
-    data = bytearray(data_len)
-    _recv_exact(sock, memoryview(data))
-    obj = pickle.loads(skeleton)
-    refs: list[_TensorRef] = []
-    _walk(obj, _TensorRef, refs.append)
-    tensors: list[torch.Tensor] = []
-    offset = 0
-    for ref in sorted(refs, key=lambda r: r.index):
-        if ref.nbytes == 0:
-            tensors.append(torch.empty(ref.shape, dtype=ref.dtype))
-            continue
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=ref.nbytes, offset=offset)
-        tensors.append(raw.view(ref.dtype).reshape(ref.shape))
-        offset += _padded(ref.nbytes)
-    return _walk(obj, _TensorRef, lambda r: tensors[r.index])
+    body = bytearray(skeleton_len + data_len)  # one read loop for both: usually one system call
+    _recv_exact(sock, memoryview(body))
+    skeleton = memoryview(body)[:skeleton_len]
+    data = memoryview(body)[skeleton_len:]
+    return _Unpickler(skeleton, data).load()
 
 
 class ChannelServer:
@@ -167,11 +184,18 @@ class ChannelClient:
             self._sock = sock
         return self._sock
 
+    def _write(self, sock: socket.socket, method: str, args: tuple) -> None:
+        send_message(sock, (method, args))
+
+    def _read(self, sock: socket.socket) -> tuple[str, Any]:
+        """("ok", answer) or ("error", message)."""
+        return recv_message(sock)
+
     def send(self, method: str, *args: Any) -> None:
         """Write one call; its answer is read by a later ``receive`` (answers come in call order)."""
         with self._lock:
             try:
-                send_message(self._connect(), (method, args))
+                self._write(self._connect(), method, args)
             except OSError as exc:
                 self._drop()
                 raise ChannelError(f"sending to {self.address} failed: {exc}") from exc
@@ -183,7 +207,7 @@ class ChannelClient:
             if self._sock is None or not self._outstanding:
                 raise ChannelError("no call is waiting for an answer")
             try:
-                status, value = recv_message(self._sock)
+                status, value = self._read(self._sock)
             except (OSError, ChannelError) as exc:  # socket.timeout is an OSError
                 self._drop()
                 raise ChannelError(f"no answer from {self.address}: {exc}") from exc

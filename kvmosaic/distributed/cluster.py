@@ -78,7 +78,8 @@ class Cluster:
         self._capacity = capacities
         self._blocks: dict[str, int] = {}  # live request id -> KV blocks it may come to hold
         channels = {i: info["channel"] for i, info in infos.items()}
-        ray.get([h.connect.remote(self.instances, capacities, channels) for h in self.instances.values()])
+        lanes = {i: info["decode_lane"] for i, info in infos.items()}
+        ray.get([h.connect.remote(self.instances, capacities, channels, lanes) for h in self.instances.values()])
         if not config.lockstep:
             ray.get([h.start_loop.remote() for h in self.instances.values()])
         first = infos[0]

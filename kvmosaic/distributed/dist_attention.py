@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from kvmosaic.distributed.decode_lane import DecodeLane
 from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention
 from kvmosaic.distributed.pool_rows import PoolRows, pool_rows
 from kvmosaic.engine.errors import RetryableStepError
@@ -172,6 +173,9 @@ class RemoteKVAttention(AttentionBackend):
             return self.local
         return self.dist.bind(batch, meta, self.local, self.rows)
 
+    def open_decode_lane(self, host: str) -> tuple[object, DecodeLane] | None:
+        return self.rows.open_decode_lane(host)
+
     def serve_micro_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
         """Creditor side: a debtor's queries over the blocks it borrowed from us, for one layer."""
         return creditor_micro_attention(self.rows, layer, items, scale)
@@ -217,9 +221,9 @@ class DistAttentionStep(AttentionBackend):
                    for creditor, items in self._remote_items(q).items()}
         owner.stats.layer_calls += len(futures)
         partials: list[list[PartialAttention]] = []
-        for plan in self.plans:
-            k, v = self.rows.gather(layer, plan.local_blocks, q.dtype)
-            partials.append([partial_attention(q[plan.rows], k, v, plan.q_pos, plan.local_k_pos, self.scale)])
+        for plan in self.plans:  # the local blocks' part, as a creditor computes the lent blocks' part
+            partials.append([self.rows.partial(layer, q[plan.rows], plan.q_pos, plan.local_blocks, plan.local_k_pos,
+                                               self.scale)])
         waited = time.perf_counter()
         results = owner.directory.wait(futures)
         merging = time.perf_counter()

@@ -25,6 +25,7 @@ import torch
 
 from kvmosaic.config import DistributedConfig, EngineConfig
 from kvmosaic.distributed.channel import ChannelClient, ChannelServer
+from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient
 from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, RemoteKVAttention
 from kvmosaic.distributed.rmanager import BorrowingAllocator, RManager
 from kvmosaic.model.layers.backend import AttentionBackend
@@ -51,7 +52,10 @@ class Instance:
         self._stop = threading.Event()
         self.fenced = threading.Event()  # the gManager declared us dead: our loans are gone, stop serving
         node = ray.get_runtime_context().get_node_id()
-        self.channel = ChannelServer(self._serve_channel, host=ray.util.get_node_ip_address())
+        host = ray.util.get_node_ip_address()
+        self.channel = ChannelServer(self._serve_channel, host=host)
+        lane = self.attention.open_decode_lane(host) if config.decode_lane else None
+        self.decode_server, self.decode_lane = lane if lane is not None else (None, None)
         ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -78,16 +82,19 @@ class Instance:
 
     # ------------------------------------------------------------------ wiring
     def connect(self, peers: dict[int, object], capacities: dict[int, int],
-                channels: dict[int, tuple[str, int]]) -> None:
+                channels: dict[int, tuple[str, int]], lanes: dict[int, DecodeLane | None]) -> None:
         self.rmanager.peers = {i: h for i, h in peers.items() if i != self.instance_id}
         self.rmanager.peer_capacity = {i: n for i, n in capacities.items() if i != self.instance_id}
         self.rmanager.channels = {i: ChannelClient(address, self.config.rpc_timeout)
                                   for i, address in channels.items() if i != self.instance_id}
+        self.rmanager.decode_lanes = {i: DecodeLaneClient(lane, self.config.rpc_timeout)
+                                      for i, lane in lanes.items() if i != self.instance_id and lane is not None}
 
     def info(self) -> dict:
         engine = self.engine
         return {"tokenizer": engine.tokenizer, "model_config": engine.model_config, "config": engine.config,
-                "num_blocks": self.rmanager.num_local_blocks, "channel": self.channel.address}
+                "num_blocks": self.rmanager.num_local_blocks, "channel": self.channel.address,
+                "decode_lane": self.decode_lane}
 
     def ping(self) -> int:
         return self.instance_id
@@ -270,6 +277,7 @@ class Instance:
             if self.instance_id in dead and not self.fenced.is_set():
                 logger.error("instance %d was declared dead by the gManager; fencing itself", self.instance_id)
                 self.fenced.set()
+                self._close_decode_lane()  # its calls fail from now on, as the channel's do
             if set(dead) - self.rmanager.dead:
                 self._mark_dead(set(dead))
 
@@ -277,6 +285,11 @@ class Instance:
         if self.fenced.is_set():
             raise RuntimeError(f"instance {self.instance_id} missed its heartbeats and was declared dead")
 
+    def _close_decode_lane(self) -> None:
+        if self.decode_server is not None:
+            self.decode_server.close()
+
     def shutdown(self) -> None:
         self._stop.set()
         self.channel.close()
+        self._close_decode_lane()

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from kvmosaic.distributed.decode_lane import DecodeLane, open_lane
 from kvmosaic.distributed.merge import PartialAttention, partial_attention
 from kvmosaic.model.layers.attention import ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend
@@ -40,6 +41,10 @@ class PoolRows(Protocol):
                 k_pos: torch.Tensor, scale: float) -> PartialAttention:
         """Queries ``q`` [N, Hq, D] at ``q_pos`` over the keys of these blocks (at ``k_pos``, every
         slot of each block in order), as a partial to merge with the other holders'."""
+
+    def open_decode_lane(self, host: str) -> tuple[object, DecodeLane] | None:
+        """A C++ server answering debtors' decode rows over this pool (its handle, where it listens),
+        or None when this pool's rows need Python."""
 
 
 def gathered_partial(rows: PoolRows, layer: int, q: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor,
@@ -87,6 +92,9 @@ class FloatPoolRows:
         visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
         return PartialAttention(*kernel(q.contiguous(), k_cache, v_cache, block_ids[None], visible, scale))
 
+    def open_decode_lane(self, host):
+        return open_lane(self.local.layers, self.local.num_heads, getattr(self.local, "ops", None), host)
+
 
 class QuantizedPoolRows:
     """Rows quantized into the records of an int8 / int4 / Oaken pool as they are written, and
@@ -109,6 +117,9 @@ class QuantizedPoolRows:
 
     def partial(self, layer, q, q_pos, block_ids, k_pos, scale):
         return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
+
+    def open_decode_lane(self, host):
+        return None  # records are dequantized in Python first
 
     def gather(self, layer, block_ids, dtype):
         pools, qops = self.local.layers[layer], self.local.kernels.quant

@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from kvmosaic.config import DistributedConfig
 from kvmosaic.core.block_allocator import BlockAllocator
 from kvmosaic.distributed.channel import ChannelClient, ChannelError
+from kvmosaic.distributed.decode_lane import DecodeLaneClient
 from kvmosaic.distributed.dist_attention import CreditorLost
 from kvmosaic.request import RequestStatus
 
@@ -53,6 +54,7 @@ class RManagerCounters:
     blocks_reclaimed: int = 0
     blocks_lost: int = 0  # borrowed blocks that died with their creditor
     remote_compute_seconds: float = 0.0  # creditors' own time on this instance's micro-attention calls
+    lane_calls: int = 0  # of those calls, how many went over a creditor's decode lane
 
 
 @dataclass
@@ -64,6 +66,7 @@ class RManager:
     gmanager: object  # ray actor handle of the GManager
     peers: dict[int, object] = field(default_factory=dict)  # instance id -> actor handle (control plane)
     channels: dict[int, ChannelClient] = field(default_factory=dict)  # instance id -> data plane
+    decode_lanes: dict[int, DecodeLaneClient] = field(default_factory=dict)  # instance id -> its decode rows' lane
     peer_capacity: dict[int, int] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
     rblocks: dict[int, RBlock] = field(default_factory=dict)  # debtor side: borrowed blocks
@@ -140,19 +143,25 @@ class RManager:
         record = self.rblocks[block_id]
         return record.owner, record.physical_id
 
-    def remote_attention(self, owner: int, layer: int, items: list[dict], scale: float) -> int:
-        """Send one layer's micro-attention call to ``owner`` over the data plane; ``wait`` reads it."""
+    def remote_attention(self, owner: int, layer: int, items: list[dict], scale: float) -> ChannelClient:
+        """Send one layer's micro-attention call to ``owner`` over the data plane (its decode lane when
+        the items are all decode rows); ``wait`` reads the answer from the channel returned."""
+        lane = self.decode_lanes.get(owner)
+        channel = self.channels[owner]
+        if lane is not None and lane.takes(items):
+            channel = lane
+            self.counters.lane_calls += 1
         try:
-            self.channels[owner].send("attention", layer, items, scale)
+            channel.send("attention", layer, items, scale)
         except ChannelError as exc:
             raise CreditorLost({owner}, str(exc)) from exc
-        return owner
+        return channel
 
-    def wait(self, futures: dict[int, object]) -> dict[int, list[tuple]]:
+    def wait(self, futures: dict[int, ChannelClient]) -> dict[int, list[tuple]]:
         results = {}
-        for owner in futures:
+        for owner, channel in futures.items():
             try:
-                results[owner], seconds = self.channels[owner].receive()
+                results[owner], seconds = channel.receive()
             except ChannelError as exc:  # dead, fenced or stuck: its blocks are gone for us
                 raise CreditorLost({owner}, str(exc)) from exc
             self.counters.remote_compute_seconds += seconds
@@ -217,6 +226,7 @@ class RManager:
             "dist_blocks_lost": self.counters.blocks_lost,
             "dist_blocks_lent_total": self.counters.blocks_lent,
             "dist_remote_compute_seconds": self.counters.remote_compute_seconds,
+            "dist_lane_calls": self.counters.lane_calls,
         }
 
 

@@ -3,14 +3,18 @@
 // Float32 and bfloat16; all arithmetic in float32.
 // This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
 // decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
+#include "attention_server.h"
+#include "bindings.h"
 #include "layer_stack.h"
+
+using kvops::no_gil;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding + KV cache write");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks");
-  m.def("paged_decode_attention_partial", &paged_decode_attention_partial,
+  m.def("paged_decode_attention", &paged_decode_attention, no_gil, "decode attention over paged KV blocks");
+  m.def("paged_decode_attention_partial", &paged_decode_attention_partial, no_gil,
         "decode attention over paged KV blocks as a partial (out, row max, sum of exp) to merge");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of a prefill chunk over paged KV",
+  m.def("paged_prefill_attention", &paged_prefill_attention, no_gil, "causal attention of a prefill chunk over paged KV",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"),
         py::arg("scale"), py::arg("out") = py::none());
   m.def("prefill_attention_supports", [](int64_t head_dim) { return head_dim == 64 || head_dim == 128; });
@@ -19,14 +23,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return packed_linear_supports(torch::python::detail::py_object_to_dtype(dtype), out_features, in_features);
   }, "whether a weight of this dtype and shape can be packed");
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] weight -> the packed layout of packed_linear");
-  m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight (+ float32 bias)", py::arg("x"),
+  m.def("packed_linear", &packed_linear, no_gil, "x [M, K] times a packed weight (+ float32 bias)", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());
   m.def("packed_swiglu_supports", [](py::object dtype, int64_t intermediate, int64_t in_features) {
     return packed_swiglu_supports(torch::python::detail::py_object_to_dtype(dtype), intermediate, in_features);
   }, "whether a gate/up pair of this dtype and shape can be packed for packed_swiglu");
   m.def("pack_swiglu_weight", &pack_swiglu_weight, "[2F, K] gate/up weight -> the packed layout of packed_swiglu");
-  m.def("packed_swiglu", &packed_swiglu, "silu(x G^T) * (x U^T) on a packed gate/up weight");
-  m.def("quantized_linear", &quantized_linear,
+  m.def("packed_swiglu", &packed_swiglu, no_gil, "silu(x G^T) * (x U^T) on a packed gate/up weight");
+  m.def("quantized_linear", &quantized_linear, no_gil,
         "x [M, K] times a q8 / q4 / q6 weight in the interleaved layout (extra: q4's mins, q6's super-block scales)",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("extra") = py::none(), py::arg("bias") = py::none());
   m.def("quantized_rows", [](const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,
@@ -45,7 +49,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "StackCaches", "the decoder layers' KV caches for layer_stack, checked once", py::module_local())
       .def(py::init<std::vector<at::Tensor>>())
       .def_property_readonly("layers", &kvops::StackCaches::layers);
-  m.def("layer_stack", &layer_stack, "a step (decode rows, then spans) through all decoder layers (packed weights)");
+  py::class_<kvops::AttentionServer, std::shared_ptr<kvops::AttentionServer>>(
+      m, "AttentionServer", "a creditor's micro-attention server for decode rows (kvmosaic.distributed)",
+      py::module_local())
+      .def(py::init<std::vector<at::Tensor>, int64_t, const std::string&>(), py::arg("caches"), py::arg("num_heads"),
+           py::arg("host"))
+      .def_property_readonly("port", &kvops::AttentionServer::port)
+      .def("close", &kvops::AttentionServer::close, no_gil);
+  m.def("layer_stack", &layer_stack, no_gil, "a step (decode rows, then spans) through all decoder layers (packed weights)");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (torch.argmax(dim=-1))");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));

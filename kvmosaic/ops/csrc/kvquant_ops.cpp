@@ -6,10 +6,13 @@
 // for bit (same float32 operation order, fp16 rounding to nearest even, ties-to-even codes).
 // This file binds the entry points; the kernels live in kvquant_encode.cpp, kvquant_decode.cpp and
 // kvquant_decode_fast.cpp, the record format in kvquant_format.h.
+#include "bindings.h"
 #include "kvquant_format.h"
+
+using kvops::no_gil;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_write", &quant_write, "quantize K/V rows into their cache slots");
-  m.def("dequantize_blocks", &dequantize_blocks, "dequantize whole KV blocks");
-  m.def("quant_decode_attention", &quant_decode_attention, "decode attention over quantized paged KV");
+  m.def("dequantize_blocks", &dequantize_blocks, no_gil, "dequantize whole KV blocks");
+  m.def("quant_decode_attention", &quant_decode_attention, no_gil, "decode attention over quantized paged KV");
 }

@@ -1,0 +1,116 @@
+"""The decode lane: a debtor's one-row micro-attention calls answered by the creditor's C++ server
+(ops.AttentionServer) give what the channel's Python handler gives, bit for bit, on every ISA level."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvmosaic.distributed.channel import ChannelError
+from kvmosaic.distributed.decode_lane import DecodeLaneClient, open_lane
+from kvmosaic.distributed.dist_attention import _key_positions, creditor_micro_attention
+from kvmosaic.distributed.pool_rows import FloatPoolRows, QuantizedPoolRows
+
+BS, HQ, HK, BLOCKS, LAYERS = 16, 9, 3, 12, 2
+
+
+def _caches(dtype: torch.dtype, head_dim: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, BLOCKS, BS, HK, head_dim, generator=gen).to(dtype) for _ in range(LAYERS)]
+
+
+def _item(gen: torch.Generator, dtype: torch.dtype, head_dim: int, logical: list[int], physical: list[int],
+          q_at: int, slot: int | None) -> dict:
+    def rows(heads: int) -> torch.Tensor:
+        return torch.randn(1, heads, head_dim, generator=gen).to(dtype)
+
+    return {"q": rows(HQ), "q_pos": torch.tensor([q_at]), "blocks": physical, "k_pos": _key_positions(logical, BS),
+            "slots": [] if slot is None else [slot], "dtype": dtype, "k_new": rows(HK), "v_new": rows(HK)}
+
+
+@pytest.fixture
+def lane_pair(level_kernels, request):
+    """(a server's caches, a client) for caches of the requested dtype and head size."""
+    dtype, head_dim = request.param
+    caches = _caches(dtype, head_dim, head_dim)
+    server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1")
+    client = DecodeLaneClient(lane, timeout=10.0)
+    yield caches, client, server
+    client.close()
+    server.close()
+
+
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128)],
+                         indirect=True, ids=["f32-64", "bf16-64", "f32-128"])
+def test_lane_answers_and_writes_as_the_channels_handler_does(lane_pair, level_kernels) -> None:
+    """Three decode rows in one call: one writing its new K/V into a lent block and attending up to
+    it, one past all of its lent blocks, one before them (nothing visible). Partials and the cache's
+    contents equal the Python handler's (over a copy of the same caches) bit for bit."""
+    caches, client, _ = lane_pair
+    dtype, head_dim = caches[0].dtype, caches[0].shape[-1]
+    gen = torch.Generator().manual_seed(7)
+    items = [_item(gen, dtype, head_dim, [1, 4, 5], [7, 2, 10], 5 * BS + 6, 10 * BS + 6),
+             _item(gen, dtype, head_dim, [2, 3], [0, 11], 9 * BS, None),
+             _item(gen, dtype, head_dim, [6], [4], BS - 1, None)]
+    copies = [c.clone() for c in caches]
+    want = creditor_micro_attention(FloatPoolRows(SimpleNamespace(layers=copies, ops=level_kernels.ops)), 1, items,
+                                    head_dim**-0.5)
+    assert client.takes(items)
+    got, seconds = client.call("attention", 1, items, head_dim**-0.5)
+    assert seconds > 0 and len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):
+        assert g[0] == w[0] == "partial"
+        for a, b in zip(g[1:], w[1:], strict=True):
+            assert a.dtype == torch.float32 and a.shape == b.shape and torch.equal(a, b)
+    assert all(torch.equal(c, d) for c, d in zip(caches, copies, strict=True))
+    assert torch.equal(caches[1][0].view(-1, HK, head_dim)[10 * BS + 6], items[0]["k_new"][0])
+
+
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64)], indirect=True, ids=["f32-64"])
+def test_lane_refuses_bad_calls_with_an_error_and_stays_usable(lane_pair) -> None:
+    caches, client, _ = lane_pair
+    gen = torch.Generator().manual_seed(1)
+    good = _item(gen, torch.float32, 64, [0, 1], [3, 4], BS + 3, 4 * BS + 3)
+    before = [c.clone() for c in caches]
+    for bad, message in ((dict(good, slots=[BLOCKS * BS]), "slot"),
+                         (dict(good, blocks=[3, BLOCKS]), "block id out of range")):
+        with pytest.raises(ChannelError, match=message):
+            client.call("attention", 0, [bad], 0.125)
+    with pytest.raises(ChannelError, match="layer 5 out of range"):
+        client.call("attention", 5, [good], 0.125)
+    assert all(torch.equal(c, d) for c, d in zip(caches, before, strict=True))  # nothing written
+    answers, _ = client.call("attention", 0, [good], 0.125)  # the same connection goes on
+    assert answers[0][1].shape == (1, HQ, 64)
+
+
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64)], indirect=True, ids=["f32-64"])
+def test_a_closed_lane_fails_calls_instead_of_hanging(lane_pair) -> None:
+    _, client, server = lane_pair
+    item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
+    client.call("attention", 0, [item], 0.125)
+    server.close()  # what a fenced creditor does
+    with pytest.raises(ChannelError):
+        client.call("attention", 0, [item], 0.125)
+    server.close()  # idempotent
+
+
+def test_the_lane_takes_decode_rows_only_and_float_pools_only(level_kernels) -> None:
+    caches = _caches(torch.float32, 64, 0)
+    server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1")
+    try:
+        client = DecodeLaneClient(lane, timeout=10.0)
+        item = _item(torch.Generator().manual_seed(3), torch.float32, 64, [0], [1], 5, 16)
+        assert client.takes([item])
+        assert not client.takes([item, dict(item, q=torch.zeros(2, HQ, 64))])  # a prefill chunk's rows
+        assert not client.takes([dict(item, q=None)])  # a pull: the channel returns K/V rows
+        assert not client.takes([dict(item, blocks=[])])
+        assert not client.takes([dict(item, q=item["q"].to(torch.bfloat16))])
+        with pytest.raises(ValueError, match="attention calls"):
+            client.send("read", 0)
+    finally:
+        server.close()
+    assert open_lane(caches, HQ, None, "127.0.0.1") is None  # no kernels: every call takes the channel
+    assert open_lane([c.float().half() for c in caches], HQ, level_kernels.ops, "127.0.0.1") is None
+    assert QuantizedPoolRows(SimpleNamespace()).open_decode_lane("127.0.0.1") is None
