@@ -164,7 +164,8 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
                                  cache=dataclasses.replace(engine_config(args, n).cache,
                                                            num_blocks=args.blocks * instances // n))
     cluster = Cluster(config, DistributedConfig(num_instances=n, enable_borrowing=borrowing, dgfm_interval=8,
-                                                kv_pull=mode != "borrowing-push"))
+                                                kv_pull=mode != "borrowing-push",
+                                                decode_lane=mode != "borrowing-channel"))
     items = stream_schedule(args)
     try:
         warm = cluster.add_request(None, items[0][2][:16], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -197,6 +198,7 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
                 time.sleep(max(0.0, min(0.01, pending[0][0] - (time.perf_counter() - start))))
         elapsed = time.perf_counter() - start
         stats = cluster.stats()
+        lane = lane_vs_local(cluster, config) if borrowing else None
     finally:
         cluster.shutdown()
     done = [r for r, (_, reason) in ended.items() if reason == "length"]
@@ -226,7 +228,64 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
     report["dist_attn_ms_per_step"] = round(1000 * stats.get("dist_remote_seconds", 0.0) / steps, 1) if steps else 0
     report["ms_per_creditor_call"] = round(1000 * stats.get("dist_remote_seconds", 0.0) / calls, 2) if calls else 0
     report["kv_pulls"] = int(stats.get("dist_kv_pulls", 0))
+    report["lane_calls"] = int(stats.get("dist_lane_calls", 0))
+
+    def per_call(key: str) -> float:
+        return round(1000 * stats.get(key, 0.0) / calls, 3) if calls else 0.0
+
+    # a layer call's cost on the debtor, split: waiting on the creditor (transfer and its compute), the
+    # creditor's own compute, merging the partials
+    report["per_call_ms"] = {"debtor": per_call("dist_remote_seconds"), "wait": per_call("dist_remote_wait_seconds"),
+                             "creditor_compute": per_call("dist_remote_compute_seconds"),
+                             "merge": per_call("dist_remote_merge_seconds")}
+    report["lane_vs_local"] = lane
     return report
+
+
+LANE_KEYS_BLOCKS = 16  # a decode row's remote part in the lane-vs-local probe: 16 lent blocks (256 keys)
+
+
+def lane_vs_local(cluster: Cluster, config) -> dict | None:
+    """One decode row's attention over 16 blocks of another instance's pool through its decode lane
+    (transfer included), against the same attention (kernel partial, same shapes, one thread) here."""
+    from kvmosaic.distributed.decode_lane import DecodeLaneClient
+    from kvmosaic.ops import Kernels
+
+    info = ray.get(cluster.instances[1].info.remote())
+    lane, kernels = info["decode_lane"], Kernels.load()
+    if lane is None or kernels.ops is None or config.cache.num_blocks < LANE_KEYS_BLOCKS:
+        return None
+    bs, keys = config.cache.block_size, LANE_KEYS_BLOCKS * config.cache.block_size
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, lane.num_heads, lane.head_dim, generator=gen).to(lane.dtype)
+    blocks = list(range(LANE_KEYS_BLOCKS))
+    item = {"q": q, "q_pos": torch.tensor([keys]), "blocks": blocks, "k_pos": torch.arange(keys), "visible": keys,
+            "slots": [], "dtype": lane.dtype, "k_new": None, "v_new": None}
+    caches = torch.randn(2, config.cache.num_blocks, bs, lane.num_kv_heads, lane.head_dim, generator=gen).to(lane.dtype)
+    table, context = torch.tensor([blocks]), torch.tensor([keys])
+
+    def local() -> None:
+        kernels.ops.paged_decode_attention_partial(q, caches[0], caches[1], table, context, lane.head_dim**-0.5)
+
+    client = DecodeLaneClient(lane, timeout=30.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        timings = {"lane": [], "local": []}
+        for _ in range(5):  # interleaved rounds, best of each
+            for name, fn in (("lane", lambda: client.call("attention", 0, [item], lane.head_dim**-0.5)),
+                             ("local", local)):
+                fn()
+                started = time.perf_counter()
+                for _ in range(100):
+                    fn()
+                timings[name].append((time.perf_counter() - started) / 100)
+    finally:
+        torch.set_num_threads(threads)
+        client.close()
+    lane_ms, local_ms = 1000 * min(timings["lane"]), 1000 * min(timings["local"])
+    return {"keys": keys, "lane_round_trip_ms": round(lane_ms, 3), "local_kernel_ms": round(local_ms, 3),
+            "ratio": round(lane_ms / local_ms, 1)}
 
 
 def _pct(values: list[float], q: int) -> float | None:
@@ -251,6 +310,10 @@ def print_stream(reports: list[dict], args: argparse.Namespace) -> None:
               f"{r['completed_long']:>5}{r['rejected']:>4}{r['longest_context']:>8}{r['loans']:>6}{r['kv_pulls']:>6}"
               f"{r['ms_per_creditor_call']:>8}  " + "".join(f"{cell(p, 'ttft'):<16}" for p in parts)
               + "".join(f"{cell(p, 'tpot'):<16}" for p in parts))
+    for r in reports:
+        if r.get("per_call_ms") and r["per_call_ms"]["debtor"]:
+            print(f"{r['mode']}: per layer call, ms: {r['per_call_ms']} ({r['lane_calls']} of the calls over the "
+                  f"decode lane); one decode row over {LANE_KEYS_BLOCKS} lent blocks: {r['lane_vs_local']}")
 
 
 def main() -> None:
@@ -272,8 +335,9 @@ def main() -> None:
     parser.add_argument("--long-every", type=float, default=10.0, help="--stream: seconds between long requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=["static", "one-instance", "borrowing-push", "borrowing"],
-                        choices=["static", "one-instance", "borrowing-push", "borrowing"],
-                        help="--stream: borrowing-push: creditors always attend themselves (no K/V pulls)")
+                        choices=["static", "one-instance", "borrowing-push", "borrowing", "borrowing-channel"],
+                        help="--stream: borrowing-push: creditors always attend themselves (no K/V pulls); "
+                             "borrowing-channel: no decode lane (every call over the pickled channel)")
     args = parser.parse_args()
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     if args.stream:

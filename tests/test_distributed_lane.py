@@ -26,8 +26,10 @@ def _item(gen: torch.Generator, dtype: torch.dtype, head_dim: int, logical: list
     def rows(heads: int) -> torch.Tensor:
         return torch.randn(1, heads, head_dim, generator=gen).to(dtype)
 
-    return {"q": rows(HQ), "q_pos": torch.tensor([q_at]), "blocks": physical, "k_pos": _key_positions(logical, BS),
-            "slots": [] if slot is None else [slot], "dtype": dtype, "k_new": rows(HK), "v_new": rows(HK)}
+    k_pos = _key_positions(logical, BS)
+    return {"q": rows(HQ), "q_pos": torch.tensor([q_at]), "blocks": physical, "k_pos": k_pos,
+            "visible": int((k_pos <= q_at).sum()), "slots": [] if slot is None else [slot], "dtype": dtype,
+            "k_new": rows(HK), "v_new": rows(HK)}
 
 
 @pytest.fixture
@@ -106,6 +108,7 @@ def test_the_lane_takes_decode_rows_only_and_float_pools_only(level_kernels) -> 
         assert not client.takes([item, dict(item, q=torch.zeros(2, HQ, 64))])  # a prefill chunk's rows
         assert not client.takes([dict(item, q=None)])  # a pull: the channel returns K/V rows
         assert not client.takes([dict(item, blocks=[])])
+        assert not client.takes([{k: v for k, v in item.items() if k != "visible"}])
         assert not client.takes([dict(item, q=item["q"].to(torch.bfloat16))])
         with pytest.raises(ValueError, match="attention calls"):
             client.send("read", 0)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.distributed.ledger import DebtLedger, SwapPlan
-from kvmosaic.distributed.merge import merge_partials, partial_attention, reference_attention
+from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention, reference_attention
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
 
@@ -275,3 +275,30 @@ def test_creditor_decode_partial_on_the_kernel_equals_pytorchs(level_kernels, dt
     with pytest.raises(RuntimeError, match="block id out of range"):
         level_kernels.ops.paged_decode_attention_partial(q, *caches[0], torch.tensor([[3, 99]]),
                                                          torch.tensor([20]), 0.125)
+
+
+def test_the_merge_kernel_combines_partials_as_merge_partials_does(level_kernels) -> None:
+    """ops.merge_attention_partials (the debtor's merge of its own and its creditors' partials) against
+    merge_partials: one to three holders, a holder that saw no keys, a row no holder saw, a strided input."""
+    from kvmosaic.distributed.merge import merge_on
+
+    gen = torch.Generator().manual_seed(5)
+    n, hq, d = 3, 9, 64
+    for holders in (1, 2, 3):
+        parts = [PartialAttention(torch.randn(n, hq, d, generator=gen), torch.randn(n, hq, generator=gen) * 4,
+                                  torch.rand(n, hq, generator=gen) * 30 + 1) for _ in range(holders)]
+        parts[0].row_max[1] = float("-inf")  # the first holder saw none of row 1's keys
+        parts[0].sum_exp[1] = 0.0
+        parts[0].out[1] = 0.0
+        if holders == 1:
+            parts[0].row_max[2], parts[0].sum_exp[2], parts[0].out[2] = float("-inf"), 0.0, 0.0
+        parts[-1] = PartialAttention(parts[-1].out.transpose(0, 1).contiguous().transpose(0, 1), parts[-1].row_max,
+                                     parts[-1].sum_exp)
+        got = merge_on(level_kernels.ops)(parts)
+        want = merge_partials(parts)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert merge_on(None) is merge_partials
+    with pytest.raises(RuntimeError, match="different shapes"):
+        level_kernels.ops.merge_attention_partials([parts[0].out, parts[1].out[:2]], [p.row_max for p in parts[:2]],
+                                                   [p.sum_exp for p in parts[:2]])

@@ -75,9 +75,10 @@ class DecodeLaneClient(ChannelClient):
         self._pending: deque[int] = deque()  # items of each call sent and not yet answered
 
     def takes(self, items: list[dict]) -> bool:
-        """One query row each over at least one lent block, in the server's dtype."""
+        """One query row each over at least one lent block, in the server's dtype ("visible": how many
+        of the blocks' slots, in order, it attends to)."""
         return all(it["q"] is not None and it["q"].shape[0] == 1 and it["q"].dtype == self.lane.dtype
-                   and len(it["blocks"]) > 0 and len(it["slots"]) <= 1 for it in items)
+                   and len(it["blocks"]) > 0 and len(it["slots"]) <= 1 and "visible" in it for it in items)
 
     def _write(self, sock: socket.socket, method: str, args: tuple) -> None:
         if method != "attention":
@@ -86,7 +87,7 @@ class DecodeLaneClient(ChannelClient):
         n, width = len(items), max(len(it["blocks"]) for it in items)
         ints = np.full((2 + width) * n, -1, dtype=np.int64)  # context, slot, table (-1 pads: never read)
         for i, it in enumerate(items):
-            ints[i] = int(torch.searchsorted(it["k_pos"], it["q_pos"][:1], right=True))
+            ints[i] = it["visible"]
             if it["slots"]:
                 ints[n + i] = it["slots"][0]
             ints[2 * n + i * width: 2 * n + i * width + len(it["blocks"])] = it["blocks"]

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from kvmosaic.distributed.decode_lane import DecodeLane
-from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention
+from kvmosaic.distributed.merge import PartialAttention, merge_on, partial_attention
 from kvmosaic.distributed.pool_rows import PoolRows, pool_rows
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.model.layers.attention import AttentionMetadata
@@ -106,7 +107,7 @@ class DistAttention:
         return frozenset(s.request_id for s in batch if self._has_remote(s))
 
     def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata, local: AttentionBackend,
-             rows: PoolRows) -> DistAttentionStep:
+             rows: PoolRows, merge: Callable[[list[PartialAttention]], torch.Tensor]) -> DistAttentionStep:
         self.stats.steps += 1
         plans: list[_SeqPlan] = []
         remote_rows: list[int] = []
@@ -115,7 +116,7 @@ class DistAttention:
             if self._has_remote(s):
                 plans.append(self._plan(s, row, remote_rows))
             row += s.num_tokens
-        return DistAttentionStep(self, local, rows, plans, row, remote_rows, meta.slot_mapping)
+        return DistAttentionStep(self, local, rows, merge, plans, row, remote_rows, meta.slot_mapping)
 
     def _plan(self, s: ScheduledRequest, row0: int, remote_rows: list[int]) -> _SeqPlan:
         bs = self.block_size
@@ -154,6 +155,7 @@ class RemoteKVAttention(AttentionBackend):
         super().__init__(local.model, local.kv_cache)
         self.local = local
         self.rows = pool_rows(local)
+        self.merge = merge_on(getattr(local, "ops", None))
         self.dist = dist
 
     def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
@@ -171,7 +173,7 @@ class RemoteKVAttention(AttentionBackend):
     def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata) -> AttentionBackend:
         if not self.dist.spanning(batch):
             return self.local
-        return self.dist.bind(batch, meta, self.local, self.rows)
+        return self.dist.bind(batch, meta, self.local, self.rows, self.merge)
 
     def open_decode_lane(self, host: str) -> tuple[object, DecodeLane] | None:
         return self.rows.open_decode_lane(host)
@@ -184,13 +186,16 @@ class RemoteKVAttention(AttentionBackend):
 class DistAttentionStep(AttentionBackend):
     """The attention backend of one step with spanning sequences; every call names its layer."""
 
-    def __init__(self, owner: DistAttention, local: AttentionBackend, rows: PoolRows, plans: list[_SeqPlan],
-                 num_rows: int, remote_rows: list[int], slot_mapping: torch.Tensor) -> None:
+    def __init__(self, owner: DistAttention, local: AttentionBackend, rows: PoolRows,
+                 merge: Callable[[list[PartialAttention]], torch.Tensor], plans: list[_SeqPlan], num_rows: int,
+                 remote_rows: list[int], slot_mapping: torch.Tensor) -> None:
         super().__init__(local.model, local.kv_cache)
         self.owner = owner
         self.local = local
         self.rows = rows
+        self.merge = merge
         self.plans = plans
+        self._calls: list[tuple[int, _SeqPlan, dict, torch.Tensor | None, bool]] | None = None
         remote = torch.zeros(num_rows, dtype=torch.bool)
         remote[remote_rows] = True
         self.remote_rows = remote.nonzero().flatten()
@@ -232,7 +237,7 @@ class DistAttentionStep(AttentionBackend):
             for index, answer in zip(self._plans_on(creditor), answers, strict=True):
                 partials[index].append(self._partial(self.plans[index], creditor, answer, q))
         for plan, parts in zip(self.plans, partials, strict=True):
-            out.index_copy_(0, plan.rows, merge_partials(parts).to(out.dtype))
+            out.index_copy_(0, plan.rows, self.merge(parts).to(out.dtype))
         done = time.perf_counter()
         owner.stats.merge_seconds += done - merging
         owner.stats.seconds += done - started
@@ -250,21 +255,32 @@ class DistAttentionStep(AttentionBackend):
     def _plans_on(self, creditor: int) -> list[int]:
         return [i for i, plan in enumerate(self.plans) if creditor in plan.remote or creditor in plan.writes]
 
+    def _call_plan(self) -> list[tuple[int, _SeqPlan, dict, torch.Tensor | None, bool]]:
+        """Per creditor and spanning sequence, what its call carries in every layer of this step (all
+        but the layer's queries and new K/V rows), worked out once a step."""
+        if self._calls is None:
+            self._calls = []
+            for plan in self.plans:
+                for creditor in sorted(set(plan.remote) | set(plan.writes)):
+                    blocks, k_pos = plan.remote.get(creditor, ([], torch.empty(0, dtype=torch.long)))
+                    rows, slots = plan.writes.get(creditor, ([], []))
+                    index = self.row_in_remote[torch.tensor(rows, dtype=torch.long)] if rows else None
+                    pull = self.owner.pull and pull_kv(len(plan.rows), len(k_pos), self.num_heads,
+                                                       self.num_kv_heads, self.head_dim)
+                    # keys the last query sees: for a decode row, the prefix of the blocks' slots to attend
+                    visible = int(torch.searchsorted(k_pos, plan.q_pos[-1:], right=True)) if len(k_pos) else 0
+                    fixed = {"q_pos": plan.q_pos, "blocks": blocks, "k_pos": k_pos, "slots": slots, "visible": visible}
+                    self._calls.append((creditor, plan, fixed, index, pull))
+        return self._calls
+
     def _remote_items(self, q: torch.Tensor) -> dict[int, list[dict]]:
         items: dict[int, list[dict]] = defaultdict(list)
-        for plan in self.plans:
-            for creditor in sorted(set(plan.remote) | set(plan.writes)):
-                blocks, k_pos = plan.remote.get(creditor, ([], torch.empty(0, dtype=torch.long)))
-                rows, slots = plan.writes.get(creditor, ([], []))
-                index = self.row_in_remote[torch.tensor(rows, dtype=torch.long)] if rows else None
-                pull = self.owner.pull and pull_kv(len(plan.rows), len(k_pos), self.num_heads, self.num_kv_heads,
-                                                   self.head_dim)
-                items[creditor].append({
-                    "q": None if pull else q[plan.rows], "q_pos": plan.q_pos, "blocks": blocks, "k_pos": k_pos,
-                    "slots": slots, "dtype": q.dtype,
-                    "k_new": self.k_new[index] if index is not None else None,
-                    "v_new": self.v_new[index] if index is not None else None,
-                })
+        for creditor, plan, fixed, index, pull in self._call_plan():
+            items[creditor].append({
+                **fixed, "q": None if pull else q[plan.rows], "dtype": q.dtype,
+                "k_new": self.k_new[index] if index is not None else None,
+                "v_new": self.v_new[index] if index is not None else None,
+            })
         return items
 
 

@@ -511,3 +511,47 @@ std::vector<at::Tensor> paged_decode_attention_partial(const at::Tensor& q, cons
     TORCH_CHECK(false, "paged_decode_attention_partial supports float32 and bfloat16");
   return {out, row_max, sum_exp};
 }
+
+// Partial attentions of the same queries over disjoint keys (out [N, hq, D] normalised over each holder's
+// keys, reference [N, hq], sum of exp(score - reference) [N, hq], all float32), combined exactly: each
+// holder's sums rescaled to the largest reference. A holder that saw no keys (-inf, 0) weighs nothing.
+at::Tensor merge_attention_partials(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& refs,
+                                    const std::vector<at::Tensor>& sums) {
+  TORCH_CHECK(!outs.empty() && refs.size() == outs.size() && sums.size() == outs.size(),
+              "merge_attention_partials: one reference and one sum per partial output");
+  const at::Tensor& first = outs[0];
+  TORCH_CHECK(first.dim() == 3 && first.size(2) % 16 == 0, "merge_attention_partials: outputs [N, hq, D % 16 == 0]");
+  const int64_t rows = first.size(0) * first.size(1), d = first.size(2), parts = static_cast<int64_t>(outs.size());
+  std::vector<at::Tensor> held;  // contiguous (copies only where they were not)
+  std::vector<const float*> o(parts), r(parts), s(parts);
+  for (int64_t p = 0; p < parts; ++p) {
+    TORCH_CHECK(outs[p].sizes() == first.sizes() && refs[p].numel() == rows && sums[p].numel() == rows,
+                "merge_attention_partials: partials of different shapes");
+    for (const at::Tensor* t : {&outs[p], &refs[p], &sums[p]}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat, "merge_attention_partials: partials are float32");
+      held.push_back(t->contiguous());
+    }
+    o[p] = held[3 * p].data_ptr<float>();
+    r[p] = held[3 * p + 1].data_ptr<float>();
+    s[p] = held[3 * p + 2].data_ptr<float>();
+  }
+  at::Tensor merged = at::empty(first.sizes(), first.options());
+  float* m = merged.data_ptr<float>();
+  std::vector<float> weight(parts);
+  for (int64_t i = 0; i < rows; ++i) {
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, r[p][i]);
+    for (int64_t p = 0; p < parts; ++p) {
+      weight[p] = r[p][i] == -std::numeric_limits<float>::infinity() ? 0.f : s[p][i] * std::exp(r[p][i] - top);
+      total += weight[p];
+    }
+    const float inv = 1.f / std::max(total, 1e-30f);
+    for (int64_t c = 0; c < d; c += 16) {
+      vec::F16 acc = vec::F16::zero();
+      for (int64_t p = 0; p < parts; ++p)
+        acc = vec::fma(vec::F16::load(o[p] + i * d + c), vec::F16::set1(weight[p]), acc);
+      (acc * vec::F16::set1(inv)).store(m + i * d + c);
+    }
+  }
+  return merged;
+}

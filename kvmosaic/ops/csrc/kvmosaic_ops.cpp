@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, no_gil, "decode attention over paged KV blocks");
   m.def("paged_decode_attention_partial", &paged_decode_attention_partial, no_gil,
         "decode attention over paged KV blocks as a partial (out, row max, sum of exp) to merge");
+  m.def("merge_attention_partials", &merge_attention_partials,
+        "partial attentions of the same queries over disjoint keys, combined exactly");
   m.def("paged_prefill_attention", &paged_prefill_attention, no_gil, "causal attention of a prefill chunk over paged KV",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"),
         py::arg("scale"), py::arg("out") = py::none());

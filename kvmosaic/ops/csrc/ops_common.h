@@ -59,6 +59,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 std::vector<at::Tensor> paged_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                        const at::Tensor& context_lens, double scale);
+at::Tensor merge_attention_partials(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& refs,
+                                    const std::vector<at::Tensor>& sums);
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, int64_t context_len, double scale,
                                    const c10::optional<at::Tensor>& out);
