@@ -17,7 +17,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvmosaic.distributed.channel import ChannelClient, ChannelError
@@ -73,6 +72,7 @@ class DecodeLaneClient(ChannelClient):
         super().__init__(lane.address, timeout)
         self.lane = lane
         self._pending: deque[int] = deque()  # items of each call sent and not yet answered
+        self._no_row = bytes(lane.num_kv_heads * lane.head_dim * lane.dtype.itemsize)  # an item with no new row
 
     def takes(self, items: list[dict]) -> bool:
         """One query row each over at least one lent block, in the server's dtype ("visible": how many
@@ -85,21 +85,21 @@ class DecodeLaneClient(ChannelClient):
             raise ValueError(f"the decode lane carries attention calls, not {method!r}")
         layer, items, scale = args
         n, width = len(items), max(len(it["blocks"]) for it in items)
-        ints = np.full((2 + width) * n, -1, dtype=np.int64)  # context, slot, table (-1 pads: never read)
-        for i, it in enumerate(items):
-            ints[i] = it["visible"]
-            if it["slots"]:
-                ints[n + i] = it["slots"][0]
-            ints[2 * n + i * width: 2 * n + i * width + len(it["blocks"])] = it["blocks"]
-        no_row = torch.zeros(self.lane.num_kv_heads * self.lane.head_dim, dtype=self.lane.dtype)
-
-        def new_rows(key: str) -> list[torch.Tensor]:
-            return [it[key].reshape(-1).to(self.lane.dtype) if it["slots"] else no_row for it in items]
-
-        rows = torch.cat([it["q"].reshape(-1) for it in items] + new_rows("k_new") + new_rows("v_new"))
-        parts = [_REQUEST.pack(_MAGIC, layer, n, width, scale), ints.data, rows.view(torch.uint8).numpy().data]
+        ints = [it["visible"] for it in items] + [it["slots"][0] if it["slots"] else -1 for it in items]
+        for it in items:  # block tables, padded with -1 (never read: past each item's visible keys)
+            ints += it["blocks"]
+            ints += [-1] * (width - len(it["blocks"]))
+        parts = [_REQUEST.pack(_MAGIC, layer, n, width, scale), struct.pack(f"={len(ints)}q", *ints)]
+        parts += [self._bytes(it["q"]) for it in items]
+        for key in ("k_new", "v_new"):
+            parts += [self._bytes(it[key]) if it["slots"] else self._no_row for it in items]
         self._pending.append(n)
         sock.sendall(b"".join(parts))
+
+    def _bytes(self, rows: torch.Tensor) -> bytes:
+        """A tensor's values in the lane's dtype, in C order (bfloat16 through an int16 view: numpy has none)."""
+        rows = rows.to(self.lane.dtype)
+        return (rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows).numpy().tobytes()
 
     def _read(self, sock: socket.socket) -> tuple[str, Any]:
         magic, status, seconds = _ANSWER.unpack(_recv_exact(sock, _ANSWER.size))
@@ -113,8 +113,9 @@ class DecodeLaneClient(ChannelClient):
         floats = torch.frombuffer(_recv_exact(sock, n * hq * (dim + 2) * 4), dtype=torch.float32)
         out = floats[: n * hq * dim].view(n, hq, dim)
         row_max, sum_exp = floats[n * hq * dim:].view(2, n, hq)
-        answers = [("partial", out[i: i + 1], row_max[i: i + 1], sum_exp[i: i + 1]) for i in range(n)]
-        return "ok", (answers, seconds)
+        if n == 1:
+            return "ok", ([("partial", out, row_max, sum_exp)], seconds)
+        return "ok", ([("partial", out[i: i + 1], row_max[i: i + 1], sum_exp[i: i + 1]) for i in range(n)], seconds)
 
     def _drop(self) -> None:
         super()._drop()
