@@ -105,12 +105,10 @@ class ModelRunner:
         context = start + len(token_ids)
         positions = range(start, context)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor([block_table[p // bs] * bs + p % bs for p in positions], dtype=torch.long),
+            slot_mapping=_longs([block_table[p // bs] * bs + p % bs for p in positions]),
             num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
-            prefills=[PrefillSpan(0, len(token_ids), context,
-                                  torch.tensor(block_table[: -(-context // bs)], dtype=torch.long))])
-        return self.model(torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                          self.attention, meta)
+            prefills=[PrefillSpan(0, len(token_ids), context, _longs(block_table[: -(-context // bs)]))])
+        return self.model(_longs(token_ids), _longs(positions), self.attention, meta)
 
     def _prepare(self, batch: list[ScheduledRequest], spanning: frozenset[str] = frozenset()):
         ids: list[int] = []
