@@ -110,20 +110,21 @@ def _send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
             views[0] = views[0][sent:]
 
 
-def _recv_exact(sock: socket.socket, buffer: memoryview) -> None:
-    while buffer.nbytes:
-        n = sock.recv_into(buffer)
+def recv_bytes(sock: socket.socket, nbytes: int) -> bytearray:
+    """Exactly ``nbytes`` from the socket; ChannelError if the peer closes first."""
+    buffer = bytearray(nbytes)
+    view = memoryview(buffer)
+    while view.nbytes:
+        n = sock.recv_into(view)
         if n == 0:
             raise ChannelError("the peer closed the connection")
-        buffer = buffer[n:]
+        view = view[n:]
+    return buffer
 
 
 def recv_message(sock: socket.socket) -> Any:
-    header = bytearray(_HEADER.size)
-    _recv_exact(sock, memoryview(header))
-    skeleton_len, data_len = _HEADER.unpack(header)
-    body = bytearray(skeleton_len + data_len)  # one read loop for both: usually one system call
-    _recv_exact(sock, memoryview(body))
+    skeleton_len, data_len = _HEADER.unpack(recv_bytes(sock, _HEADER.size))
+    body = recv_bytes(sock, skeleton_len + data_len)  # one read loop for both: usually one system call
     skeleton = memoryview(body)[:skeleton_len]
     data = memoryview(body)[skeleton_len:]
     return _Unpickler(skeleton, data).load()

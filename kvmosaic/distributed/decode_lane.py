@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvmosaic.distributed.channel import ChannelClient, ChannelError
+from kvmosaic.distributed.channel import ChannelClient, ChannelError, recv_bytes
 
 logger = logging.getLogger(__name__)
 _MAGIC = 0x414D564B
@@ -52,17 +52,6 @@ def open_lane(layers: list[torch.Tensor], num_heads: int, ops: Any, host: str) -
         logger.warning("no decode lane: %s", exc)
         return None
     return server, DecodeLane((host, server.port), cache.dtype, num_heads, cache.shape[3], cache.shape[4])
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytearray:
-    buffer = bytearray(nbytes)
-    view = memoryview(buffer)
-    while view.nbytes:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ChannelError("the peer closed the connection")
-        view = view[n:]
-    return buffer
 
 
 class DecodeLaneClient(ChannelClient):
@@ -102,15 +91,15 @@ class DecodeLaneClient(ChannelClient):
         return (rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows).numpy().tobytes()
 
     def _read(self, sock: socket.socket) -> tuple[str, Any]:
-        magic, status, seconds = _ANSWER.unpack(_recv_exact(sock, _ANSWER.size))
+        magic, status, seconds = _ANSWER.unpack(recv_bytes(sock, _ANSWER.size))
         if magic != _MAGIC:
             raise ChannelError("the decode lane's answer is malformed")
         n = self._pending.popleft()
         if status:
-            (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-            return "error", _recv_exact(sock, length).decode(errors="replace")
+            (length,) = _LENGTH.unpack(recv_bytes(sock, _LENGTH.size))
+            return "error", recv_bytes(sock, length).decode(errors="replace")
         hq, dim = self.lane.num_heads, self.lane.head_dim
-        floats = torch.frombuffer(_recv_exact(sock, n * hq * (dim + 2) * 4), dtype=torch.float32)
+        floats = torch.frombuffer(recv_bytes(sock, n * hq * (dim + 2) * 4), dtype=torch.float32)
         out = floats[: n * hq * dim].view(n, hq, dim)
         row_max, sum_exp = floats[n * hq * dim:].view(2, n, hq)
         if n == 1:

@@ -1,0 +1,56 @@
+"""benchmarks/distkv.py's probe of the decode lane: one decode row's remote attention, transfer
+included, against the same attention computed locally."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+
+from kvmosaic.distributed.cluster import Cluster
+
+LANE_KEYS_BLOCKS = 16  # a decode row's remote part in the lane-vs-local probe: 16 lent blocks (256 keys)
+
+
+def lane_vs_local(cluster: Cluster, config) -> dict | None:
+    """One decode row's attention over 16 blocks of another instance's pool through its decode lane
+    (transfer included), against the same attention (kernel partial, same shapes, one thread) here."""
+    from kvmosaic.distributed.decode_lane import DecodeLaneClient
+    from kvmosaic.ops import Kernels
+
+    info = ray.get(cluster.instances[1].info.remote())
+    lane, kernels = info["decode_lane"], Kernels.load()
+    if lane is None or kernels.ops is None or config.cache.num_blocks < LANE_KEYS_BLOCKS:
+        return None
+    bs, keys = config.cache.block_size, LANE_KEYS_BLOCKS * config.cache.block_size
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, lane.num_heads, lane.head_dim, generator=gen).to(lane.dtype)
+    blocks = list(range(LANE_KEYS_BLOCKS))
+    item = {"q": q, "q_pos": torch.tensor([keys]), "blocks": blocks, "k_pos": torch.arange(keys), "visible": keys,
+            "slots": [], "dtype": lane.dtype, "k_new": None, "v_new": None}
+    caches = torch.randn(2, config.cache.num_blocks, bs, lane.num_kv_heads, lane.head_dim, generator=gen).to(lane.dtype)
+    table, context = torch.tensor([blocks]), torch.tensor([keys])
+
+    def local() -> None:
+        kernels.ops.paged_decode_attention_partial(q, caches[0], caches[1], table, context, lane.head_dim**-0.5)
+
+    client = DecodeLaneClient(lane, timeout=30.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        timings = {"lane": [], "local": []}
+        for _ in range(5):  # interleaved rounds, best of each
+            for name, fn in (("lane", lambda: client.call("attention", 0, [item], lane.head_dim**-0.5)),
+                             ("local", local)):
+                fn()
+                started = time.perf_counter()
+                for _ in range(100):
+                    fn()
+                timings[name].append((time.perf_counter() - started) / 100)
+    finally:
+        torch.set_num_threads(threads)
+        client.close()
+    lane_ms, local_ms = 1000 * min(timings["lane"]), 1000 * min(timings["local"])
+    return {"keys": keys, "lane_round_trip_ms": round(lane_ms, 3), "local_kernel_ms": round(local_ms, 3),
+            "ratio": round(lane_ms / local_ms, 1)}
