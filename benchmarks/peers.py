@@ -108,6 +108,14 @@ def capped(engine: Engine) -> Engine | None:
     return Engine(engine.key, engine.label, venv, {**engine.env, **AVX2_CAP_ENV})
 
 
+def with_scheduler_steps(engine: Engine, steps: int) -> Engine:
+    """kvmosaic running ``steps`` forward passes per decode-only step (others unchanged)."""
+    if engine.key != "kvmosaic":
+        return engine
+    return Engine(engine.key, f"kvmosaic ({steps} steps)", engine.venv,
+                  {**engine.env, "KVMOSAIC_SCHEDULER_STEPS": str(steps)})
+
+
 ENGINES = [
     Engine("kvmosaic", "kvmosaic", None),
     Engine("hf", "HF transformers", None),
@@ -258,6 +266,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-startup", action="store_true", help="skip kvmosaic's start-up measurement")
     parser.add_argument("--isa-cap", choices=["avx2"], default=None,
                         help="run every engine on its AVX2 code paths (an AVX-512 host measuring AVX2 kernels)")
+    parser.add_argument("--scheduler-steps", type=int, default=1,
+                        help="kvmosaic's num_scheduler_steps: forward passes a decode-only step runs (multi-step)")
     parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
     return parser.parse_args()
 
@@ -268,6 +278,8 @@ def main() -> None:
     if unknown := set(dtypes) - set(DTYPES):
         raise SystemExit(f"unknown dtypes {sorted(unknown)}; choose from {', '.join(DTYPES)}")
     engines = [e for e in ENGINES if e.key in keys]
+    if args.scheduler_steps > 1:
+        engines = [with_scheduler_steps(e, args.scheduler_steps) for e in engines]
     if args.isa_cap:
         os.environ.update(AVX2_CAP_ENV)  # this process reports the kernel level kvmosaic loads
         uncapped = [e.key for e in engines if capped(e) is None]

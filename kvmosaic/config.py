@@ -159,6 +159,7 @@ class CacheConfig:
 
 
 PREEMPTION_MODES = ("recompute", "swap")
+MAX_SCHEDULER_STEPS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,10 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     # A single prefill chunk never exceeds this (chunked prefill); 0 means the token budget.
     long_prefill_token_threshold: int = 0
+    # Forward passes a decode-only step runs before the scheduler looks again (vLLM's multi-step
+    # scheduling): each sequence feeds its sampled token straight back, so the scheduling and output
+    # work between passes happens once per this many tokens.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -181,6 +186,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+            raise ValueError(f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}]")
 
     @property
     def prefill_chunk(self) -> int:
@@ -206,6 +213,8 @@ class EngineConfig:
         if self.quantization is not None and str(self.quantization).lower() not in WEIGHT_QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of "
                              f"{', '.join(WEIGHT_QUANTIZATIONS)} or None")
+        if self.speculative is not None and self.scheduler.num_scheduler_steps > 1:
+            raise ValueError("speculative decoding and num_scheduler_steps > 1 cannot be combined")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,9 @@ class ScheduledRequest:
     num_lookup_tokens: int = 0
     # Per logits row, the token ids its grammar allows (a packed bitmask, kvmosaic.core.guide); None: any.
     token_masks: list[bytes | None] = field(default_factory=list)
+    # Forward passes to run (multi-step decoding, kvmosaic.core.multi_step): after the first, each
+    # feeds back the token just sampled, in the cache slots reserved after this one.
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -2,10 +2,13 @@
 
 Without --model-path it runs the embedded default model (what the start-up workload S measures).
 --dtype q8_0 quantizes the (float) model at load; q4_1 keeps the quantized linears of a Q4_1 GGUF
-(the shipped file); both with float32 activations.
+(the shipped file); both with float32 activations. KVMOSAIC_SCHEDULER_STEPS in the environment
+(set by peers.py --scheduler-steps) is the engine's num_scheduler_steps.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from common import WEIGHT_FORMATS, run
@@ -23,7 +26,8 @@ class KvmosaicEngine:
             dtype = "float32"
         # No prefix caching: workload A runs the same prompt more than once.
         self.llm = LLM(model=model_path, dtype=dtype, num_threads=threads, enable_prefix_caching=False,
-                       kv_cache_memory="2GiB", max_num_seqs=64, max_num_batched_tokens=2048, **weights)
+                       kv_cache_memory="2GiB", max_num_seqs=64, max_num_batched_tokens=2048,
+                       num_scheduler_steps=int(os.environ.get("KVMOSAIC_SCHEDULER_STEPS", "1")), **weights)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -22,6 +22,7 @@ from kvmosaic.core.beam_search import BeamHypothesis
 from kvmosaic.core.beam_steps import BeamSteps
 from kvmosaic.core.kv_arrivals import KVArrivals
 from kvmosaic.core.lifecycle import Lifecycle, SequenceQueues
+from kvmosaic.core.multi_step import MultiStep
 from kvmosaic.core.sequence_rules import scheduled_request
 from kvmosaic.core.spec_steps import NoSpeculation, SpeculationSteps
 from kvmosaic.core.step_plan import StepPlan
@@ -53,6 +54,7 @@ class Scheduler:
         self.lifecycle = Lifecycle(self.queues, kv_manager, self.arrivals, self.spec, self.eos_token_ids,
                                    config.max_model_len)
         self.beams = BeamSteps(self.eos_token_ids, fork=self.lifecycle.fork_beam, drop=self.lifecycle.drop_beam)
+        self.multi_step = MultiStep(config.num_scheduler_steps, kv_manager, config.max_model_len)
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queries
@@ -143,9 +145,11 @@ class Scheduler:
             # Swapped sequences come back before new ones may take their room.
             if not self.swapped:
                 self._schedule_waiting(plan)
+        self.multi_step.extend(plan)
         finished_ids = self.lifecycle.take_finished_ids()
         scheduled = [scheduled_request(request, n, plan.proposals.get(request.request_id),
-                                       self.kv_manager.get_block_table(request.request_id))
+                                       self.kv_manager.get_block_table(request.request_id),
+                                       plan.steps.get(request.request_id, 1))
                      for request, n in plan.scheduled]
         self.spec.ask_for_drafts((r for r, _ in plan.scheduled), scheduled, len(self.running))
         return SchedulerOutput(
@@ -187,6 +191,8 @@ class Scheduler:
                 beams.append(request)  # the search picks the tokens, once every beam has its candidates
                 continue
             tokens = [t.token_id for t in model_output.new_tokens(request.request_id)]
+            if scheduled.num_steps > 1:  # every token but the last was fed back, its K/V computed
+                request.num_computed_tokens += len(tokens) - 1
             if scheduled.spec_token_ids:
                 self.spec.roll_back(request, len(scheduled.spec_token_ids), len(tokens) - 1)
             request.append_output_token(tokens[0])

@@ -3,12 +3,14 @@ what the runner is handed to run it for a step."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from kvmosaic.sampling_params import SamplingParams
     from kvmosaic.spec.proposer import Proposal
 
 _FORK_SEED_STRIDE = 0x9E3779B1  # golden-ratio stride keeps sibling seeds far apart
@@ -24,17 +26,22 @@ def check_stop(
     """(finished status, stop_reason) once the last sampled token ends the sequence, else None."""
     params = request.sampling_params
     token = request.output_token_ids[-1]
-    # The first min_tokens outputs never stop the sequence.
-    if request.num_output_tokens > params.min_tokens:
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token
-        if not params.ignore_eos and token in eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
+    if ends_on_token(params, token, request.num_output_tokens, eos_token_ids):
+        return RequestStatus.FINISHED_STOPPED, token if token in params.stop_token_ids else None
     if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH, None
     if request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH, None
     return None
+
+
+def ends_on_token(params: SamplingParams, token: int, num_output_tokens: int,
+                  eos_token_ids: Collection[int]) -> bool:
+    """Whether ``token``, output number ``num_output_tokens``, ends its sequence by itself: a stop
+    token, or an end-of-sequence one unless ignored (the first min_tokens outputs never do)."""
+    if num_output_tokens <= params.min_tokens:
+        return False
+    return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
 
 
 def num_forced_tokens(request: Request, max_model_len: int) -> int:
@@ -58,8 +65,9 @@ def max_speculative_tokens(request: Request, max_model_len: int) -> int:
 
 
 def scheduled_request(request: Request, num_tokens: int, proposal: Proposal | None,
-                      block_table: list[int]) -> ScheduledRequest:
-    """What the runner needs to run ``num_tokens`` of the sequence this step (its proposals last)."""
+                      block_table: list[int], num_steps: int = 1) -> ScheduledRequest:
+    """What the runner needs to run ``num_tokens`` of the sequence this step (its proposals last),
+    in ``num_steps`` forward passes (more than one: a decode token, then the ones sampled after it)."""
     start = request.num_computed_tokens
     spec = proposal.token_ids if proposal is not None else []
     end = start + num_tokens - len(spec)
@@ -84,4 +92,5 @@ def scheduled_request(request: Request, num_tokens: int, proposal: Proposal | No
         spec_token_ids=list(spec),
         draft_probs=proposal.draft_probs if proposal is not None else None,
         token_masks=request.guide.masks(request.output_token_ids, spec) if sample_ids else [],
+        num_steps=num_steps,
     )

@@ -22,6 +22,7 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
     proposals: dict[str, Proposal] = field(default_factory=dict)  # request id -> proposals it verifies
+    steps: dict[str, int] = field(default_factory=dict)  # request id -> forward passes, when more than one
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled.append((request, num_tokens))

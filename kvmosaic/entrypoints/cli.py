@@ -36,6 +36,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (compute dtype), int8, int4 or oaken")
     p.add_argument("--kv-thresholds", default=None,
                    help="Oaken thresholds from `kvmosaic calibrate-kv` (default: shipped for the default model)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="forward passes a decode-only step runs before scheduling again (multi-step decoding)")
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (adaptive k unless "adaptive": false)')
@@ -71,7 +73,7 @@ def _make_llm(args: argparse.Namespace, **engine_kwargs) -> LLM:
                memory_utilization=args.memory_utilization, block_size=args.block_size, max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                kv_cache_dtype=args.kv_cache_dtype, kv_thresholds=args.kv_thresholds,
-               speculative=args.speculative_config, **engine_kwargs)
+               speculative=args.speculative_config, num_scheduler_steps=args.num_scheduler_steps, **engine_kwargs)
 
 
 def stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:

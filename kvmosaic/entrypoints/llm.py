@@ -33,6 +33,7 @@ class LLM:
         preemption_mode: str = "recompute",
         swap_space: int | str = "1GiB",
         long_prefill_token_threshold: int = 0,
+        num_scheduler_steps: int = 1,
         num_blocks: int | None = None,
         num_host_blocks: int | None = None,
         num_threads: int | None = None,
@@ -57,11 +58,13 @@ class LLM:
         ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k``: quantized at load). ``speculative``: speculative
         decoding, e.g.
         ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``
-        (``SpeculativeConfig``; a bad one raises ``SpeculativeConfigError``). ``model_loader(path, dtype)`` reads the
-        weights of an in-process engine instead (its own weight format). ``prefill_workers`` /
-        ``decode_workers`` > 0: disaggregated prefill and decode, that many workers of each as Ray
-        actors (``kvmosaic.disagg``; the prompt's K/V moves from a prefill to a decode worker, as int8
-        records of a float cache with ``kv_transfer_dtype="int8"``)."""
+        (``SpeculativeConfig``; a bad one raises ``SpeculativeConfigError``). ``num_scheduler_steps``: forward
+        passes a decode-only step runs, each sequence feeding its sampled token back, before the scheduler
+        runs again (vLLM's multi-step scheduling: less Python per token, output arrives in runs).
+        ``model_loader(path, dtype)`` reads the weights of an in-process engine instead (its own weight
+        format). ``prefill_workers`` / ``decode_workers`` > 0: disaggregated prefill and decode, that many
+        workers of each as Ray actors (``kvmosaic.disagg``; the prompt's K/V moves from a prefill to a
+        decode worker, as int8 records of a float cache with ``kv_transfer_dtype="int8"``)."""
         distributed = instances > 1 or (bool(ray_address) and not (prefill_workers or decode_workers))
         if distributed and num_threads is None:  # the instances share the cores
             num_threads = max(1, (os.cpu_count() or 1) // instances)
@@ -81,6 +84,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, preemption_mode=preemption_mode,
                 long_prefill_token_threshold=long_prefill_token_threshold,
+                num_scheduler_steps=num_scheduler_steps,
             ),
             speculative=SpeculativeConfig.parse(speculative),
         )

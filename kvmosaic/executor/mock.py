@@ -26,7 +26,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from kvmosaic.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvmosaic.executor.base import Executor
 from kvmosaic.model.tokenizer import Tokenizer
-from kvmosaic.outputs import ModelOutput, SampledToken, SchedulerOutput
+from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest, SchedulerOutput
 
 EMPTY_SLOT = -1
 
@@ -54,6 +54,7 @@ class MockExecutor(Executor):
     vocab_size: int = 64
     max_model_len: int = 256
     preemption_mode: str = "recompute"
+    num_scheduler_steps: int = 1
     steps: list[SchedulerOutput] = field(default_factory=list)  # every step executed, in order
 
     def __post_init__(self) -> None:
@@ -62,7 +63,8 @@ class MockExecutor(Executor):
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_device_blocks,
                               num_host_blocks=self.num_swap_blocks),
             scheduler=SchedulerConfig(max_model_len=self.max_model_len, max_num_batched_tokens=self.max_model_len,
-                                      preemption_mode=self.preemption_mode))
+                                      preemption_mode=self.preemption_mode,
+                                      num_scheduler_steps=self.num_scheduler_steps))
         self.model_config = ModelConfig("llama", self.vocab_size, 8, 16, 1, 1, 1, max_position_embeddings=4096,
                                         name="mock")
         self.tokenizer = mock_tokenizer(self.vocab_size)
@@ -109,7 +111,23 @@ class MockExecutor(Executor):
                 continue
             for seq_id, seed in zip(s.sample_ids, s.sample_seeds, strict=True):
                 out.sampled[seq_id] = SampledToken(next_token(context, seed, self.vocab_size), 0.0)
+            if s.num_steps > 1:
+                self._decode_on(s, length, out)
         return out
+
+    def _decode_on(self, s: ScheduledRequest, length: int, out: ModelOutput) -> None:
+        """Multi-step decoding: each later pass writes the token just sampled into the next slot and
+        samples after it (no early stop: the scheduler drops tokens after one that ends the sequence)."""
+        emitted = [out.sampled[s.request_id].token_id]
+        for _ in range(1, s.num_steps):
+            p = length + len(emitted) - 1
+            self.device[s.block_table[p // self.block_size]][p % self.block_size] = emitted[-1]
+            context = self.read_context(s.block_table, p + 1)
+            if context != s.prompt_token_ids + s.output_token_ids + emitted:
+                raise KVMismatch(f"{s.request_id}: the cache holds {context}")
+            emitted.append(next_token(context, s.sample_seeds[0], self.vocab_size))
+        out.accepted[s.request_id] = [SampledToken(t, 0.0) for t in emitted[:-1]]
+        out.sampled[s.request_id] = SampledToken(emitted[-1], 0.0)
 
     def _verify(self, context: list[int], proposals: list[int], seed: int | None) -> list[int]:
         """The tokens a verification emits: accepted proposals, then the model's own next token."""

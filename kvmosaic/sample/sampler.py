@@ -48,6 +48,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], argmax: Argmax = torch
     return sampled_tokens(logits, token_ids, rows)
 
 
+def argmax_only(params: SamplingParams, num_outputs: int) -> bool:
+    """Whether the row's token is the argmax of its raw logits with nothing else to report: greedy,
+    no penalty, bias or ban (min_tokens reached after ``num_outputs``), no logprobs (no grammar)."""
+    return (params.greedy and not _has_penalty(params) and not params.logit_bias and not params.tracks_logprobs
+            and not params.num_top_logprobs and num_outputs >= params.min_tokens)
+
+
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """Log-softmax over the vocab, in float32."""
     return torch.log_softmax(logits.float(), dim=-1)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvmosaic.core.sequence_rules import ends_on_token
 from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvmosaic.model.layers.backend import AttentionBackend
-from kvmosaic.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from kvmosaic.sample.prompt_logprobs import first_rows, prompt_targets, score_prompt_rows
-from kvmosaic.sample.sampler import Argmax, SamplingRow, sample, torch_argmax
+from kvmosaic.sample.sampler import Argmax, SamplingRow, argmax_only, sample, torch_argmax
 from kvmosaic.sample.verify import Verification, verify
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.worker.decode_rows import DecodeRows
 
 if TYPE_CHECKING:
     from kvmosaic.spec.drafter import Drafter
@@ -25,6 +28,12 @@ if TYPE_CHECKING:
 # and lost at 16 rows with a long context (33.1 vs 30.8 ms at 2,048; default model, Q4_1 weights,
 # float32 activations, AVX-512 host). Longer spans keep prefill attention.
 DECODE_ROW_SPAN = 12
+
+
+def fed_back(s: ScheduledRequest, token: int) -> ScheduledRequest:
+    """The decoding sequence's next pass: ``token``, just sampled, as its input one slot on."""
+    return dataclasses.replace(s, token_ids=[token], start_pos=s.start_pos + 1,
+                               output_token_ids=[*s.output_token_ids, token])
 
 
 def _longs(values) -> torch.Tensor:
@@ -61,10 +70,45 @@ class ModelRunner:
         requests, logits, scored = self._forward(sched.scheduled)
         out = self._sample(logits, requests)
         out.prompt_logprobs = scored
+        self._decode_on([s for s in sched.scheduled if s.num_steps > 1], out)
         if self.drafter is not None:
             work = self.drafter.propose(sched.scheduled, out)
             out.proposals, out.draft_passes, out.draft_seconds = work.proposals, work.passes, work.seconds
         return out
+
+    def _decode_on(self, scheduled: list[ScheduledRequest], out: ModelOutput) -> None:
+        """The later passes of multi-step decoding: each sequence runs on the token it just sampled,
+        in the next slot, until its passes are done or a token ends it; its earlier tokens move to
+        ``out.accepted``, in order, and the newest stays in ``out.sampled``."""
+        rows: DecodeRows | None = None
+        local = not self.attention.spanning(scheduled)  # else the backend needs each pass's batch
+        for step in range(1, max((s.num_steps for s in scheduled), default=1)):
+            live = [(s, t) for s in scheduled if s.num_steps > step
+                    and not self._ends(s, t := out.sampled[s.request_id].token_id)]
+            if not live:
+                return
+            scheduled = [fed_back(s, t) for s, t in live]
+            if not local:
+                scheduled, logits, _ = self._forward(scheduled, score_prompts=False)
+            else:
+                if rows is not None and rows.num_rows == len(scheduled):  # the same rows, one slot on
+                    rows.advance([t for _, t in live])
+                else:
+                    rows = DecodeRows(scheduled, self.block_size)
+                logits = self.model(rows.input_ids, rows.position_ids, self.attention.bind(scheduled, rows.meta),
+                                    rows.meta, rows.logits_indices)
+            for seq_id, token in self._sample_pass(logits, scheduled).items():
+                out.accepted.setdefault(seq_id, []).append(out.sampled[seq_id])
+                out.sampled[seq_id] = token
+
+    def _sample_pass(self, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> dict[str, SampledToken]:
+        if all(argmax_only(s.sampling_params, len(s.output_token_ids)) for s in scheduled):
+            tokens = self.argmax(logits).tolist()
+            return {s.request_id: SampledToken(t, None) for s, t in zip(scheduled, tokens, strict=True)}
+        return self._sample(logits, scheduled).sampled
+
+    def _ends(self, s: ScheduledRequest, token: int) -> bool:
+        return ends_on_token(s.sampling_params, token, len(s.output_token_ids) + 1, self.eos_token_ids)
 
     @torch.inference_mode()
     def compute_logits(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:

@@ -1,0 +1,87 @@
+"""Multi-step decoding on the embedded SmolLM2 model: the same tokens, logprobs, texts and finish
+reasons as one pass a step, with the float weights and with the shipped Q4_1 weights on the
+kernels; and the later passes' inputs, moved one slot on in place, equal a fresh build's."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmosaic import LLM, SamplingParams
+from kvmosaic.worker.decode_rows import DecodeRows
+from kvmosaic.worker.model_runner import fed_back
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List of fruits: apple, banana,",
+]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=17, repetition_penalty=1.2, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=30, stop=[" the"], logprobs=0),
+    SamplingParams(temperature=0.0, max_tokens=9, min_tokens=5, presence_penalty=0.5),
+]
+
+
+def _summary(outs) -> list[tuple]:
+    return [(c.token_ids, c.text, c.finish_reason, c.logprobs) for o in outs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def float_engines(cached_loader) -> dict[int, LLM]:
+    return {steps: LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB",
+                       num_scheduler_steps=steps) for steps in (1, 5)}
+
+
+def test_float_outputs_equal_one_pass_a_step(float_engines):
+    expected = _summary(float_engines[1].generate(PROMPTS, PARAMS))
+    got = _summary(float_engines[5].generate(PROMPTS, PARAMS))
+    assert got == expected
+    assert any(reason == "stop" for _, _, reason, _ in expected)  # a stop string ended one mid-run
+
+
+def test_chat_replies_that_end_at_eos_are_unchanged(float_engines):
+    """Greedy chat replies end at EOS at different passes of a step; later passes drop them."""
+    messages = [[{"role": "user", "content": q}] for q in ("Say hi.", "What is 2+2?", "Name a color.")]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    outs = {steps: [float_engines[steps].chat(m, params)[0].outputs[0] for m in messages] for steps in (1, 5)}
+    assert [(c.token_ids, c.finish_reason) for c in outs[5]] == [(c.token_ids, c.finish_reason) for c in outs[1]]
+    assert any(c.finish_reason == "stop" for c in outs[1])
+
+
+def test_native_q4_1_weights_on_the_kernels_give_the_same_tokens():
+    """The default engine (the shipped Q4_1 weights, the layer-stack kernel): greedy and seeded rows."""
+    params = [SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=14, ignore_eos=True, logprobs=1)]
+    outs = {}
+    for steps in (1, 6):
+        llm = LLM(kv_cache_memory="64MiB", num_scheduler_steps=steps)
+        outs[steps] = _summary(llm.generate(PROMPTS[:2], params))
+    assert outs[6] == outs[1]
+
+
+def test_rows_moved_one_slot_on_equal_a_fresh_build(float_engines):
+    """DecodeRows.advance against the runner's own inputs for the fed-back batch, pass after pass,
+    across a block boundary (block size 16)."""
+    engine = float_engines[5].engine
+    runner = engine.executor.worker.runner
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for prompt in ("a b c d e f g h i j k l m", "one two"):
+        engine.add_request(None, prompt, params)
+    engine.step()
+    batch = engine.scheduler.schedule().scheduled  # the tables now hold the slots of 5 passes
+    assert [s.num_steps for s in batch] == [5, 5] and batch[0].start_pos < 16 < batch[0].start_pos + 5
+    rows = DecodeRows(batch, runner.block_size)
+    for token in range(7, 12):
+        ids, positions, meta, _ = runner._prepare(batch)
+        assert rows.input_ids.tolist() == ids.tolist() and rows.position_ids.tolist() == positions.tolist()
+        assert rows.meta.slot_mapping.tolist() == meta.slot_mapping.tolist()
+        assert rows.meta.decode_context_lens.tolist() == meta.decode_context_lens.tolist()
+        width = meta.decode_block_tables.shape[1]
+        assert rows.meta.decode_block_tables[:, :width].tolist() == meta.decode_block_tables.tolist()
+        if token < 11:
+            batch = [fed_back(s, token) for s in batch]
+            rows.advance([token] * len(batch))
+    for request_id in list(engine.scheduler.requests):
+        engine.abort(request_id)
