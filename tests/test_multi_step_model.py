@@ -5,10 +5,15 @@ kernels; and the later passes' inputs, moved one slot on in place, equal a fresh
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvmosaic import LLM, SamplingParams
+from kvmosaic.config import CacheConfig, EngineConfig
+from kvmosaic.model.loader import load_model
+from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.worker.decode_rows import DecodeRows
 from kvmosaic.worker.model_runner import fed_back
+from kvmosaic.worker.worker import Worker
 
 PROMPTS = [
     "The capital of France is",
@@ -50,6 +55,12 @@ def test_chat_replies_that_end_at_eos_are_unchanged(float_engines):
     assert any(c.finish_reason == "stop" for c in outs[1])
 
 
+@pytest.fixture(scope="module")
+def native_model():
+    """The default model as shipped: Q4_1 layers, a Q8_0 token table tied to the head."""
+    return load_model(None, torch.float32)
+
+
 def test_native_q4_1_weights_on_the_kernels_give_the_same_tokens():
     """The default engine (the shipped Q4_1 weights, the layer-stack kernel): greedy and seeded rows."""
     params = [SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True),
@@ -85,3 +96,52 @@ def test_rows_moved_one_slot_on_equal_a_fresh_build(float_engines):
             rows.advance([token] * len(batch))
     for request_id in list(engine.scheduler.requests):
         engine.abort(request_id)
+
+
+# ---- the kernel's passes, at every ISA level built here --------------------------------------------
+
+def _worker(level_kernels, loaded, dtype: str) -> Worker:
+    config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=8))
+    return Worker(config, loader=lambda path, d: loaded, kernels=level_kernels)
+
+
+def _greedy_step(worker: Worker, new: list[int], start: int) -> int:
+    req = ScheduledRequest("r", new, start, list(range(8)), SamplingParams(temperature=0.0), sample_ids=["r"],
+                           sample_seeds=[None])
+    return int(worker.runner.compute_logits([req])[1][0].argmax())
+
+
+@pytest.fixture(scope="module")
+def bf16_native_model():
+    return load_model(None, torch.bfloat16)
+
+
+@pytest.mark.parametrize("weights", ["q4_1", "q4_1-bf16", "float32"])
+def test_kernel_passes_equal_step_by_step_greedy_decode(level_kernels, weights, default_model, request):
+    """ops.decode_passes (layer stack, head, argmax, embedding lookup, next slot, all in C++) gives
+    the tokens of one forward a token, for the shipped Q4_1 weights (embedding read through the
+    tied Q8_0 head, float32 and bfloat16 activations) and the float32 model (float table); it stops
+    after the first pass that samples a stop token, and refuses positions past the block tables."""
+    loaded = {"q4_1": lambda: request.getfixturevalue("native_model"),
+              "q4_1-bf16": lambda: request.getfixturevalue("bf16_native_model"),
+              "float32": lambda: default_model}[weights]()
+    worker = _worker(level_kernels, loaded, "bfloat16" if weights.endswith("bf16") else "float32")
+    model, attention = worker.model, worker.runner.attention
+    prompt = worker.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
+    first = _greedy_step(worker, prompt, 0)
+    expected = [first]
+    for _ in range(6):  # crosses from block 0 into block 1
+        expected.append(_greedy_step(worker, expected[-1:], len(prompt) + len(expected) - 1))
+    tables = torch.arange(8)[None]
+
+    def passes(count: int, stops: list[int]) -> list[int]:
+        tokens = model.decode_passes(torch.tensor([first]), torch.tensor([len(prompt)]), attention, tables, count,
+                                     stops)
+        assert tokens is not None and tokens.shape[1] == 1
+        return tokens[:, 0].tolist()
+
+    assert passes(6, []) == expected[1:]
+    stop = expected[3]
+    assert passes(6, [stop, -5]) == expected[1:expected.index(stop, 1) + 1]
+    with pytest.raises(RuntimeError, match="past row 0's blocks"):
+        model.decode_passes(torch.tensor([first]), torch.tensor([8 * 16]), attention, tables, 2, [])

@@ -44,6 +44,11 @@ def ends_on_token(params: SamplingParams, token: int, num_output_tokens: int,
     return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
 
 
+def stop_tokens(params: SamplingParams, eos_token_ids: Collection[int]) -> set[int]:
+    """The tokens that end the sequence by themselves once min_tokens are out (``ends_on_token``)."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+
 def num_forced_tokens(request: Request, max_model_len: int) -> int:
     """How many tokens a grammar may force onto the sequence now: its output must stay within
     max_tokens and the context length."""

@@ -138,6 +138,20 @@ class LlamaForCausalLM(nn.Module):
         return stack(residual, self._packed_weights, self.rotary, meta, self.config.rms_norm_eps, keep_rows)
 
     @torch.inference_mode()
+    def decode_passes(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
+                      block_tables: torch.Tensor, passes: int, stop_ids: list[int]) -> torch.Tensor | None:
+        """Up to ``passes`` greedy passes of decode rows (one token per sequence, at ``positions``,
+        block tables holding every slot the passes use) in one kernel call, each row's argmax fed back
+        as its next input: [passes run, rows] tokens, ending early after a pass that sampled any of
+        ``stop_ids``. None when the weights, the backend or the embedding need Python between passes."""
+        run = attention.decode_passes() if self._packed_weights is not None else None
+        table = self.embed_tokens.kernel_table()
+        if run is None or table is None or self.lm_head.method.stack_weights() is None:
+            return None
+        return run(self.embed_tokens(input_ids), self._packed_weights, self.rotary, positions, block_tables, table,
+                   torch.tensor(stop_ids, dtype=torch.long), passes, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Packed tokens in, logits out for ``logits_indices`` rows (all rows when None).

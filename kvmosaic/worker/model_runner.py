@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvmosaic.core.sequence_rules import ends_on_token
+from kvmosaic.core.sequence_rules import ends_on_token, stop_tokens
 from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
 from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest, SchedulerOutput
@@ -79,27 +79,60 @@ class ModelRunner:
     def _decode_on(self, scheduled: list[ScheduledRequest], out: ModelOutput) -> None:
         """The later passes of multi-step decoding: each sequence runs on the token it just sampled,
         in the next slot, until its passes are done or a token ends it; its earlier tokens move to
-        ``out.accepted``, in order, and the newest stays in ``out.sampled``."""
+        ``out.accepted``, in order, and the newest stays in ``out.sampled``. Greedy rows run their
+        passes in one kernel call where the model has one."""
         rows: DecodeRows | None = None
         local = not self.attention.spanning(scheduled)  # else the backend needs each pass's batch
-        for step in range(1, max((s.num_steps for s in scheduled), default=1)):
+        step = 1
+        while True:
             live = [(s, t) for s in scheduled if s.num_steps > step
                     and not self._ends(s, t := out.sampled[s.request_id].token_id)]
             if not live:
                 return
             scheduled = [fed_back(s, t) for s, t in live]
-            if not local:
-                scheduled, logits, _ = self._forward(scheduled, score_prompts=False)
+            passes = self._kernel_passes(scheduled, min(s.num_steps for s in scheduled) - step) if local else None
+            if passes is None:
+                rows = self._moved_rows(rows, scheduled, [t for _, t in live]) if local else None
+                passes = [self._one_pass(scheduled, rows)]
             else:
-                if rows is not None and rows.num_rows == len(scheduled):  # the same rows, one slot on
-                    rows.advance([t for _, t in live])
-                else:
-                    rows = DecodeRows(scheduled, self.block_size)
-                logits = self.model(rows.input_ids, rows.position_ids, self.attention.bind(scheduled, rows.meta),
-                                    rows.meta, rows.logits_indices)
-            for seq_id, token in self._sample_pass(logits, scheduled).items():
-                out.accepted.setdefault(seq_id, []).append(out.sampled[seq_id])
-                out.sampled[seq_id] = token
+                rows = None
+            for i, sampled in enumerate(passes):
+                if i:  # the previous pass's tokens were this one's inputs
+                    scheduled = [fed_back(s, out.sampled[s.request_id].token_id) for s in scheduled]
+                for seq_id, token in sampled.items():
+                    out.accepted.setdefault(seq_id, []).append(out.sampled[seq_id])
+                    out.sampled[seq_id] = token
+            step += len(passes)
+
+    def _moved_rows(self, rows: DecodeRows | None, scheduled: list[ScheduledRequest], tokens: list[int]) -> DecodeRows:
+        if rows is not None and rows.num_rows == len(scheduled):  # the same rows (only ever dropped), one slot on
+            rows.advance(tokens)
+            return rows
+        return DecodeRows(scheduled, self.block_size)
+
+    def _one_pass(self, scheduled: list[ScheduledRequest], rows: DecodeRows | None) -> dict[str, SampledToken]:
+        if rows is None:
+            scheduled, logits, _ = self._forward(scheduled, score_prompts=False)
+        else:
+            logits = self.model(rows.input_ids, rows.position_ids, self.attention.bind(scheduled, rows.meta),
+                                rows.meta, rows.logits_indices)
+        return self._sample_pass(logits, scheduled)
+
+    def _kernel_passes(self, scheduled: list[ScheduledRequest], count: int) -> list[dict[str, SampledToken]] | None:
+        """Up to ``count`` passes of greedy rows in one kernel call (ending after a pass where any row
+        sampled a token that may end it), or None when some row needs the sampler or the model
+        cannot."""
+        run = getattr(self.model, "decode_passes", None)
+        if run is None or not all(argmax_only(s.sampling_params, len(s.output_token_ids)) for s in scheduled):
+            return None
+        rows = DecodeRows(scheduled, self.block_size)
+        stops = set().union(*(stop_tokens(s.sampling_params, self.eos_token_ids) for s in scheduled))
+        tokens = run(rows.input_ids, rows.position_ids, self.attention, rows.meta.decode_block_tables, count,
+                     sorted(stops))
+        if tokens is None:
+            return None
+        return [{s.request_id: SampledToken(t, None) for s, t in zip(scheduled, row, strict=True)}
+                for row in tokens.tolist()]
 
     def _sample_pass(self, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> dict[str, SampledToken]:
         if all(argmax_only(s.sampling_params, len(s.output_token_ids)) for s in scheduled):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.backend import AttentionBackend, LayerStack
+from kvmosaic.model.layers.backend import AttentionBackend, DecodePasses, LayerStack
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -214,6 +214,16 @@ class KernelAttention(ReferenceAttention):
 
     def layer_stack(self) -> LayerStack | None:
         return self._layer_stack if hasattr(self.ops, "layer_stack") else None
+
+    def decode_passes(self) -> DecodePasses | None:
+        return self._decode_passes if hasattr(self.ops, "decode_passes") else None
+
+    def _decode_passes(self, residual: torch.Tensor, weights: object, rotary: RotaryEmbedding, positions: torch.Tensor,
+                       block_tables: torch.Tensor, embedding: list[torch.Tensor], stop_ids: torch.Tensor, passes: int,
+                       eps: float) -> torch.Tensor:
+        return self.ops.decode_passes(residual, weights, self._stack_caches, positions, rotary.cos, rotary.sin,
+                                      block_tables, embedding, stop_ids, passes, self.num_heads, self.num_kv_heads,
+                                      eps, self.scale)
 
     def _layer_stack(self, residual: torch.Tensor, weights: object, rotary: RotaryEmbedding,
                      meta: AttentionMetadata, eps: float,

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 # hold the final norm and LM head too, or None when it cannot run the step;
 # weights: the model's ops.StackWeights (its layers' tensors, checked and planned once)
 LayerStack = Callable[..., list[torch.Tensor] | None]
+# ops.decode_passes bound to this backend's caches: (residual, weights, rotary, positions, block_tables,
+# embedding table, stop ids, passes, eps) -> [passes run, rows] greedy tokens (multi-step decoding)
+DecodePasses = Callable[..., torch.Tensor]
 
 
 class AttentionBackend(ABC):
@@ -55,6 +58,10 @@ class AttentionBackend(ABC):
 
     def layer_stack(self) -> LayerStack | None:
         """A call that runs every decoder layer of a step at once, or None."""
+        return None
+
+    def decode_passes(self) -> DecodePasses | None:
+        """A call that runs several greedy passes of decode rows at once, or None."""
         return None
 
     def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:

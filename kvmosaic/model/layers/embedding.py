@@ -32,6 +32,7 @@ class TokenEmbedding(nn.Module):
     def __init__(self, table: torch.Tensor | qw.QuantizedWeight | RowSource, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
+        self._source = table
         self.weight = table if isinstance(table, torch.Tensor) else None  # the float table, when there is one
         if isinstance(table, torch.Tensor):
             self._rows = _float_rows(table)
@@ -39,6 +40,15 @@ class TokenEmbedding(nn.Module):
             self._rows = _quantized_rows(table)
         else:
             self._rows = table.rows
+
+    def kernel_table(self) -> list[torch.Tensor] | None:
+        """The table as the kernels look rows up in it (``ops.decode_passes``): [a float table], or a
+        packed quantized head's [codes, scales, extra]; None when only Python can read it."""
+        if self.weight is not None:
+            return [self.weight] if self.weight.dtype == self.dtype else None
+        packed = getattr(self._source, "stack_weights", None)
+        parts = packed() if packed is not None else None
+        return None if parts is None else list(parts)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._rows(input_ids.reshape(-1), self.dtype).view(*input_ids.shape, -1)

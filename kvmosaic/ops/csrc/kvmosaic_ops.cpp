@@ -59,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("port", &kvops::AttentionServer::port)
       .def("close", &kvops::AttentionServer::close, no_gil);
   m.def("layer_stack", &layer_stack, no_gil, "a step (decode rows, then spans) through all decoder layers (packed weights)");
+  m.def("decode_passes", &decode_passes, no_gil,
+        "greedy decode passes of one row per sequence, each feeding its argmax back (multi-step decoding)");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (torch.argmax(dim=-1))");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
