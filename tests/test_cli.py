@@ -18,9 +18,10 @@ def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProce
 
 @pytest.mark.slow
 def test_generate_streams_the_greedy_completion(cached_loader):
+    """Streamed with four passes a decode step (multi-step decoding): the text of one pass a step."""
     prompt = "The capital of France is"
     proc = _run(["generate", prompt, "--max-tokens", "16", "--temperature", "0", "--dtype", "float32",
-                 "--quantization", "none"])
+                 "--quantization", "none", "--num-scheduler-steps", "4"])
     assert proc.returncode == 0, proc.stderr
     llm = LLM(model_loader=cached_loader, dtype="float32", kv_cache_memory="64MiB")
     expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
@@ -43,3 +44,5 @@ def test_bad_arguments_exit_with_a_message():
     assert proc.returncode == 2 and "temperature" in proc.stderr
     proc = _run(["generate", "hi", "--model", "/nonexistent.gguf"])
     assert proc.returncode == 2 and "nonexistent" in proc.stderr
+    proc = _run(["generate", "hi", "--num-scheduler-steps", "0"])
+    assert proc.returncode == 2 and "num_scheduler_steps" in proc.stderr
