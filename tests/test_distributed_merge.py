@@ -277,6 +277,54 @@ def test_creditor_decode_partial_on_the_kernel_equals_pytorchs(level_kernels, dt
                                                          torch.tensor([20]), 0.125)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_quantized_creditor_partial_runs_the_quantized_kernel_in_place(level_kernels, mode, dtype, head_dim) -> None:
+    """An int8 / int4 / Oaken creditor's partial for a decode row reads its lent records in place with
+    the quantized decode kernel: the output and log-sum-exp of dequantizing the blocks and attending
+    in PyTorch, for a query inside, past and before the lent blocks; and the kernel's partial over a
+    whole sequence is its plain output."""
+    from kvmosaic.config import CacheConfig, ModelConfig
+    from kvmosaic.distributed.dist_attention import _key_positions
+    from kvmosaic.distributed.pool_rows import QuantizedPoolRows, gathered_partial
+    from kvmosaic.model.layers.quant_attention import QuantizedAttention, kernel_decode_args
+    from kvmosaic.quant import thresholds as kvt
+    from kvmosaic.worker.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(head_dim + len(mode))
+    bs, hq, hk, blocks, layers = 16, 9, 3, 12, 2
+    config = ModelConfig("llama", 64, hq * head_dim, 64, layers, hq, hk)
+    thresholds = None
+    if mode == "oaken":
+        identity = kvt.ModelIdentity("tiny", "llama", layers, hk, head_dim, hq * head_dim, 64, 0.0)
+        thresholds = kvt.KVThresholds(identity, torch.tensor([[[-2.0, -0.4, 0.4, 2.0]] * 2] * layers),
+                                      0.1 * torch.randn(layers, hk, head_dim, generator=gen))
+    cache = KVCache(config, CacheConfig(num_blocks=blocks, block_size=bs, kv_cache_dtype=mode, swap_space=0), dtype,
+                    thresholds)
+    rows = QuantizedPoolRows(QuantizedAttention(config, cache, level_kernels, thresholds))
+    k, v = (torch.randn(blocks * bs, hk, head_dim, generator=gen).to(dtype) for _ in range(2))
+    rows.write(1, k, v, torch.arange(blocks * bs))
+    lent = torch.tensor([7, 2, 10])  # physical blocks holding logical blocks 1, 4 and 5 of a sequence
+    k_pos = _key_positions([1, 4, 5], bs)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for q_at in (5 * bs + 6, 9 * bs, bs - 1):
+        q = torch.randn(1, hq, head_dim, generator=gen).to(dtype)
+        q_pos = torch.tensor([q_at])
+        got = rows.partial(1, q, q_pos, lent, k_pos, head_dim**-0.5)
+        want = gathered_partial(rows, 1, q, q_pos, lent, k_pos, head_dim**-0.5)
+        assert got.out.dtype == torch.float32 and got.out.shape == (1, hq, head_dim)
+        torch.testing.assert_close(got.out, want.out, atol=tol, rtol=tol)
+        torch.testing.assert_close(got.row_max + got.sum_exp.log(), want.row_max + want.sum_exp.log(),
+                                   atol=tol, rtol=tol)
+    layer, qops = rows.local.layers[1], level_kernels.quant
+    table, lens = torch.tensor([[3, 8, 1]]), torch.tensor([40])
+    args = kernel_decode_args(layer, head_dim**-0.5)
+    out, _, _ = qops.quant_decode_attention_partial(q, layer.k_pool, layer.v_pool, table, lens, *args)
+    plain = qops.quant_decode_attention(q, layer.k_pool, layer.v_pool, table, lens, *args)
+    assert torch.equal(out.to(dtype), plain)
+
+
 def test_the_merge_kernel_combines_partials_as_merge_partials_does(level_kernels) -> None:
     """ops.merge_attention_partials (the debtor's merge of its own and its creditors' partials) against
     merge_partials: one to three holders, a holder that saw no keys, a row no holder saw, a strided input."""

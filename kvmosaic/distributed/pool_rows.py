@@ -1,8 +1,9 @@
 """An instance's K/V pool as DistAttention reads and writes it: rows [N, Hk, D] in the compute dtype.
 
 ``FloatPoolRows`` goes straight to a float cache; ``QuantizedPoolRows`` quantizes the rows it is
-given into the records of an int8 / int4 / Oaken pool and dequantizes the blocks it is asked for,
-with the instance's own codec and kernels. So only float rows cross between instances.
+given into the records of an int8 / int4 / Oaken pool, attends over them in place with the quantized
+decode kernel for a decode row, and dequantizes the blocks it is asked for otherwise, with the
+instance's own codec and kernels. So only float rows cross between instances.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from kvmosaic.distributed.decode_lane import DecodeLane, open_lane
 from kvmosaic.distributed.merge import PartialAttention, partial_attention
 from kvmosaic.model.layers.attention import ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend
-from kvmosaic.model.layers.quant_attention import QuantizedAttention, dequantize_blocks, rotate_rows, write_quantized
+from kvmosaic.model.layers.quant_attention import (
+    QuantizedAttention,
+    dequantize_blocks,
+    kernel_decode_args,
+    rotate_rows,
+    write_quantized,
+)
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 
 
@@ -116,7 +123,15 @@ class QuantizedPoolRows:
         write_quantized(self.local.layers[layer], k, v, slots, self.local.kernels.quant)
 
     def partial(self, layer, q, q_pos, block_ids, k_pos, scale):
-        return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
+        """A decode row runs the quantized decode kernel over the blocks' records in place, returning its
+        partial sums; anything else, or no kernel, dequantizes the blocks and attends in PyTorch."""
+        pools = self.local.layers[layer]
+        kernel = getattr(self.local.kernels.quant, "quant_decode_attention_partial", None)
+        if kernel is None or q.shape[0] != 1 or pools.fmt.head_dim != q.shape[-1] or not len(block_ids):
+            return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
+        visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
+        return PartialAttention(*kernel(q.contiguous(), pools.k_pool, pools.v_pool, block_ids[None], visible,
+                                        *kernel_decode_args(pools, scale)))
 
     def open_decode_lane(self, host):
         return None  # records are dequantized in Python first

@@ -142,6 +142,12 @@ def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale:
     return attention._prefill_attention(q, k, v, local, scale)
 
 
+def kernel_decode_args(layer: QuantizedKVLayer, scale: float) -> tuple:
+    """What the quantized decode kernels take after the pools, tables and lengths."""
+    return (MODE_IDS[layer.fmt.mode], layer.fmt.num_kv_heads, layer.fmt.sparse_capacity, layer.k_thresholds,
+            layer.v_thresholds, scale)
+
+
 def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionMetadata,
                               scale: float, kernels: Kernels) -> torch.Tensor:
     """q: [N, Hq, D] (this step's K/V already written). Returns [N, Hq, D]."""
@@ -149,8 +155,7 @@ def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: At
     qops = kernels.quant
     if layer.fmt.head_dim != q.shape[-1]:  # int groups smaller than a head: the reference decode path
         qops = None
-    decode_args = (MODE_IDS[layer.fmt.mode], layer.fmt.num_kv_heads, layer.fmt.sparse_capacity,
-                   layer.k_thresholds, layer.v_thresholds, scale)
+    decode_args = kernel_decode_args(layer, scale)
     if nd == q.shape[0] and qops is not None:  # pure decode batch: no output stitching needed
         return qops.quant_decode_attention(q, layer.k_pool, layer.v_pool, meta.decode_block_tables,
                                            meta.decode_context_lens, *decode_args)

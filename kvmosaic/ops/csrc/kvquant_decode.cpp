@@ -48,7 +48,8 @@ constexpr int64_t kTile = 16;
 template <typename T, int64_t D>
 void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t* table, int64_t ctx,
                 int64_t block_size, int64_t h, int64_t group, const Format& f, const Thresholds& kt,
-                const Thresholds& vt, float scale, T* out, std::vector<float>& work) {
+                const Thresholds& vt, float scale, T* out, std::vector<float>& work, const PartialOut* partial,
+                int64_t row0) {
   const int64_t d = D > 0 ? D : f.d;
   float* qf = work.data();                 // [group, d]
   float* acc = qf + group * d;             // [group, d]
@@ -111,7 +112,15 @@ void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t*
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / run[group + g];
+    const float total = run[group + g];
+    if (partial != nullptr) {
+      const int64_t row = row0 + g;
+      partial->ref[row] = run[g], partial->sum[row] = total;
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int64_t i = 0; i < d; ++i) partial->out[row * d + i] = acc[g * d + i] * inv;
+      continue;
+    }
+    const float inv = 1.f / total;
     for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<T>(acc[g * d + i] * inv);
   }
 }
@@ -139,10 +148,11 @@ void dequant_impl(const at::Tensor& pool, const at::Tensor& ids, const Format& f
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& lens, const Format& f,
-                           const Thresholds& kt, const Thresholds& vt, double scale, at::Tensor& out) {
+                           const Thresholds& kt, const Thresholds& vt, double scale, at::Tensor& out,
+                           const PartialOut* partial) {
   const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] =
       decode_batch<T>(q, k_pool, v_pool, tables, lens, f, out);
-  if (decode_attention_fast<T>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out)) return;
+  if (decode_attention_fast<T>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial)) return;
   at::parallel_for(0, batch * f.hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(2 * group * f.d + kTile * f.d + group * kTile + 2 * group);
     for (int64_t item = begin; item < end; ++item) {
@@ -150,11 +160,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const 
       const int64_t offset = (b * hq + h * group) * f.d;
       const float sc = static_cast<float>(scale);
       if (f.d == 64) {
-        decode_one<T, 64>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work);
+        decode_one<T, 64>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
+                            partial, b * hq + h * group);
       } else if (f.d == 128) {
-        decode_one<T, 128>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work);
+        decode_one<T, 128>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
+                            partial, b * hq + h * group);
       } else {
-        decode_one<T, 0>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work);
+        decode_one<T, 0>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
+                            partial, b * hq + h * group);
       }
     }
   });
@@ -184,26 +197,60 @@ at::Tensor dequantize_blocks(const at::Tensor& pool, const at::Tensor& block_ids
   return out;
 }
 
-// One query token per sequence over quantized paged K/V, read in place.
-at::Tensor quant_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode,
-                                  int64_t hk, int64_t capacity, const at::Tensor& k_thresholds,
-                                  const at::Tensor& v_thresholds, double scale) {
+namespace {
+
+void check_decode(const at::Tensor& q, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hk) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) % hk == 0, "q must be contiguous [B, hq, d]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "tables and lengths: int64");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "quant_decode_attention supports float32 and bfloat16");
+}
+
+void run_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode, int64_t hk,
+                int64_t capacity, const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, double scale,
+                at::Tensor& out, const PartialOut* partial) {
+  check_decode(q, block_tables, context_lens, hk);
   const Format f = make_format(mode, hk, q.size(2), capacity, k_pool.size(-1));
   check_pool(k_pool, f);
   check_pool(v_pool, f);
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "tables and lengths: int64");
-  auto out = at::empty_like(q);
   const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
-  if (q.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<c10::BFloat16>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
-  } else {
-    TORCH_CHECK(false, "quant_decode_attention supports float32 and bfloat16");
-  }
+  if (q.scalar_type() == at::kFloat)
+    decode_attention_impl<float>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+  else
+    decode_attention_impl<c10::BFloat16>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+}
+
+}  // namespace
+
+// One query token per sequence over quantized paged K/V, read in place.
+at::Tensor quant_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode,
+                                  int64_t hk, int64_t capacity, const at::Tensor& k_thresholds,
+                                  const at::Tensor& v_thresholds, double scale) {
+  auto out = at::empty_like(q);
+  run_decode(q, k_pool, v_pool, block_tables, context_lens, mode, hk, capacity, k_thresholds, v_thresholds, scale,
+             out, nullptr);
   return out;
+}
+
+// The same over one holder's keys, as a partial to merge with the other holders' (DistAttention):
+// (out [B, hq, d] float32 normalised over these keys, softmax reference [B, hq], sum of exps [B, hq]).
+std::vector<at::Tensor> quant_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_pool,
+                                                       const at::Tensor& v_pool, const at::Tensor& block_tables,
+                                                       const at::Tensor& context_lens, int64_t mode, int64_t hk,
+                                                       int64_t capacity, const at::Tensor& k_thresholds,
+                                                       const at::Tensor& v_thresholds, double scale) {
+  check_decode(q, block_tables, context_lens, hk);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor part = at::empty(q.sizes(), f32), ref = at::empty({q.size(0), q.size(1)}, f32);
+  at::Tensor sum = at::empty({q.size(0), q.size(1)}, f32);
+  at::Tensor unused = at::empty_like(q);  // the plain output, never written
+  const PartialOut partial{part.data_ptr<float>(), ref.data_ptr<float>(), sum.data_ptr<float>()};
+  run_decode(q, k_pool, v_pool, block_tables, context_lens, mode, hk, capacity, k_thresholds, v_thresholds, scale,
+             unused, &partial);
+  return {part, ref, sum};
 }

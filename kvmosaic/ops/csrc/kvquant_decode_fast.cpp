@@ -257,7 +257,7 @@ inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* v
 template <typename T, int NC, int64_t MODE>
 void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                           const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
-                          const Thresholds& vt, double scale, at::Tensor& out) {
+                          const Thresholds& vt, double scale, at::Tensor& out, const PartialOut* partial) {
   constexpr int64_t D = NC * 16;
   const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] =
       decode_batch<T>(q, k_pool, v_pool, tables, lens, f, out);
@@ -291,9 +291,17 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_pool, const a
           tile_head<NC, MODE>(st, kp, vp, offsets, n, kh, group, f, kt, vt, part.data(), buf.data(), outliers.data());
       }
       for (int64_t h = kh0 * group; h < (kh0 + heads_per_item) * group; ++h) {
-        const vec::F16 inv = vec::F16::set1(1.f / st.softmax[h].total());
+        const float total = st.softmax[h].total();
         const vec::F16 bias = vec::F16::set1(st.bias[h].reduce_add());
-        for (int c = 0; c < NC; ++c) ((st.acc[h * NC + c] + bias) * inv).store(op + (b * hq + h) * D + 16 * c);
+        const int64_t row = b * hq + h;
+        if (partial != nullptr) {
+          partial->ref[row] = st.softmax[h].ref, partial->sum[row] = total;
+          const vec::F16 inv = vec::F16::set1(total > 0.f ? 1.f / total : 0.f);
+          for (int c = 0; c < NC; ++c) ((st.acc[h * NC + c] + bias) * inv).store(partial->out + row * D + 16 * c);
+          continue;
+        }
+        const vec::F16 inv = vec::F16::set1(1.f / total);
+        for (int c = 0; c < NC; ++c) ((st.acc[h * NC + c] + bias) * inv).store(op + row * D + 16 * c);
       }
     }
   });
@@ -303,12 +311,15 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_pool, const a
 template <typename T>
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
-                           const Thresholds& vt, double scale, at::Tensor& out) {
+                           const Thresholds& vt, double scale, at::Tensor& out, const PartialOut* partial) {
   auto run = [&](auto nc) {
     constexpr int NC = decltype(nc)::value;
-    if (f.mode == kInt8) decode_attention_vec<T, NC, kInt8>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
-    if (f.mode == kInt4) decode_attention_vec<T, NC, kInt4>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
-    if (f.mode == kOaken) decode_attention_vec<T, NC, kOaken>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out);
+    if (f.mode == kInt8)
+      decode_attention_vec<T, NC, kInt8>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+    if (f.mode == kInt4)
+      decode_attention_vec<T, NC, kInt4>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+    if (f.mode == kOaken)
+      decode_attention_vec<T, NC, kOaken>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
     return true;
   };
   if (f.d == 64 && (f.mode != kOaken || f.capacity <= 16)) return run(std::integral_constant<int, 4>());
@@ -318,9 +329,10 @@ bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const 
 
 template bool decode_attention_fast<float>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const Format&, const Thresholds&, const Thresholds&,
-                                           double, at::Tensor&);
+                                           double, at::Tensor&, const PartialOut*);
 template bool decode_attention_fast<c10::BFloat16>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                    const at::Tensor&, const at::Tensor&, const Format&,
-                                                   const Thresholds&, const Thresholds&, double, at::Tensor&);
+                                                   const Thresholds&, const Thresholds&, double, at::Tensor&,
+                                                   const PartialOut*);
 
 }  // namespace kvquant

@@ -139,6 +139,15 @@ struct DecodeBatch {
   const int64_t* lens;
 };
 
+// Where a partial attention goes instead of the output (DistAttention, one holder's keys): per query
+// row (sequence * hq + head) the float32 output normalised over these keys, the softmax reference and
+// the sum of exp(score - reference); a row with no keys gets 0, -inf and 0.
+struct PartialOut {
+  float* out;
+  float* ref;
+  float* sum;
+};
+
 template <typename T>
 DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& tables, const at::Tensor& lens, const Format& f, at::Tensor& out) {
@@ -151,7 +160,7 @@ DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_pool, const
 template <typename T>
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
-                           const Thresholds& vt, double scale, at::Tensor& out);
+                           const Thresholds& vt, double scale, at::Tensor& out, const PartialOut* partial);
 
 }  // namespace kvquant
 
@@ -165,3 +174,8 @@ at::Tensor quant_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode,
                                   int64_t hk, int64_t capacity, const at::Tensor& k_thresholds,
                                   const at::Tensor& v_thresholds, double scale);
+std::vector<at::Tensor> quant_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_pool,
+                                                       const at::Tensor& v_pool, const at::Tensor& block_tables,
+                                                       const at::Tensor& context_lens, int64_t mode, int64_t hk,
+                                                       int64_t capacity, const at::Tensor& k_thresholds,
+                                                       const at::Tensor& v_thresholds, double scale);

@@ -15,4 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_write", &quant_write, "quantize K/V rows into their cache slots");
   m.def("dequantize_blocks", &dequantize_blocks, no_gil, "dequantize whole KV blocks");
   m.def("quant_decode_attention", &quant_decode_attention, no_gil, "decode attention over quantized paged KV");
+  m.def("quant_decode_attention_partial", &quant_decode_attention_partial, no_gil,
+        "decode attention over quantized paged KV as a partial (out, reference, sum of exps) to merge");
 }
