@@ -54,7 +54,7 @@ def engine_config(args: argparse.Namespace, instances: int) -> EngineConfig:
     return EngineConfig(
         dtype=args.dtype, num_threads=max(1, (os.cpu_count() or 1) // instances),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.blocks, num_host_blocks=0,
-                          enable_prefix_caching=False),
+                          enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk, max_model_len=4096),
     )
 
@@ -283,6 +283,8 @@ def main() -> None:
     parser.add_argument("--short-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "int4", "oaken"],
+                        help="the instances' KV pools: lent blocks stay in this format where they live")
     parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
     parser.add_argument("--stream", action="store_true", help="static vs one instance vs borrowing, on a stream")
     parser.add_argument("--duration", type=float, default=40.0, help="--stream: seconds of arrivals")
