@@ -240,6 +240,32 @@ def test_creditors_return_kv_rows_when_they_are_smaller_than_queries_and_partial
     assert pull_kv(64, 194, hq, hk, d) and not pull_kv(64, 195, hq, hk, d)
 
 
+def _check_decode_partials(rows, gen: torch.Generator, hq: int, head_dim: int, dtype: torch.dtype,
+                           tol: float) -> torch.Tensor:
+    """A holder's decode-row partial (``rows.partial``, on a kernel) against gathering its lent blocks'
+    rows and attending in PyTorch, with the query inside the last lent block (a prefix of its slots
+    visible), past all of them, and before the first (nothing visible); returns the last query."""
+    from kvmosaic.distributed.dist_attention import _key_positions
+    from kvmosaic.distributed.pool_rows import gathered_partial
+
+    bs = 16
+    lent = torch.tensor([7, 2, 10])  # physical blocks holding logical blocks 1, 4 and 5 of a sequence
+    k_pos = _key_positions([1, 4, 5], bs)
+    for q_at in (5 * bs + 6, 9 * bs, bs - 1):
+        q = torch.randn(1, hq, head_dim, generator=gen).to(dtype)
+        q_pos = torch.tensor([q_at])
+        got = rows.partial(1, q, q_pos, lent, k_pos, head_dim**-0.5)
+        want = gathered_partial(rows, 1, q, q_pos, lent, k_pos, head_dim**-0.5)
+        assert got.out.dtype == torch.float32 and got.out.shape == (1, hq, head_dim)
+        torch.testing.assert_close(got.out, want.out, atol=tol, rtol=tol)
+        # a kernel's reference may sit below the row max (it is raised lazily): the pair's
+        # log-sum-exp, what a merge uses, is the same
+        torch.testing.assert_close(got.row_max + got.sum_exp.log(), want.row_max + want.sum_exp.log(),
+                                   atol=tol, rtol=tol)
+        assert (got.row_max <= want.row_max + tol).all()
+    return q
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_creditor_decode_partial_on_the_kernel_equals_pytorchs(level_kernels, dtype, head_dim) -> None:
@@ -249,29 +275,14 @@ def test_creditor_decode_partial_on_the_kernel_equals_pytorchs(level_kernels, dt
     before the first (nothing visible)."""
     from types import SimpleNamespace
 
-    from kvmosaic.distributed.dist_attention import _key_positions
-    from kvmosaic.distributed.pool_rows import FloatPoolRows, gathered_partial
+    from kvmosaic.distributed.pool_rows import FloatPoolRows
 
     gen = torch.Generator().manual_seed(head_dim)
     bs, hq, hk, blocks = 16, 9, 3, 12
     caches = [(torch.randn(blocks, bs, hk, head_dim, generator=gen).to(dtype),
                torch.randn(blocks, bs, hk, head_dim, generator=gen).to(dtype)) for _ in range(2)]
     rows = FloatPoolRows(SimpleNamespace(layers=caches, ops=level_kernels.ops))
-    lent = torch.tensor([7, 2, 10])  # physical blocks holding logical blocks 1, 4 and 5 of a sequence
-    k_pos = _key_positions([1, 4, 5], bs)
-    for q_at in (5 * bs + 6, 9 * bs, bs - 1):
-        q = torch.randn(1, hq, head_dim, generator=gen).to(dtype)
-        q_pos = torch.tensor([q_at])
-        got = rows.partial(1, q, q_pos, lent, k_pos, head_dim**-0.5)
-        want = gathered_partial(rows, 1, q, q_pos, lent, k_pos, head_dim**-0.5)
-        assert got.out.dtype == torch.float32 and got.out.shape == (1, hq, head_dim)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.out, want.out, atol=tol, rtol=tol)
-        # the kernel's reference may sit below the row max (it is raised lazily): the pair's
-        # log-sum-exp, what a merge uses, is the same
-        torch.testing.assert_close(got.row_max + got.sum_exp.log(), want.row_max + want.sum_exp.log(),
-                                   atol=tol, rtol=tol)
-        assert (got.row_max <= want.row_max + tol).all()
+    q = _check_decode_partials(rows, gen, hq, head_dim, dtype, 1e-5 if dtype == torch.float32 else 2e-2)
     with pytest.raises(RuntimeError, match="block id out of range"):
         level_kernels.ops.paged_decode_attention_partial(q, *caches[0], torch.tensor([[3, 99]]),
                                                          torch.tensor([20]), 0.125)
@@ -286,8 +297,7 @@ def test_quantized_creditor_partial_runs_the_quantized_kernel_in_place(level_ker
     in PyTorch, for a query inside, past and before the lent blocks; and the kernel's partial over a
     whole sequence is its plain output."""
     from kvmosaic.config import CacheConfig, ModelConfig
-    from kvmosaic.distributed.dist_attention import _key_positions
-    from kvmosaic.distributed.pool_rows import QuantizedPoolRows, gathered_partial
+    from kvmosaic.distributed.pool_rows import QuantizedPoolRows
     from kvmosaic.model.layers.quant_attention import QuantizedAttention, kernel_decode_args
     from kvmosaic.quant import thresholds as kvt
     from kvmosaic.worker.kv_cache import KVCache
@@ -305,18 +315,7 @@ def test_quantized_creditor_partial_runs_the_quantized_kernel_in_place(level_ker
     rows = QuantizedPoolRows(QuantizedAttention(config, cache, level_kernels, thresholds))
     k, v = (torch.randn(blocks * bs, hk, head_dim, generator=gen).to(dtype) for _ in range(2))
     rows.write(1, k, v, torch.arange(blocks * bs))
-    lent = torch.tensor([7, 2, 10])  # physical blocks holding logical blocks 1, 4 and 5 of a sequence
-    k_pos = _key_positions([1, 4, 5], bs)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for q_at in (5 * bs + 6, 9 * bs, bs - 1):
-        q = torch.randn(1, hq, head_dim, generator=gen).to(dtype)
-        q_pos = torch.tensor([q_at])
-        got = rows.partial(1, q, q_pos, lent, k_pos, head_dim**-0.5)
-        want = gathered_partial(rows, 1, q, q_pos, lent, k_pos, head_dim**-0.5)
-        assert got.out.dtype == torch.float32 and got.out.shape == (1, hq, head_dim)
-        torch.testing.assert_close(got.out, want.out, atol=tol, rtol=tol)
-        torch.testing.assert_close(got.row_max + got.sum_exp.log(), want.row_max + want.sum_exp.log(),
-                                   atol=tol, rtol=tol)
+    q = _check_decode_partials(rows, gen, hq, head_dim, dtype, 1e-4 if dtype == torch.float32 else 3e-2)
     layer, qops = rows.local.layers[1], level_kernels.quant
     table, lens = torch.tensor([[3, 8, 1]]), torch.tensor([40])
     args = kernel_decode_args(layer, head_dim**-0.5)
