@@ -1,0 +1,85 @@
+"""Multi-step decoding: one forward pass a step against ``num_scheduler_steps`` passes, in one process.
+
+Every engine (one per steps value) is built first; then each round runs the same request on every
+engine in turn, so a slow minute of a shared machine hits them all. Reported per engine: the median
+and best decode tok/s of the rounds and the median ratio to one pass a step, round by round. The
+workloads: a single greedy stream (128-token prompt, 128 output tokens, the prefill step left out
+of the time, as the peers benchmark's A) and a small batch (16 prompts of 64 tokens, 64 output
+tokens each, wall clock of the whole generate call). Default model (its Q4_1 weights), float32
+activations. Prints a table and writes JSON.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/multistep.py [--steps 1,4,8] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from kvmosaic import LLM, SamplingParams
+from kvmosaic.ops.cpu import isa_summary
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def single_stream(llm: LLM) -> float:
+    """Decode tok/s of one greedy stream, after its prefill step."""
+    engine = llm.engine
+    engine.add_request(None, list(range(100, 228)), SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+    engine.step()  # the prompt, and the first token
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return 127 / (time.perf_counter() - start)
+
+
+def small_batch(llm: LLM) -> float:
+    """Output tok/s of 16 greedy requests run to completion together."""
+    prompts = [list(range(300 + 7 * i, 364 + 7 * i)) for i in range(16)]
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    return 16 * 64 / (time.perf_counter() - start)
+
+
+WORKLOADS = {"single stream": single_stream, "16 x 64": small_batch}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", default="1,8", help="num_scheduler_steps values; the first is the baseline")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    args = parser.parse_args()
+    steps = [int(s) for s in args.steps.split(",")]
+    engines = {k: LLM(num_scheduler_steps=k, dtype="float32", enable_prefix_caching=False, kv_cache_memory="1GiB")
+               for k in steps}
+    rates = {(w, k): [] for w in WORKLOADS for k in steps}
+    for name, run in WORKLOADS.items():
+        for k in steps:
+            run(engines[k])  # warm-up
+        for _ in range(args.rounds):
+            for k in steps:
+                rates[name, k].append(run(engines[k]))
+    print(f"\nhost ISA {isa_summary()}; default model (Q4_1 weights), float32, {args.rounds} interleaved rounds\n")
+    print("| workload | num_scheduler_steps | median tok/s | best tok/s | median ratio to " f"{steps[0]} |")
+    print("|---|---:|---:|---:|---:|")
+    rows = []
+    for name in WORKLOADS:
+        base = rates[name, steps[0]]
+        for k in steps:
+            ratio = statistics.median(r / b for r, b in zip(rates[name, k], base, strict=True))
+            row = {"workload": name, "steps": k, "median": statistics.median(rates[name, k]),
+                   "best": max(rates[name, k]), "ratio": ratio, "rounds": rates[name, k]}
+            rows.append(row)
+            print(f"| {name} | {k} | {row['median']:.1f} | {row['best']:.1f} | {ratio:.3f}x |")
+    out = Path(args.json) if args.json else RESULTS / "multistep.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"isa": isa_summary(), "rounds": args.rounds, "results": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
