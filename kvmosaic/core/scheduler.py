@@ -191,8 +191,6 @@ class Scheduler:
                 beams.append(request)  # the search picks the tokens, once every beam has its candidates
                 continue
             tokens = [t.token_id for t in model_output.new_tokens(request.request_id)]
-            if scheduled.num_steps > 1:  # every token but the last was fed back, its K/V computed
-                request.num_computed_tokens += len(tokens) - 1
             if scheduled.spec_token_ids:
                 self.spec.roll_back(request, len(scheduled.spec_token_ids), len(tokens) - 1)
             request.append_output_token(tokens[0])
@@ -204,6 +202,8 @@ class Scheduler:
                     break
                 request.append_output_token(token)
                 self.lifecycle.stop_if_done(request, self.running)
+            if scheduled.num_steps > 1:  # every token kept but the last was fed back: its K/V is computed
+                request.num_computed_tokens = request.num_tokens - 1
             for sequence in sequences:
                 self.lifecycle.follow_guide(sequence)
             updated.extend(sequences)
