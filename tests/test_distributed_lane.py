@@ -98,7 +98,7 @@ def test_a_closed_lane_fails_calls_instead_of_hanging(lane_pair) -> None:
     server.close()  # idempotent
 
 
-def test_the_lane_takes_decode_rows_only_and_float_pools_only(level_kernels) -> None:
+def test_the_lane_takes_decode_rows_only(level_kernels) -> None:
     caches = _caches(torch.float32, 64, 0)
     server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1")
     try:
@@ -116,4 +116,65 @@ def test_the_lane_takes_decode_rows_only_and_float_pools_only(level_kernels) -> 
         server.close()
     assert open_lane(caches, HQ, None, "127.0.0.1") is None  # no kernels: every call takes the channel
     assert open_lane([c.float().half() for c in caches], HQ, level_kernels.ops, "127.0.0.1") is None
-    assert QuantizedPoolRows(SimpleNamespace()).open_decode_lane("127.0.0.1") is None
+
+
+def _quantized_rows(level_kernels, mode: str, dtype: torch.dtype, head_dim: int, group: int | None = None):
+    """QuantizedPoolRows over a random int8 / int4 / Oaken pool (every slot of every layer written)."""
+    from kvmosaic.config import CacheConfig, ModelConfig
+    from kvmosaic.model.layers.quant_attention import QuantizedAttention
+    from kvmosaic.quant import thresholds as kvt
+    from kvmosaic.worker.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(head_dim + len(mode))
+    config = ModelConfig("llama", 64, HQ * head_dim, 64, LAYERS, HQ, HK)
+    thresholds = None
+    if mode == "oaken":
+        identity = kvt.ModelIdentity("tiny", "llama", LAYERS, HK, head_dim, HQ * head_dim, 64, 0.0)
+        thresholds = kvt.KVThresholds(identity, torch.tensor([[[-2.0, -0.4, 0.4, 2.0]] * 2] * LAYERS),
+                                      0.1 * torch.randn(LAYERS, HK, head_dim, generator=gen))
+    cache = KVCache(config, CacheConfig(num_blocks=BLOCKS, block_size=BS, kv_cache_dtype=mode, swap_space=0), dtype,
+                    thresholds, group_size=group)
+    rows = QuantizedPoolRows(QuantizedAttention(config, cache, level_kernels, thresholds))
+    for layer in range(LAYERS):
+        k, v = (torch.randn(BLOCKS * BS, HK, head_dim, generator=gen).to(dtype) for _ in range(2))
+        rows.write(layer, k, v, torch.arange(BLOCKS * BS))
+    return rows, cache
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128)],
+                         ids=["f32-64", "bf16-64", "f32-128"])
+def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(level_kernels, mode, dtype,
+                                                                                 head_dim) -> None:
+    """The lane of an int8 / int4 / Oaken pool: the server quantizes the new rows into the records and
+    attends over them with the quantized kernel, as the Python handler does over a copy of the pool:
+    the same partials and the same record bytes, bit for bit."""
+    rows, cache = _quantized_rows(level_kernels, mode, dtype, head_dim)
+    twin, twin_cache = _quantized_rows(level_kernels, mode, dtype, head_dim)
+    assert torch.equal(cache.device_pool, twin_cache.device_pool)
+    server, lane = rows.open_decode_lane("127.0.0.1")
+    client = DecodeLaneClient(lane, timeout=10.0)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        items = [_item(gen, dtype, head_dim, [1, 4, 5], [7, 2, 10], 5 * BS + 6, 10 * BS + 6),
+                 _item(gen, dtype, head_dim, [2, 3], [0, 11], 9 * BS, None),
+                 _item(gen, dtype, head_dim, [6], [4], BS - 1, None)]
+        want = creditor_micro_attention(twin, 1, items, head_dim**-0.5)
+        assert client.takes(items) and lane.dtype == dtype
+        got, _ = client.call("attention", 1, items, head_dim**-0.5)
+        for g, w in zip(got, want, strict=True):
+            assert g[0] == w[0] == "partial"
+            for a, b in zip(g[1:], w[1:], strict=True):
+                assert a.dtype == torch.float32 and a.shape == b.shape and torch.equal(a, b)
+        assert torch.equal(cache.device_pool, twin_cache.device_pool)
+        with pytest.raises(ChannelError, match="block id out of range"):
+            client.call("attention", 0, [dict(items[0], blocks=[3, 2, BLOCKS])], 0.125)
+        assert torch.equal(cache.device_pool, twin_cache.device_pool)  # a refused call wrote nothing
+    finally:
+        client.close()
+        server.close()
+
+
+def test_pools_of_head_sub_vectors_have_no_lane(level_kernels) -> None:
+    rows, _ = _quantized_rows(level_kernels, "int8", torch.float32, 64, group=32)
+    assert rows.open_decode_lane("127.0.0.1") is None  # records of 32-value groups: the channel serves them

@@ -1,25 +1,33 @@
 """The data plane's lane for decode rows: a debtor's one-row micro-attention calls go to the
-creditor's C++ server (``ops.AttentionServer``, kvmosaic/ops/csrc/attention_server.cpp) as one
-binary message each way, answered without Python or the GIL on the creditor.
+creditor's C++ server (``AttentionServer``, kvmosaic/ops/csrc/lane_server.cpp) as one binary
+message each way, answered without Python or the GIL on the creditor.
 
 A decode step of a spanning sequence makes one call per layer per creditor; through the pickled
 channel each cost ~1 ms end to end, most of it Python on both ends, while the attention itself is
-tens of microseconds. Calls the lane does not take (prefill rows, K/V pulls, quantized pools) keep
-the general channel (channel.py). The wire format is documented in the server's source.
+tens of microseconds. The server holds either kind of pool: float caches (the float kernels'
+server), or int8 / int4 / Oaken records that it quantizes new rows into and attends over with the
+quantized kernels (the quantized-KV kernels' server). Calls the lane does not take (prefill rows,
+K/V pulls) keep the general channel (channel.py). The wire format is documented in the server's
+source.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import struct
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvmosaic.distributed.channel import ChannelClient, ChannelError, recv_bytes
+
+if TYPE_CHECKING:
+    from kvmosaic.model.layers.quant_attention import QuantizedKVLayer
 
 logger = logging.getLogger(__name__)
 _MAGIC = 0x414D564B
@@ -46,12 +54,33 @@ def open_lane(layers: list[torch.Tensor], num_heads: int, ops: Any, host: str) -
     cache = layers[0]
     if server_type is None or cache.dtype not in (torch.float32, torch.bfloat16) or cache.shape[-1] not in (64, 128):
         return None
+    lane = DecodeLane(("", 0), cache.dtype, num_heads, cache.shape[3], cache.shape[4])
+    return _start(lambda: server_type(list(layers), num_heads, host), lane, host)
+
+
+def open_quantized_lane(layers: list[QuantizedKVLayer], num_heads: int, head_dim: int, dtype: torch.dtype,
+                        quant_ops: Any, host: str) -> tuple[Any, DecodeLane] | None:
+    """A server over these layers' int8 / int4 / Oaken records, taking and answering rows in ``dtype``
+    (the compute dtype), or None when the quantized kernels cannot serve one (none built, or records
+    of head sub-vectors: int groups smaller than a head)."""
+    server_type = getattr(quant_ops, "AttentionServer", None)
+    fmt = layers[0].fmt
+    if (server_type is None or dtype not in (torch.float32, torch.bfloat16) or fmt.head_dim != head_dim
+            or num_heads % fmt.num_kv_heads):
+        return None
+    pools = [[layer.k_pool, layer.v_pool, layer.k_thresholds, layer.v_thresholds, layer.k_center] for layer in layers]
+    mode, kv_heads, _, capacity = layers[0].args()
+    lane = DecodeLane(("", 0), dtype, num_heads, kv_heads, head_dim)
+    return _start(lambda: server_type(pools, mode, kv_heads, head_dim, capacity, dtype, num_heads, host), lane, host)
+
+
+def _start(start: Callable[[], Any], lane: DecodeLane, host: str) -> tuple[Any, DecodeLane] | None:
     try:
-        server = server_type(list(layers), num_heads, host)
+        server = start()
     except RuntimeError as exc:  # e.g. an address it cannot listen on: the channel serves every call
         logger.warning("no decode lane: %s", exc)
         return None
-    return server, DecodeLane((host, server.port), cache.dtype, num_heads, cache.shape[3], cache.shape[4])
+    return server, dataclasses.replace(lane, address=(host, server.port))
 
 
 class DecodeLaneClient(ChannelClient):

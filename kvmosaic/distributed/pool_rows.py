@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from kvmosaic.distributed.decode_lane import DecodeLane, open_lane
+from kvmosaic.distributed.decode_lane import DecodeLane, open_lane, open_quantized_lane
 from kvmosaic.distributed.merge import PartialAttention, partial_attention
 from kvmosaic.model.layers.attention import ReferenceAttention
 from kvmosaic.model.layers.backend import AttentionBackend
@@ -134,7 +134,9 @@ class QuantizedPoolRows:
                                         *kernel_decode_args(pools, scale)))
 
     def open_decode_lane(self, host):
-        return None  # records are dequantized in Python first
+        local = self.local
+        return open_quantized_lane(local.layers, local.num_heads, local.head_dim, local.kv_cache.dtype,
+                                   local.kernels.quant, host)
 
     def gather(self, layer, block_ids, dtype):
         pools, qops = self.local.layers[layer], self.local.kernels.quant

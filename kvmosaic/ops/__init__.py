@@ -39,10 +39,12 @@ QUANT_NAME = "kvmosaic_kvquant"  # the quantized-KV kernels (kvmosaic/quant form
 
 def extension_sources() -> dict[str, tuple[Path, ...]]:
     """Extension name -> its sources: ``kvquant_*.cpp`` form the quantized-KV extension, every
-    other ``.cpp`` the float one (a new kernel file is picked up without editing a list)."""
+    other ``.cpp`` the float one, and ``lane_*.cpp`` (the decode lane's server, which serves either
+    kind of pool) go into both (a new kernel file is picked up without editing a list)."""
     sources = sorted(CSRC.glob("*.cpp"))
+    shared = tuple(p for p in sources if p.name.startswith("lane_"))
     return {NAME: tuple(p for p in sources if not p.name.startswith("kvquant_")),
-            QUANT_NAME: tuple(p for p in sources if p.name.startswith("kvquant_"))}
+            QUANT_NAME: tuple(p for p in sources if p.name.startswith("kvquant_")) + shared}
 
 
 def module_name(extension: str, level: Level) -> str:

@@ -3,8 +3,8 @@
 // Float32 and bfloat16; all arithmetic in float32.
 // This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
 // decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
-#include "attention_server.h"
 #include "bindings.h"
+#include "lane_server.h"
 #include "layer_stack.h"
 
 using kvops::no_gil;
@@ -51,13 +51,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "StackCaches", "the decoder layers' KV caches for layer_stack, checked once", py::module_local())
       .def(py::init<std::vector<at::Tensor>>())
       .def_property_readonly("layers", &kvops::StackCaches::layers);
-  py::class_<kvops::AttentionServer, std::shared_ptr<kvops::AttentionServer>>(
+  py::class_<kvops::LaneServer, std::shared_ptr<kvops::LaneServer>>(
       m, "AttentionServer", "a creditor's micro-attention server for decode rows (kvmosaic.distributed)",
       py::module_local())
-      .def(py::init<std::vector<at::Tensor>, int64_t, const std::string&>(), py::arg("caches"), py::arg("num_heads"),
-           py::arg("host"))
-      .def_property_readonly("port", &kvops::AttentionServer::port)
-      .def("close", &kvops::AttentionServer::close, no_gil);
+      .def(py::init(&kvops::float_lane_server), py::arg("caches"), py::arg("num_heads"), py::arg("host"))
+      .def_property_readonly("port", &kvops::LaneServer::port)
+      .def("close", &kvops::LaneServer::close, no_gil);
   m.def("layer_stack", &layer_stack, no_gil, "a step (decode rows, then spans) through all decoder layers (packed weights)");
   m.def("decode_passes", &decode_passes, no_gil,
         "greedy decode passes of one row per sequence, each feeding its argmax back (multi-step decoding)");

@@ -8,8 +8,14 @@
 // kvquant_decode_fast.cpp, the record format in kvquant_format.h.
 #include "bindings.h"
 #include "kvquant_format.h"
+#include "lane_server.h"
 
 using kvops::no_gil;
+
+// kvquant_lane.cpp: a decode lane server over the layers' (k_pool, v_pool, k_thresholds, v_thresholds, k_center)
+std::shared_ptr<kvops::LaneServer> quant_lane_server(const std::vector<std::vector<at::Tensor>>& layers, int64_t mode,
+                                                     int64_t hk, int64_t d, int64_t capacity, at::ScalarType dtype,
+                                                     int64_t num_heads, const std::string& host);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_write", &quant_write, "quantize K/V rows into their cache slots");
@@ -17,4 +23,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_decode_attention", &quant_decode_attention, no_gil, "decode attention over quantized paged KV");
   m.def("quant_decode_attention_partial", &quant_decode_attention_partial, no_gil,
         "decode attention over quantized paged KV as a partial (out, reference, sum of exps) to merge");
+  py::class_<kvops::LaneServer, std::shared_ptr<kvops::LaneServer>>(
+      m, "AttentionServer", "a creditor's micro-attention server for decode rows over quantized records",
+      py::module_local())
+      .def(py::init([](const std::vector<std::vector<at::Tensor>>& layers, int64_t mode, int64_t hk, int64_t d,
+                       int64_t capacity, const py::object& dtype, int64_t num_heads, const std::string& host) {
+             return quant_lane_server(layers, mode, hk, d, capacity, torch::python::detail::py_object_to_dtype(dtype),
+                                      num_heads, host);
+           }),
+           py::arg("layers"), py::arg("mode"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("capacity"),
+           py::arg("dtype"), py::arg("num_heads"), py::arg("host"))
+      .def_property_readonly("port", &kvops::LaneServer::port)
+      .def("close", &kvops::LaneServer::close, no_gil);
 }

@@ -1,5 +1,6 @@
 // A creditor's micro-attention server for decode rows (kvmosaic.distributed): a debtor's one-row
-// queries over the blocks it borrowed here, answered in C++ with no Python and no GIL.
+// queries over the blocks it borrowed here, answered in C++ with no Python and no GIL, over a float
+// or a quantized pool (a LanePool).
 //
 // The Python data plane (channel.py) cost ~1 ms a call end to end, ~0.35 ms of it in the creditor's
 // Python (unpickling, the handler, pickling the answer) on the core that runs the creditor's own
@@ -11,10 +12,10 @@
 //   i64 context[items]           keys visible to each item's query (a prefix of its blocks' slots)
 //   i64 slot[items]              where its new K/V row goes (-1: none)
 //   i64 table[items * width]     block ids, padded with any valid id
-//   q[items, hq, d], k_new[items, hk, d], v_new[items, hk, d] in the cache's dtype
-// Answer: u32 magic, i32 status, f64 seconds, then on success out[items, hq, d], row max[items, hq] and
-// sum of exponentials[items, hq] as float32 (the partials of paged_decode_attention_partial); on
-// failure i32 length and a message. A malformed request closes the connection.
+//   q[items, hq, d], k_new[items, hk, d], v_new[items, hk, d] in the pool's dtype
+// Answer: u32 magic, i32 status, f64 seconds, then on success out[items, hq, d], reference[items, hq]
+// and sum of exponentials[items, hq] as float32 (the pool's decode partials); on failure i32 length
+// and a message. A malformed request closes the connection.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -30,8 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "attention_server.h"
-#include "ops_common.h"
+#include "lane_server.h"
 
 namespace kvops {
 
@@ -81,19 +81,12 @@ bool write_all(int fd, std::vector<iovec> parts) {
 
 }  // namespace
 
-AttentionServer::AttentionServer(std::vector<at::Tensor> caches, int64_t num_heads, const std::string& host)
-    : caches_(std::move(caches)), num_heads_(num_heads) {
-  TORCH_CHECK(!caches_.empty(), "AttentionServer needs the layers' KV caches");
-  for (const at::Tensor& cache : caches_)
-    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
-                    cache.sizes() == caches_[0].sizes() && cache.scalar_type() == caches_[0].scalar_type() &&
-                    (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16) &&
-                    (cache.size(4) == 64 || cache.size(4) == 128),
-                "AttentionServer: KV caches must be contiguous float32 / bfloat16 [2, blocks, block_size, kv_heads, "
-                "64 or 128], all alike");
-  TORCH_CHECK(num_heads > 0 && num_heads % caches_[0].size(3) == 0, "AttentionServer: bad number of query heads");
+LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host)
+    : pool_(std::move(pool)), num_heads_(num_heads) {
+  TORCH_CHECK(pool_ != nullptr && pool_->layers() > 0, "LaneServer needs a pool of at least one layer");
+  TORCH_CHECK(num_heads > 0 && num_heads % pool_->kv_heads() == 0, "LaneServer: bad number of query heads");
   listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(listener_ >= 0, "AttentionServer: cannot open a socket");
+  TORCH_CHECK(listener_ >= 0, "LaneServer: cannot open a socket");
   const int one = 1;
   ::setsockopt(listener_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
@@ -101,21 +94,21 @@ AttentionServer::AttentionServer(std::vector<at::Tensor> caches, int64_t num_hea
   addr.sin_port = 0;
   if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
     ::close(listener_);
-    TORCH_CHECK(false, "AttentionServer: not an IPv4 address: ", host);
+    TORCH_CHECK(false, "LaneServer: not an IPv4 address: ", host);
   }
   socklen_t len = sizeof(addr);
   if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(listener_, 16) != 0 ||
       ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     ::close(listener_);
-    TORCH_CHECK(false, "AttentionServer: cannot listen on ", host);
+    TORCH_CHECK(false, "LaneServer: cannot listen on ", host);
   }
   port_ = ntohs(addr.sin_port);
   accept_thread_ = std::thread([this] { accept_loop(); });
 }
 
-AttentionServer::~AttentionServer() { close(); }
+LaneServer::~LaneServer() { close(); }
 
-void AttentionServer::close() {
+void LaneServer::close() {
   if (closed_.exchange(true)) return;
   ::shutdown(listener_, SHUT_RDWR);
   ::close(listener_);
@@ -128,7 +121,7 @@ void AttentionServer::close() {
   workers_.clear();
 }
 
-void AttentionServer::accept_loop() {
+void LaneServer::accept_loop() {
   while (!closed_) {
     const int fd = ::accept(listener_, nullptr, nullptr);
     if (fd < 0) {
@@ -147,7 +140,7 @@ void AttentionServer::accept_loop() {
   }
 }
 
-void AttentionServer::serve(int fd) {
+void LaneServer::serve(int fd) {
   omp_set_num_threads(1);  // a call is one row's attention: this thread alone, beside the instance's own team
   while (!closed_ && serve_one(fd)) {
   }
@@ -156,13 +149,13 @@ void AttentionServer::serve(int fd) {
   ::close(fd);
 }
 
-bool AttentionServer::serve_one(int fd) {
+bool LaneServer::serve_one(int fd) {
   RequestHeader head{};
   if (!read_all(fd, &head, sizeof(head)) || head.magic != kMagic) return false;
-  const at::Tensor& any = caches_[0];
-  const int64_t hk = any.size(3), d = any.size(4), slots = any.size(1) * any.size(2);
-  if (head.items < 1 || head.items > kMaxItems || head.width < 1 || head.width > any.size(1)) return false;
-  const int64_t n = head.items, width = head.width, elem = any.element_size();
+  const LanePool& pool = *pool_;
+  const int64_t hk = pool.kv_heads(), d = pool.head_dim(), bs = pool.block_size(), slots = pool.blocks() * bs;
+  if (head.items < 1 || head.items > kMaxItems || head.width < 1 || head.width > pool.blocks()) return false;
+  const int64_t n = head.items, width = head.width, elem = c10::elementSize(pool.dtype());
   std::vector<int64_t> ints(n * (2 + width));
   std::vector<char> rows(n * (num_heads_ + 2 * hk) * d * elem);
   if (!read_all(fd, ints.data(), ints.size() * sizeof(int64_t)) || !read_all(fd, rows.data(), rows.size())) return false;
@@ -171,33 +164,34 @@ bool AttentionServer::serve_one(int fd) {
   std::string error;
   std::vector<at::Tensor> partial;
   try {
-    TORCH_CHECK(head.layer >= 0 && head.layer < static_cast<int32_t>(caches_.size()), "layer ", head.layer,
-                " out of range");
+    TORCH_CHECK(head.layer >= 0 && head.layer < pool.layers(), "layer ", head.layer, " out of range");
     const int64_t* context = ints.data();
     const int64_t* slot = ints.data() + n;
     const int64_t* table = ints.data() + 2 * n;
-    const int64_t bs = any.size(2);
+    std::vector<int64_t> written;  // the items that bring a new row
     for (int64_t i = 0; i < n; ++i) {  // all of a call is checked before any of it is written
       TORCH_CHECK(slot[i] >= -1 && slot[i] < slots, "slot ", slot[i], " out of range");
       TORCH_CHECK(context[i] >= 0 && context[i] <= width * bs, "a context exceeds its blocks");
       for (int64_t j = 0; j < (context[i] + bs - 1) / bs; ++j)
-        TORCH_CHECK(table[i * width + j] >= 0 && table[i * width + j] < any.size(1), "block id out of range");
-    }
-    const at::Tensor& cache = caches_[head.layer];
-    char* k_rows = static_cast<char*>(cache.data_ptr());
-    char* v_rows = k_rows + slots * hk * d * elem;
-    const char* k_new = rows.data() + n * num_heads_ * d * elem;
-    const char* v_new = k_new + n * hk * d * elem;
-    for (int64_t i = 0; i < n; ++i) {
-      if (slot[i] < 0) continue;
-      std::memcpy(k_rows + slot[i] * hk * d * elem, k_new + i * hk * d * elem, hk * d * elem);
-      std::memcpy(v_rows + slot[i] * hk * d * elem, v_new + i * hk * d * elem, hk * d * elem);
+        TORCH_CHECK(table[i * width + j] >= 0 && table[i * width + j] < pool.blocks(), "block id out of range");
+      if (slot[i] >= 0) written.push_back(i);
     }
     const auto longs = at::TensorOptions().dtype(at::kLong);
-    const at::Tensor q = at::from_blob(rows.data(), {n, num_heads_, d}, any.options());
-    partial = paged_decode_attention_partial(q, cache.select(0, 0), cache.select(0, 1),
-                                             at::from_blob(ints.data() + 2 * n, {n, width}, longs),
-                                             at::from_blob(ints.data(), {n}, longs), head.scale);
+    const auto wire = at::TensorOptions().dtype(pool.dtype());
+    char* k_new = rows.data() + n * num_heads_ * d * elem;
+    char* v_new = k_new + n * hk * d * elem;
+    if (!written.empty()) {
+      at::Tensor k = at::from_blob(k_new, {n, hk, d}, wire), v = at::from_blob(v_new, {n, hk, d}, wire);
+      at::Tensor at_slots = at::from_blob(const_cast<int64_t*>(slot), {n}, longs);
+      if (static_cast<int64_t>(written.size()) < n) {
+        const at::Tensor index = at::tensor(written, longs);
+        k = k.index_select(0, index), v = v.index_select(0, index), at_slots = at_slots.index_select(0, index);
+      }
+      pool_->write(head.layer, k, v, at_slots);
+    }
+    const at::Tensor q = at::from_blob(rows.data(), {n, num_heads_, d}, wire);
+    partial = pool_->partial(head.layer, q, at::from_blob(ints.data() + 2 * n, {n, width}, longs),
+                             at::from_blob(ints.data(), {n}, longs), head.scale);
   } catch (const std::exception& e) {
     error = e.what();
     error = error.substr(0, error.find('\n'));  // the first line: c10 appends a C++ backtrace
