@@ -1,6 +1,7 @@
 """Quantized KV pools lend and borrow: a prompt no instance can hold, on a 2-instance cluster whose
 instances step independently, gives the greedy tokens of one large instance with the same int8,
-int4 or Oaken cache (the creditor quantizes the rows it is sent and dequantizes what it lent)."""
+int4 or Oaken cache (the creditor quantizes the rows it is sent into its records and attends over
+what it lent with the quantized kernels, decode rows through its C++ lane server)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def test_a_quantized_pool_lends_and_the_tokens_are_one_large_instances(ray_runti
         drive(cluster, finished)
         stats = cluster.stats()
         assert stats["dist_loans_total"] >= 1 and stats["dist_remote_calls"] > 0  # it did borrow
+        assert stats["dist_lane_calls"] > 0  # decode rows went to the creditor's quantized lane server
         got = finished[rid].outputs[0]
         assert got.finish_reason == "length"
         _assert_greedy_matches(kv_cache_dtype, [got.token_ids], [reference.token_ids], [reference.logprobs])
