@@ -1,5 +1,6 @@
 """The decode lane: a debtor's one-row micro-attention calls answered by the creditor's C++ server
-(ops.AttentionServer) give what the channel's Python handler gives, bit for bit, on every ISA level."""
+(the float or the quantized-KV kernels' AttentionServer) give what the channel's Python handler
+gives, bit for bit, on every ISA level."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from quant_pools import BLOCKS, BS, HK, HQ, LAYERS, quantized_rows
 
 from kvmosaic.distributed.channel import ChannelError
 from kvmosaic.distributed.decode_lane import DecodeLaneClient, open_lane
 from kvmosaic.distributed.dist_attention import _key_positions, creditor_micro_attention
-from kvmosaic.distributed.pool_rows import FloatPoolRows, QuantizedPoolRows
-
-BS, HQ, HK, BLOCKS, LAYERS = 16, 9, 3, 12, 2
+from kvmosaic.distributed.pool_rows import FloatPoolRows
 
 
 def _caches(dtype: torch.dtype, head_dim: int, seed: int) -> list[torch.Tensor]:
@@ -118,29 +118,6 @@ def test_the_lane_takes_decode_rows_only(level_kernels) -> None:
     assert open_lane([c.float().half() for c in caches], HQ, level_kernels.ops, "127.0.0.1") is None
 
 
-def _quantized_rows(level_kernels, mode: str, dtype: torch.dtype, head_dim: int, group: int | None = None):
-    """QuantizedPoolRows over a random int8 / int4 / Oaken pool (every slot of every layer written)."""
-    from kvmosaic.config import CacheConfig, ModelConfig
-    from kvmosaic.model.layers.quant_attention import QuantizedAttention
-    from kvmosaic.quant import thresholds as kvt
-    from kvmosaic.worker.kv_cache import KVCache
-
-    gen = torch.Generator().manual_seed(head_dim + len(mode))
-    config = ModelConfig("llama", 64, HQ * head_dim, 64, LAYERS, HQ, HK)
-    thresholds = None
-    if mode == "oaken":
-        identity = kvt.ModelIdentity("tiny", "llama", LAYERS, HK, head_dim, HQ * head_dim, 64, 0.0)
-        thresholds = kvt.KVThresholds(identity, torch.tensor([[[-2.0, -0.4, 0.4, 2.0]] * 2] * LAYERS),
-                                      0.1 * torch.randn(LAYERS, HK, head_dim, generator=gen))
-    cache = KVCache(config, CacheConfig(num_blocks=BLOCKS, block_size=BS, kv_cache_dtype=mode, swap_space=0), dtype,
-                    thresholds, group_size=group)
-    rows = QuantizedPoolRows(QuantizedAttention(config, cache, level_kernels, thresholds))
-    for layer in range(LAYERS):
-        k, v = (torch.randn(BLOCKS * BS, HK, head_dim, generator=gen).to(dtype) for _ in range(2))
-        rows.write(layer, k, v, torch.arange(BLOCKS * BS))
-    return rows, cache
-
-
 @pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128)],
                          ids=["f32-64", "bf16-64", "f32-128"])
@@ -149,8 +126,8 @@ def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(
     """The lane of an int8 / int4 / Oaken pool: the server quantizes the new rows into the records and
     attends over them with the quantized kernel, as the Python handler does over a copy of the pool:
     the same partials and the same record bytes, bit for bit."""
-    rows, cache = _quantized_rows(level_kernels, mode, dtype, head_dim)
-    twin, twin_cache = _quantized_rows(level_kernels, mode, dtype, head_dim)
+    rows, cache = quantized_rows(level_kernels, mode, dtype, head_dim)
+    twin, twin_cache = quantized_rows(level_kernels, mode, dtype, head_dim)
     assert torch.equal(cache.device_pool, twin_cache.device_pool)
     server, lane = rows.open_decode_lane("127.0.0.1")
     client = DecodeLaneClient(lane, timeout=10.0)
@@ -176,5 +153,5 @@ def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(
 
 
 def test_pools_of_head_sub_vectors_have_no_lane(level_kernels) -> None:
-    rows, _ = _quantized_rows(level_kernels, "int8", torch.float32, 64, group=32)
+    rows, _ = quantized_rows(level_kernels, "int8", torch.float32, 64, group=32)
     assert rows.open_decode_lane("127.0.0.1") is None  # records of 32-value groups: the channel serves them

@@ -296,26 +296,13 @@ def test_quantized_creditor_partial_runs_the_quantized_kernel_in_place(level_ker
     the quantized decode kernel: the output and log-sum-exp of dequantizing the blocks and attending
     in PyTorch, for a query inside, past and before the lent blocks; and the kernel's partial over a
     whole sequence is its plain output."""
-    from kvmosaic.config import CacheConfig, ModelConfig
-    from kvmosaic.distributed.pool_rows import QuantizedPoolRows
-    from kvmosaic.model.layers.quant_attention import QuantizedAttention, kernel_decode_args
-    from kvmosaic.quant import thresholds as kvt
-    from kvmosaic.worker.kv_cache import KVCache
+    from quant_pools import HQ, quantized_rows
 
-    gen = torch.Generator().manual_seed(head_dim + len(mode))
-    bs, hq, hk, blocks, layers = 16, 9, 3, 12, 2
-    config = ModelConfig("llama", 64, hq * head_dim, 64, layers, hq, hk)
-    thresholds = None
-    if mode == "oaken":
-        identity = kvt.ModelIdentity("tiny", "llama", layers, hk, head_dim, hq * head_dim, 64, 0.0)
-        thresholds = kvt.KVThresholds(identity, torch.tensor([[[-2.0, -0.4, 0.4, 2.0]] * 2] * layers),
-                                      0.1 * torch.randn(layers, hk, head_dim, generator=gen))
-    cache = KVCache(config, CacheConfig(num_blocks=blocks, block_size=bs, kv_cache_dtype=mode, swap_space=0), dtype,
-                    thresholds)
-    rows = QuantizedPoolRows(QuantizedAttention(config, cache, level_kernels, thresholds))
-    k, v = (torch.randn(blocks * bs, hk, head_dim, generator=gen).to(dtype) for _ in range(2))
-    rows.write(1, k, v, torch.arange(blocks * bs))
-    q = _check_decode_partials(rows, gen, hq, head_dim, dtype, 1e-4 if dtype == torch.float32 else 3e-2)
+    from kvmosaic.model.layers.quant_attention import kernel_decode_args
+
+    rows, _ = quantized_rows(level_kernels, mode, dtype, head_dim)
+    gen = torch.Generator().manual_seed(3)
+    q = _check_decode_partials(rows, gen, HQ, head_dim, dtype, 1e-4 if dtype == torch.float32 else 3e-2)
     layer, qops = rows.local.layers[1], level_kernels.quant
     table, lens = torch.tensor([[3, 8, 1]]), torch.tensor([40])
     args = kernel_decode_args(layer, head_dim**-0.5)

@@ -1,0 +1,35 @@
+"""A small int8 / int4 / Oaken KV pool filled with random rows, for the tests of lending from
+quantized pools (tests/test_distributed_merge.py, tests/test_distributed_lane.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmosaic.config import CacheConfig, ModelConfig
+from kvmosaic.distributed.pool_rows import QuantizedPoolRows
+from kvmosaic.model.layers.quant_attention import QuantizedAttention
+from kvmosaic.ops import Kernels
+from kvmosaic.quant import thresholds as kvt
+from kvmosaic.worker.kv_cache import KVCache
+
+BS, HQ, HK, BLOCKS, LAYERS = 16, 9, 3, 12, 2
+
+
+def quantized_rows(kernels: Kernels, mode: str, dtype: torch.dtype, head_dim: int,
+                   group: int | None = None) -> tuple[QuantizedPoolRows, KVCache]:
+    """QuantizedPoolRows over a pool of BLOCKS blocks of BS slots, every slot of every layer written
+    with random rows (the same for the same arguments); Oaken with made-up thresholds and key centre."""
+    gen = torch.Generator().manual_seed(head_dim + len(mode))
+    config = ModelConfig("llama", 64, HQ * head_dim, 64, LAYERS, HQ, HK)
+    thresholds = None
+    if mode == "oaken":
+        identity = kvt.ModelIdentity("tiny", "llama", LAYERS, HK, head_dim, HQ * head_dim, 64, 0.0)
+        thresholds = kvt.KVThresholds(identity, torch.tensor([[[-2.0, -0.4, 0.4, 2.0]] * 2] * LAYERS),
+                                      0.1 * torch.randn(LAYERS, HK, head_dim, generator=gen))
+    cache = KVCache(config, CacheConfig(num_blocks=BLOCKS, block_size=BS, kv_cache_dtype=mode, swap_space=0), dtype,
+                    thresholds, group_size=group)
+    rows = QuantizedPoolRows(QuantizedAttention(config, cache, kernels, thresholds))
+    for layer in range(LAYERS):
+        k, v = (torch.randn(BLOCKS * BS, HK, head_dim, generator=gen).to(dtype) for _ in range(2))
+        rows.write(layer, k, v, torch.arange(BLOCKS * BS))
+    return rows, cache
