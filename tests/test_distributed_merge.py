@@ -336,3 +336,19 @@ def test_the_merge_kernel_combines_partials_as_merge_partials_does(level_kernels
     with pytest.raises(RuntimeError, match="different shapes"):
         level_kernels.ops.merge_attention_partials([parts[0].out, parts[1].out[:2]], [p.row_max for p in parts[:2]],
                                                    [p.sum_exp for p in parts[:2]])
+
+
+def test_a_quantized_pools_partials_merge_on_the_float_kernel(level_kernels) -> None:
+    """An instance with an int8 pool merges its decode rows' partials with ops.merge_attention_partials
+    (its float kernels), as a float instance does, not with the PyTorch reference."""
+    from quant_pools import quantized_rows
+
+    from kvmosaic.distributed.dist_attention import RemoteKVAttention
+
+    rows, _ = quantized_rows(level_kernels, "int8", torch.float32, 64)
+    attention = RemoteKVAttention(rows.local, dist=None)
+    assert attention.rows.float_ops is level_kernels.ops and attention.merge is not merge_partials
+    gen = torch.Generator().manual_seed(9)
+    parts = [PartialAttention(torch.randn(1, 9, 64, generator=gen), torch.randn(1, 9, generator=gen),
+                              torch.rand(1, 9, generator=gen) + 1) for _ in range(2)]
+    torch.testing.assert_close(attention.merge(parts), merge_partials(parts), atol=1e-6, rtol=1e-5)

@@ -155,7 +155,7 @@ class RemoteKVAttention(AttentionBackend):
         super().__init__(local.model, local.kv_cache)
         self.local = local
         self.rows = pool_rows(local)
-        self.merge = merge_on(getattr(local, "ops", None))
+        self.merge = merge_on(self.rows.float_ops)  # quantized pools merge on the float kernels too
         self.dist = dist
 
     def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:

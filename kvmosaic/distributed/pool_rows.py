@@ -53,6 +53,10 @@ class PoolRows(Protocol):
         """A C++ server answering debtors' decode rows over this pool (its handle, where it listens),
         or None when this pool's rows need Python."""
 
+    @property
+    def float_ops(self) -> object | None:
+        """The instance's float kernels (the partials' merge runs on them), or None."""
+
 
 def gathered_partial(rows: PoolRows, layer: int, q: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor,
                      k_pos: torch.Tensor, scale: float) -> PartialAttention:
@@ -100,7 +104,11 @@ class FloatPoolRows:
         return PartialAttention(*kernel(q.contiguous(), k_cache, v_cache, block_ids[None], visible, scale))
 
     def open_decode_lane(self, host):
-        return open_lane(self.local.layers, self.local.num_heads, getattr(self.local, "ops", None), host)
+        return open_lane(self.local.layers, self.local.num_heads, self.float_ops, host)
+
+    @property
+    def float_ops(self):
+        return getattr(self.local, "ops", None)
 
 
 class QuantizedPoolRows:
@@ -137,6 +145,10 @@ class QuantizedPoolRows:
         local = self.local
         return open_quantized_lane(local.layers, local.num_heads, local.head_dim, local.kv_cache.dtype,
                                    local.kernels.quant, host)
+
+    @property
+    def float_ops(self):
+        return self.local.kernels.ops
 
     def gather(self, layer, block_ids, dtype):
         pools, qops = self.local.layers[layer], self.local.kernels.quant
