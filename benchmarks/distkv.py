@@ -166,7 +166,8 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
                                                            num_blocks=args.blocks * instances // n))
     cluster = Cluster(config, DistributedConfig(num_instances=n, enable_borrowing=borrowing, dgfm_interval=8,
                                                 kv_pull=mode != "borrowing-push",
-                                                decode_lane=mode != "borrowing-channel"))
+                                                decode_lane=mode != "borrowing-channel",
+                                                lane_spin_us=args.lane_spin_us))
     items = stream_schedule(args)
     try:
         warm = cluster.add_request(None, items[0][2][:16], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -199,7 +200,7 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
                 time.sleep(max(0.0, min(0.01, pending[0][0] - (time.perf_counter() - start))))
         elapsed = time.perf_counter() - start
         stats = cluster.stats()
-        lane = lane_vs_local(cluster, config) if borrowing else None
+        lane = lane_vs_local(cluster, config, args.lane_spin_us) if borrowing else None
     finally:
         cluster.shutdown()
     done = [r for r, (_, reason) in ended.items() if reason == "length"]
@@ -291,6 +292,8 @@ def main() -> None:
     parser.add_argument("--short-rate", type=float, default=2.0, help="--stream: short requests a second")
     parser.add_argument("--long-every", type=float, default=10.0, help="--stream: seconds between long requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lane-spin-us", type=int, default=DistributedConfig().lane_spin_us,
+                        help="microseconds the decode lane's ends poll before they sleep")
     parser.add_argument("--modes", nargs="+", default=["static", "one-instance", "borrowing-push", "borrowing"],
                         choices=["static", "one-instance", "borrowing-push", "borrowing", "borrowing-channel"],
                         help="--stream: borrowing-push: creditors always attend themselves (no K/V pulls); "

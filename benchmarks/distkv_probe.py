@@ -13,9 +13,11 @@ from kvmosaic.distributed.cluster import Cluster
 LANE_KEYS_BLOCKS = 16  # a decode row's remote part in the lane-vs-local probe: 16 lent blocks (256 keys)
 
 
-def lane_vs_local(cluster: Cluster, config) -> dict | None:
+def lane_vs_local(cluster: Cluster, config, spin_us: int) -> dict | None:
     """One decode row's attention over 16 blocks of another instance's pool through its decode lane
-    (transfer included), against the same attention (kernel partial, same shapes, one thread) here."""
+    (transfer included), against the same attention (kernel partial, same shapes, one thread) here.
+    Both ends of the lane poll ``spin_us`` microseconds before they sleep; on one machine the lane
+    runs over the server's Unix socket (``local_socket``)."""
     from kvmosaic.distributed.decode_lane import DecodeLaneClient
     from kvmosaic.ops import Kernels
 
@@ -35,7 +37,7 @@ def lane_vs_local(cluster: Cluster, config) -> dict | None:
     def local() -> None:
         kernels.ops.paged_decode_attention_partial(q, caches[0], caches[1], table, context, lane.head_dim**-0.5)
 
-    client = DecodeLaneClient(lane, timeout=30.0)
+    client = DecodeLaneClient(lane, 30.0, kernels.ops, spin_us)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -48,9 +50,10 @@ def lane_vs_local(cluster: Cluster, config) -> dict | None:
                 for _ in range(100):
                     fn()
                 timings[name].append((time.perf_counter() - started) / 100)
+        local_socket = client.over_local_socket
     finally:
         torch.set_num_threads(threads)
         client.close()
     lane_ms, local_ms = 1000 * min(timings["lane"]), 1000 * min(timings["local"])
-    return {"keys": keys, "lane_round_trip_ms": round(lane_ms, 3), "local_kernel_ms": round(local_ms, 3),
-            "ratio": round(lane_ms / local_ms, 1)}
+    return {"keys": keys, "lane_round_trip_ms": round(lane_ms, 4), "local_kernel_ms": round(local_ms, 4),
+            "ratio": round(lane_ms / local_ms, 2), "spin_us": spin_us, "local_socket": local_socket}

@@ -254,6 +254,8 @@ class DistributedConfig:
     placement: str = "spread"
     kv_pull: bool = True  # a creditor returns lent K/V rows instead of partials when they are fewer bytes
     decode_lane: bool = True  # decode rows' micro-attention through the creditor's C++ server, not the channel
+    # microseconds the lane's two ends poll for the next call / the answer before they sleep (0: sleep at once)
+    lane_spin_us: int = 50
     instance_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -270,6 +272,8 @@ class DistributedConfig:
             raise ValueError("min_swap_blocks must be >= 1 and dgfm_interval >= 0")
         if self.rpc_timeout <= 0 or self.lend_lock_timeout < 0:
             raise ValueError("rpc_timeout must be > 0 and lend_lock_timeout >= 0")
+        if not 0 <= self.lane_spin_us <= 100_000:
+            raise ValueError("lane_spin_us must be in [0, 100000]")
         if self.instance_concurrency < 2:
             raise ValueError("instance_concurrency must be >= 2 (step and remote attention run side by side)")
 

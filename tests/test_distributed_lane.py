@@ -4,14 +4,19 @@ gives, bit for bit, on every ISA level."""
 
 from __future__ import annotations
 
+import dataclasses
+import socket
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 from quant_pools import BLOCKS, BS, HK, HQ, LAYERS, quantized_rows
 
+from kvmosaic.config import DistributedConfig
 from kvmosaic.distributed.channel import ChannelError
-from kvmosaic.distributed.decode_lane import DecodeLaneClient, open_lane
+from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient, open_lane
 from kvmosaic.distributed.dist_attention import _key_positions, creditor_micro_attention
 from kvmosaic.distributed.pool_rows import FloatPoolRows
 
@@ -34,18 +39,25 @@ def _item(gen: torch.Generator, dtype: torch.dtype, head_dim: int, logical: list
 
 @pytest.fixture
 def lane_pair(level_kernels, request):
-    """(a server's caches, a client) for caches of the requested dtype and head size."""
-    dtype, head_dim = request.param
+    """(a server's caches, a client) for caches of the requested dtype and head size; both ends poll
+    for the requested microseconds before they sleep."""
+    dtype, head_dim, spin_us, local = request.param
     caches = _caches(dtype, head_dim, head_dim)
-    server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1")
-    client = DecodeLaneClient(lane, timeout=10.0)
+    server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1", spin_us)
+    assert lane.local_name == server.local_name != ""
+    if not local:  # as a debtor on another machine: the name does not reach the server, TCP does
+        lane = dataclasses.replace(lane, local_name="kvmosaic-lane-nobody")
+    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, spin_us)
+    client.call("attention", 0, [_item(torch.Generator(), dtype, head_dim, [0], [1], 3, None)], 0.125)
+    assert client.over_local_socket == local
     yield caches, client, server
     client.close()
     server.close()
 
 
-@pytest.mark.parametrize("lane_pair", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128)],
-                         indirect=True, ids=["f32-64", "bf16-64", "f32-128"])
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, True), (torch.bfloat16, 64, 200, True),
+                                       (torch.float32, 128, 50, False), (torch.bfloat16, 64, 0, False)],
+                         indirect=True, ids=["f32-64", "bf16-64-spin", "f32-128-spin-tcp", "bf16-64-tcp"])
 def test_lane_answers_and_writes_as_the_channels_handler_does(lane_pair, level_kernels) -> None:
     """Three decode rows in one call: one writing its new K/V into a lent block and attending up to
     it, one past all of its lent blocks, one before them (nothing visible). Partials and the cache's
@@ -70,7 +82,7 @@ def test_lane_answers_and_writes_as_the_channels_handler_does(lane_pair, level_k
     assert torch.equal(caches[1][0].view(-1, HK, head_dim)[10 * BS + 6], items[0]["k_new"][0])
 
 
-@pytest.mark.parametrize("lane_pair", [(torch.float32, 64)], indirect=True, ids=["f32-64"])
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, True)], indirect=True, ids=["f32-64"])
 def test_lane_refuses_bad_calls_with_an_error_and_stays_usable(lane_pair) -> None:
     caches, client, _ = lane_pair
     gen = torch.Generator().manual_seed(1)
@@ -87,7 +99,9 @@ def test_lane_refuses_bad_calls_with_an_error_and_stays_usable(lane_pair) -> Non
     assert answers[0][1].shape == (1, HQ, 64)
 
 
-@pytest.mark.parametrize("lane_pair", [(torch.float32, 64)], indirect=True, ids=["f32-64"])
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, True), (torch.float32, 64, 200, True),
+                                       (torch.float32, 64, 0, False)], indirect=True,
+                         ids=["f32-64", "f32-64-spin", "f32-64-tcp"])
 def test_a_closed_lane_fails_calls_instead_of_hanging(lane_pair) -> None:
     _, client, server = lane_pair
     item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
@@ -98,11 +112,32 @@ def test_a_closed_lane_fails_calls_instead_of_hanging(lane_pair) -> None:
     server.close()  # idempotent
 
 
+def test_a_silent_creditor_times_out_instead_of_hanging(level_kernels) -> None:
+    """A creditor that takes the connection and never answers: the call fails after the client's
+    timeout (polling first, then sleeping), and so does a port nobody listens on."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    lane = DecodeLane(listener.getsockname()[:2], torch.float32, HQ, HK, 64)
+    client = DecodeLaneClient(lane, 0.3, level_kernels.ops, 100)
+    item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
+    started = time.monotonic()
+    with pytest.raises(ChannelError, match="within the timeout"):
+        client.call("attention", 0, [item], 0.125)
+    assert 0.25 < time.monotonic() - started < 5
+    client.close()
+    listener.close()
+    for conn in accepted:
+        conn.close()
+    with pytest.raises(ChannelError, match="cannot reach"):
+        DecodeLaneClient(lane, 0.3, level_kernels.ops).call("attention", 0, [item], 0.125)
+
+
 def test_the_lane_takes_decode_rows_only(level_kernels) -> None:
     caches = _caches(torch.float32, 64, 0)
     server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1")
     try:
-        client = DecodeLaneClient(lane, timeout=10.0)
+        client = DecodeLaneClient(lane, 10.0, level_kernels.ops)
         item = _item(torch.Generator().manual_seed(3), torch.float32, 64, [0], [1], 5, 16)
         assert client.takes([item])
         assert not client.takes([item, dict(item, q=torch.zeros(2, HQ, 64))])  # a prefill chunk's rows
@@ -129,8 +164,8 @@ def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(
     rows, cache = quantized_rows(level_kernels, mode, dtype, head_dim)
     twin, twin_cache = quantized_rows(level_kernels, mode, dtype, head_dim)
     assert torch.equal(cache.device_pool, twin_cache.device_pool)
-    server, lane = rows.open_decode_lane("127.0.0.1")
-    client = DecodeLaneClient(lane, timeout=10.0)
+    server, lane = rows.open_decode_lane("127.0.0.1", 100)
+    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, 100)
     try:
         gen = torch.Generator().manual_seed(11)
         items = [_item(gen, dtype, head_dim, [1, 4, 5], [7, 2, 10], 5 * BS + 6, 10 * BS + 6),
@@ -154,4 +189,12 @@ def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(
 
 def test_pools_of_head_sub_vectors_have_no_lane(level_kernels) -> None:
     rows, _ = quantized_rows(level_kernels, "int8", torch.float32, 64, group=32)
-    assert rows.open_decode_lane("127.0.0.1") is None  # records of 32-value groups: the channel serves them
+    assert rows.open_decode_lane("127.0.0.1", 0) is None  # records of 32-value groups: the channel serves them
+
+
+def test_lane_spin_is_a_checked_setting() -> None:
+    assert DistributedConfig().lane_spin_us >= 0
+    assert DistributedConfig(lane_spin_us=0).lane_spin_us == 0
+    for bad in (-1, 100_001):
+        with pytest.raises(ValueError, match="lane_spin_us"):
+            DistributedConfig(lane_spin_us=bad)

@@ -171,19 +171,23 @@ class ChannelServer:
 class ChannelClient:
     def __init__(self, address: tuple[str, int], timeout: float) -> None:
         self.address, self.timeout = tuple(address), timeout
-        self._sock: socket.socket | None = None
+        self._sock: Any = None  # the connection (_open)
         self._lock = threading.Lock()
         self._outstanding = 0
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> Any:
         if self._sock is None:
-            try:
-                sock = socket.create_connection(self.address, timeout=self.timeout)
-            except OSError as exc:
-                raise ChannelError(f"cannot reach {self.address}: {exc}") from exc
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
+            self._sock = self._open()
         return self._sock
+
+    def _open(self) -> Any:
+        """A new connection (anything with ``close``) that ``_write`` and ``_read`` use."""
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout)
+        except OSError as exc:
+            raise ChannelError(f"cannot reach {self.address}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     def _write(self, sock: socket.socket, method: str, args: tuple) -> None:
         send_message(sock, (method, args))

@@ -1,22 +1,23 @@
 """The data plane's lane for decode rows: a debtor's one-row micro-attention calls go to the
 creditor's C++ server (``AttentionServer``, kvmosaic/ops/csrc/lane_server.cpp) as one binary
-message each way, answered without Python or the GIL on the creditor.
+message each way, written and read by the debtor's C++ client (``AttentionClient``,
+lane_client.cpp), with no Python or GIL on the creditor and none in the transfer on the debtor.
+Instances on one machine talk over the server's abstract Unix socket, others over TCP.
 
 A decode step of a spanning sequence makes one call per layer per creditor; through the pickled
 channel each cost ~1 ms end to end, most of it Python on both ends, while the attention itself is
 tens of microseconds. The server holds either kind of pool: float caches (the float kernels'
 server), or int8 / int4 / Oaken records that it quantizes new rows into and attends over with the
-quantized kernels (the quantized-KV kernels' server). Calls the lane does not take (prefill rows,
-K/V pulls) keep the general channel (channel.py). The wire format is documented in the server's
-source.
+quantized kernels (the quantized-KV kernels' server). Both ends poll for a while before they sleep
+(``spin_us``): a thread woken from sleep costs tens of microseconds, more than the attention.
+Calls the lane does not take (prefill rows, K/V pulls) keep the general channel (channel.py). The
+wire format is documented in the server's source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
-import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,16 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmosaic.distributed.channel import ChannelClient, ChannelError, recv_bytes
+from kvmosaic.distributed.channel import ChannelClient, ChannelError
 
 if TYPE_CHECKING:
     from kvmosaic.model.layers.quant_attention import QuantizedKVLayer
 
 logger = logging.getLogger(__name__)
-_MAGIC = 0x414D564B
-_REQUEST = struct.Struct("=Iiiid")  # magic, layer, items, width, scale
-_ANSWER = struct.Struct("=Iid")  # magic, status, seconds
-_LENGTH = struct.Struct("=i")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +42,11 @@ class DecodeLane:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    local_name: str = ""  # the server's abstract Unix socket: debtors on its machine connect there
 
 
-def open_lane(layers: list[torch.Tensor], num_heads: int, ops: Any, host: str) -> tuple[Any, DecodeLane] | None:
+def open_lane(layers: list[torch.Tensor], num_heads: int, ops: Any, host: str,
+              spin_us: int = 0) -> tuple[Any, DecodeLane] | None:
     """A server over these float KV caches (one [2, blocks, block_size, kv_heads, head_dim] tensor a
     layer), or None when the kernels or the cache cannot serve one."""
     server_type = getattr(ops, "AttentionServer", None)
@@ -55,11 +54,11 @@ def open_lane(layers: list[torch.Tensor], num_heads: int, ops: Any, host: str) -
     if server_type is None or cache.dtype not in (torch.float32, torch.bfloat16) or cache.shape[-1] not in (64, 128):
         return None
     lane = DecodeLane(("", 0), cache.dtype, num_heads, cache.shape[3], cache.shape[4])
-    return _start(lambda: server_type(list(layers), num_heads, host), lane, host)
+    return _start(lambda: server_type(list(layers), num_heads, host, spin_us), lane, host)
 
 
 def open_quantized_lane(layers: list[QuantizedKVLayer], num_heads: int, head_dim: int, dtype: torch.dtype,
-                        quant_ops: Any, host: str) -> tuple[Any, DecodeLane] | None:
+                        quant_ops: Any, host: str, spin_us: int = 0) -> tuple[Any, DecodeLane] | None:
     """A server over these layers' int8 / int4 / Oaken records, taking and answering rows in ``dtype``
     (the compute dtype), or None when the quantized kernels cannot serve one (none built, or records
     of head sub-vectors: int groups smaller than a head)."""
@@ -71,7 +70,8 @@ def open_quantized_lane(layers: list[QuantizedKVLayer], num_heads: int, head_dim
     pools = [[layer.k_pool, layer.v_pool, layer.k_thresholds, layer.v_thresholds, layer.k_center] for layer in layers]
     mode, kv_heads, _, capacity = layers[0].args()
     lane = DecodeLane(("", 0), dtype, num_heads, kv_heads, head_dim)
-    return _start(lambda: server_type(pools, mode, kv_heads, head_dim, capacity, dtype, num_heads, host), lane, host)
+    return _start(lambda: server_type(pools, mode, kv_heads, head_dim, capacity, dtype, num_heads, host, spin_us),
+                  lane, host)
 
 
 def _start(start: Callable[[], Any], lane: DecodeLane, host: str) -> tuple[Any, DecodeLane] | None:
@@ -80,17 +80,30 @@ def _start(start: Callable[[], Any], lane: DecodeLane, host: str) -> tuple[Any, 
     except RuntimeError as exc:  # e.g. an address it cannot listen on: the channel serves every call
         logger.warning("no decode lane: %s", exc)
         return None
-    return server, dataclasses.replace(lane, address=(host, server.port))
+    return server, dataclasses.replace(lane, address=(host, server.port), local_name=server.local_name)
 
 
 class DecodeLaneClient(ChannelClient):
-    """A ChannelClient for the "attention" calls whose items are all decode rows (``takes``)."""
+    """A ChannelClient for the "attention" calls whose items are all decode rows (``takes``), over the
+    float kernels' ``AttentionClient`` (``ops``)."""
 
-    def __init__(self, lane: DecodeLane, timeout: float) -> None:
+    def __init__(self, lane: DecodeLane, timeout: float, ops: Any, spin_us: int = 0) -> None:
         super().__init__(lane.address, timeout)
         self.lane = lane
+        self.ops = ops
+        self.spin_us = spin_us
         self._pending: deque[int] = deque()  # items of each call sent and not yet answered
-        self._no_row = bytes(lane.num_kv_heads * lane.head_dim * lane.dtype.itemsize)  # an item with no new row
+        self._no_row = torch.zeros(1, lane.num_kv_heads, lane.head_dim, dtype=lane.dtype)  # an item with no new row
+
+    @staticmethod
+    def available(ops: Any) -> bool:
+        """Whether these kernels have the lane's client (without it every call takes the channel)."""
+        return getattr(ops, "AttentionClient", None) is not None
+
+    @property
+    def over_local_socket(self) -> bool | None:
+        """Whether the connection goes through the server's Unix socket (None: not connected yet)."""
+        return None if self._sock is None else self._sock.local
 
     def takes(self, items: list[dict]) -> bool:
         """One query row each over at least one lent block, in the server's dtype ("visible": how many
@@ -98,41 +111,48 @@ class DecodeLaneClient(ChannelClient):
         return all(it["q"] is not None and it["q"].shape[0] == 1 and it["q"].dtype == self.lane.dtype
                    and len(it["blocks"]) > 0 and len(it["slots"]) <= 1 and "visible" in it for it in items)
 
-    def _write(self, sock: socket.socket, method: str, args: tuple) -> None:
+    def _open(self) -> Any:
+        host, port = self.address
+        try:
+            return self.ops.AttentionClient(host, port, self.lane.local_name, self.timeout, self.spin_us)
+        except RuntimeError as exc:
+            raise ChannelError(f"cannot reach {self.address}: {exc}") from exc
+
+    def _write(self, conn: Any, method: str, args: tuple) -> None:
         if method != "attention":
             raise ValueError(f"the decode lane carries attention calls, not {method!r}")
         layer, items, scale = args
-        n, width = len(items), max(len(it["blocks"]) for it in items)
+        width = max(len(it["blocks"]) for it in items)
         ints = [it["visible"] for it in items] + [it["slots"][0] if it["slots"] else -1 for it in items]
         for it in items:  # block tables, padded with -1 (never read: past each item's visible keys)
             ints += it["blocks"]
             ints += [-1] * (width - len(it["blocks"]))
-        parts = [_REQUEST.pack(_MAGIC, layer, n, width, scale), struct.pack(f"={len(ints)}q", *ints)]
-        parts += [self._bytes(it["q"]) for it in items]
-        for key in ("k_new", "v_new"):
-            parts += [self._bytes(it[key]) if it["slots"] else self._no_row for it in items]
-        self._pending.append(n)
-        sock.sendall(b"".join(parts))
+        k_new = v_new = None
+        if any(it["slots"] for it in items):
+            k_new, v_new = self._rows(items, "k_new"), self._rows(items, "v_new")
+        try:
+            conn.send(layer, scale, ints, self._rows(items, "q"), k_new, v_new, self.lane.num_kv_heads)
+        except RuntimeError as exc:
+            raise ChannelError(str(exc)) from exc
+        self._pending.append(len(items))
 
-    def _bytes(self, rows: torch.Tensor) -> bytes:
-        """A tensor's values in the lane's dtype, in C order (bfloat16 through an int16 view: numpy has none)."""
-        rows = rows.to(self.lane.dtype)
-        return (rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows).numpy().tobytes()
+    def _rows(self, items: list[dict], key: str) -> torch.Tensor:
+        """One row per item in the lane's dtype; a new K/V row only where the item has a slot."""
+        rows = [it[key] if key == "q" or it["slots"] else self._no_row for it in items]
+        rows = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return rows.to(self.lane.dtype).contiguous()
 
-    def _read(self, sock: socket.socket) -> tuple[str, Any]:
-        magic, status, seconds = _ANSWER.unpack(recv_bytes(sock, _ANSWER.size))
-        if magic != _MAGIC:
-            raise ChannelError("the decode lane's answer is malformed")
+    def _read(self, conn: Any) -> tuple[str, Any]:
         n = self._pending.popleft()
-        if status:
-            (length,) = _LENGTH.unpack(recv_bytes(sock, _LENGTH.size))
-            return "error", recv_bytes(sock, length).decode(errors="replace")
-        hq, dim = self.lane.num_heads, self.lane.head_dim
-        floats = torch.frombuffer(recv_bytes(sock, n * hq * (dim + 2) * 4), dtype=torch.float32)
-        out = floats[: n * hq * dim].view(n, hq, dim)
-        row_max, sum_exp = floats[n * hq * dim:].view(2, n, hq)
+        try:
+            seconds, error, *partial = conn.receive(n, self.lane.num_heads, self.lane.head_dim)
+        except RuntimeError as exc:
+            raise ChannelError(str(exc)) from exc
+        if error is not None:
+            return "error", error
         if n == 1:
-            return "ok", ([("partial", out, row_max, sum_exp)], seconds)
+            return "ok", ([("partial", *partial)], seconds)
+        out, row_max, sum_exp = partial
         return "ok", ([("partial", out[i: i + 1], row_max[i: i + 1], sum_exp[i: i + 1]) for i in range(n)], seconds)
 
     def _drop(self) -> None:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from kvmosaic.distributed.decode_lane import DecodeLane
+from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient
 from kvmosaic.distributed.merge import PartialAttention, merge_on, partial_attention
 from kvmosaic.distributed.pool_rows import PoolRows, pool_rows
 from kvmosaic.engine.errors import RetryableStepError
@@ -175,8 +175,13 @@ class RemoteKVAttention(AttentionBackend):
             return self.local
         return self.dist.bind(batch, meta, self.local, self.rows, self.merge)
 
-    def open_decode_lane(self, host: str) -> tuple[object, DecodeLane] | None:
-        return self.rows.open_decode_lane(host)
+    def open_decode_lane(self, host: str, spin_us: int) -> tuple[object, DecodeLane] | None:
+        return self.rows.open_decode_lane(host, spin_us)
+
+    def decode_lane_client(self, lane: DecodeLane, timeout: float, spin_us: int) -> DecodeLaneClient | None:
+        """A client for another instance's decode lane, or None when this instance's kernels have none."""
+        ops = self.rows.float_ops
+        return DecodeLaneClient(lane, timeout, ops, spin_us) if DecodeLaneClient.available(ops) else None
 
     def serve_micro_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
         """Creditor side: a debtor's queries over the blocks it borrowed from us, for one layer."""

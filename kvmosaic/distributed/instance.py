@@ -25,7 +25,7 @@ import torch
 
 from kvmosaic.config import DistributedConfig, EngineConfig
 from kvmosaic.distributed.channel import ChannelClient, ChannelServer
-from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient
+from kvmosaic.distributed.decode_lane import DecodeLane
 from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, RemoteKVAttention
 from kvmosaic.distributed.rmanager import BorrowingAllocator, RManager
 from kvmosaic.model.layers.backend import AttentionBackend
@@ -54,7 +54,7 @@ class Instance:
         node = ray.get_runtime_context().get_node_id()
         host = ray.util.get_node_ip_address()
         self.channel = ChannelServer(self._serve_channel, host=host)
-        lane = self.attention.open_decode_lane(host) if config.decode_lane else None
+        lane = self.attention.open_decode_lane(host, config.lane_spin_us) if config.decode_lane else None
         self.decode_server, self.decode_lane = lane if lane is not None else (None, None)
         ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
@@ -87,8 +87,9 @@ class Instance:
         self.rmanager.peer_capacity = {i: n for i, n in capacities.items() if i != self.instance_id}
         self.rmanager.channels = {i: ChannelClient(address, self.config.rpc_timeout)
                                   for i, address in channels.items() if i != self.instance_id}
-        self.rmanager.decode_lanes = {i: DecodeLaneClient(lane, self.config.rpc_timeout)
-                                      for i, lane in lanes.items() if i != self.instance_id and lane is not None}
+        clients = {i: self.attention.decode_lane_client(lane, self.config.rpc_timeout, self.config.lane_spin_us)
+                   for i, lane in lanes.items() if i != self.instance_id and lane is not None}
+        self.rmanager.decode_lanes = {i: client for i, client in clients.items() if client is not None}
 
     def info(self) -> dict:
         engine = self.engine

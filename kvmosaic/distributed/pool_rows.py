@@ -49,9 +49,9 @@ class PoolRows(Protocol):
         """Queries ``q`` [N, Hq, D] at ``q_pos`` over the keys of these blocks (at ``k_pos``, every
         slot of each block in order), as a partial to merge with the other holders'."""
 
-    def open_decode_lane(self, host: str) -> tuple[object, DecodeLane] | None:
+    def open_decode_lane(self, host: str, spin_us: int) -> tuple[object, DecodeLane] | None:
         """A C++ server answering debtors' decode rows over this pool (its handle, where it listens),
-        or None when this pool's rows need Python."""
+        or None when this pool's rows need Python. Its threads poll spin_us microseconds before sleeping."""
 
     @property
     def float_ops(self) -> object | None:
@@ -103,8 +103,8 @@ class FloatPoolRows:
         visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
         return PartialAttention(*kernel(q.contiguous(), k_cache, v_cache, block_ids[None], visible, scale))
 
-    def open_decode_lane(self, host):
-        return open_lane(self.local.layers, self.local.num_heads, self.float_ops, host)
+    def open_decode_lane(self, host, spin_us):
+        return open_lane(self.local.layers, self.local.num_heads, self.float_ops, host, spin_us)
 
     @property
     def float_ops(self):
@@ -141,10 +141,10 @@ class QuantizedPoolRows:
         return PartialAttention(*kernel(q.contiguous(), pools.k_pool, pools.v_pool, block_ids[None], visible,
                                         *kernel_decode_args(pools, scale)))
 
-    def open_decode_lane(self, host):
+    def open_decode_lane(self, host, spin_us):
         local = self.local
         return open_quantized_lane(local.layers, local.num_heads, local.head_dim, local.kv_cache.dtype,
-                                   local.kernels.quant, host)
+                                   local.kernels.quant, host, spin_us)
 
     @property
     def float_ops(self):

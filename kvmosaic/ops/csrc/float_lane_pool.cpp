@@ -52,8 +52,8 @@ class FloatLanePool final : public LanePool {
 }  // namespace
 
 std::shared_ptr<LaneServer> float_lane_server(std::vector<at::Tensor> caches, int64_t num_heads,
-                                              const std::string& host) {
-  return std::make_shared<LaneServer>(std::make_unique<FloatLanePool>(std::move(caches)), num_heads, host);
+                                              const std::string& host, int64_t spin_us) {
+  return std::make_shared<LaneServer>(std::make_unique<FloatLanePool>(std::move(caches)), num_heads, host, spin_us);
 }
 
 }  // namespace kvops

@@ -4,6 +4,7 @@
 // This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
 // decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
 #include "bindings.h"
+#include "lane_client.h"
 #include "lane_server.h"
 #include "layer_stack.h"
 
@@ -54,9 +55,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<kvops::LaneServer, std::shared_ptr<kvops::LaneServer>>(
       m, "AttentionServer", "a creditor's micro-attention server for decode rows (kvmosaic.distributed)",
       py::module_local())
-      .def(py::init(&kvops::float_lane_server), py::arg("caches"), py::arg("num_heads"), py::arg("host"))
+      .def(py::init(&kvops::float_lane_server), py::arg("caches"), py::arg("num_heads"), py::arg("host"),
+           py::arg("spin_us") = 0)
       .def_property_readonly("port", &kvops::LaneServer::port)
+      .def_property_readonly("local_name", &kvops::LaneServer::local_name)
       .def("close", &kvops::LaneServer::close, no_gil);
+  py::class_<kvops::LaneClient, std::shared_ptr<kvops::LaneClient>>(
+      m, "AttentionClient", "a debtor's connection to a creditor's AttentionServer (kvmosaic.distributed)",
+      py::module_local())
+      .def(py::init<const std::string&, int64_t, const std::string&, double, int64_t>(), no_gil, py::arg("host"),
+           py::arg("port"), py::arg("local_name"), py::arg("timeout"), py::arg("spin_us") = 0)
+      .def_property_readonly("local", &kvops::LaneClient::local)
+      .def("send", &kvops::LaneClient::send, no_gil, py::arg("layer"), py::arg("scale"), py::arg("ints"),
+           py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("kv_heads"))
+      .def("receive", [](kvops::LaneClient& client, int64_t items, int64_t num_heads, int64_t head_dim) -> py::tuple {
+             kvops::LaneAnswer answer;
+             {
+               py::gil_scoped_release released;
+               answer = client.receive(items, num_heads, head_dim);
+             }
+             if (!answer.error.empty()) return py::make_tuple(answer.seconds, answer.error);
+             return py::make_tuple(answer.seconds, py::none(), answer.out, answer.reference, answer.sum_exp);
+           }, py::arg("items"), py::arg("num_heads"), py::arg("head_dim"),
+           "(creditor seconds, None, out, reference, sum of exps), or (creditor seconds, error message)")
+      .def("close", &kvops::LaneClient::close);
   m.def("layer_stack", &layer_stack, no_gil, "a step (decode rows, then spans) through all decoder layers (packed weights)");
   m.def("decode_passes", &decode_passes, no_gil,
         "greedy decode passes of one row per sequence, each feeding its argmax back (multi-step decoding)");

@@ -15,7 +15,7 @@ using kvops::no_gil;
 // kvquant_lane.cpp: a decode lane server over the layers' (k_pool, v_pool, k_thresholds, v_thresholds, k_center)
 std::shared_ptr<kvops::LaneServer> quant_lane_server(const std::vector<std::vector<at::Tensor>>& layers, int64_t mode,
                                                      int64_t hk, int64_t d, int64_t capacity, at::ScalarType dtype,
-                                                     int64_t num_heads, const std::string& host);
+                                                     int64_t num_heads, const std::string& host, int64_t spin_us);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_write", &quant_write, "quantize K/V rows into their cache slots");
@@ -27,12 +27,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "AttentionServer", "a creditor's micro-attention server for decode rows over quantized records",
       py::module_local())
       .def(py::init([](const std::vector<std::vector<at::Tensor>>& layers, int64_t mode, int64_t hk, int64_t d,
-                       int64_t capacity, const py::object& dtype, int64_t num_heads, const std::string& host) {
+                       int64_t capacity, const py::object& dtype, int64_t num_heads, const std::string& host,
+                       int64_t spin_us) {
              return quant_lane_server(layers, mode, hk, d, capacity, torch::python::detail::py_object_to_dtype(dtype),
-                                      num_heads, host);
+                                      num_heads, host, spin_us);
            }),
            py::arg("layers"), py::arg("mode"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("capacity"),
-           py::arg("dtype"), py::arg("num_heads"), py::arg("host"))
+           py::arg("dtype"), py::arg("num_heads"), py::arg("host"), py::arg("spin_us") = 0)
       .def_property_readonly("port", &kvops::LaneServer::port)
+      .def_property_readonly("local_name", &kvops::LaneServer::local_name)
       .def("close", &kvops::LaneServer::close, no_gil);
 }

@@ -20,11 +20,15 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <omp.h>
+#include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -37,19 +41,8 @@ namespace kvops {
 
 namespace {
 
-constexpr uint32_t kMagic = 0x414d564b;  // "KVMA"
 constexpr int32_t kMaxItems = 1 << 12;
 
-struct RequestHeader {
-  uint32_t magic;
-  int32_t layer, items, width;
-  double scale;
-};
-struct AnswerHeader {
-  uint32_t magic;
-  int32_t status;
-  double seconds;
-};
 
 bool read_all(int fd, void* buffer, size_t bytes) {
   char* p = static_cast<char*>(buffer);
@@ -81,93 +74,160 @@ bool write_all(int fd, std::vector<iovec> parts) {
 
 }  // namespace
 
-LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host)
-    : pool_(std::move(pool)), num_heads_(num_heads) {
+ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeout_ms) {
+  msghdr message{};
+  message.msg_iov = parts;
+  message.msg_iovlen = count;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  bool spinning = spin_us > 0;
+  while (true) {
+    const ssize_t got = ::recvmsg(fd, &message, MSG_DONTWAIT);
+    if (got >= 0) return got;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+    if (spinning) {
+      if (std::chrono::steady_clock::now() < until) {
+        ::sched_yield();  // a thread waiting for this core (the other end, on a busy host) runs first
+        continue;
+      }
+      spinning = false;
+    }
+    pollfd ready{fd, POLLIN, 0};
+    if (::poll(&ready, 1, timeout_ms) == 0) return -2;  // else readable, closed, failed or EINTR: recvmsg tells
+  }
+}
+
+LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us)
+    : pool_(std::move(pool)), num_heads_(num_heads), spin_us_(spin_us) {
   TORCH_CHECK(pool_ != nullptr && pool_->layers() > 0, "LaneServer needs a pool of at least one layer");
+  TORCH_CHECK(spin_us >= 0 && spin_us <= 1000000, "LaneServer: spin_us must be in [0, 1e6]");
   TORCH_CHECK(num_heads > 0 && num_heads % pool_->kv_heads() == 0, "LaneServer: bad number of query heads");
+  TORCH_CHECK(::pipe(wake_) == 0, "LaneServer: cannot open a pipe");
   listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(listener_ >= 0, "LaneServer: cannot open a socket");
+  if (listener_ < 0) {
+    close_fds();
+    TORCH_CHECK(false, "LaneServer: cannot open a socket");
+  }
   const int one = 1;
   ::setsockopt(listener_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = 0;
   if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    ::close(listener_);
+    close_fds();
     TORCH_CHECK(false, "LaneServer: not an IPv4 address: ", host);
   }
   socklen_t len = sizeof(addr);
   if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(listener_, 16) != 0 ||
       ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    ::close(listener_);
+    close_fds();
     TORCH_CHECK(false, "LaneServer: cannot listen on ", host);
   }
   port_ = ntohs(addr.sin_port);
+  listen_local();
   accept_thread_ = std::thread([this] { accept_loop(); });
+}
+
+void LaneServer::listen_local() {
+#ifdef __linux__
+  // an abstract Unix socket (no file; gone with the process) for debtors on this machine: cheaper per
+  // message than TCP over loopback. Without one, every debtor connects over TCP.
+  local_name_ = "kvmosaic-lane-" + std::to_string(::getpid()) + "-" + std::to_string(port_);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, local_name_.data(), local_name_.size());
+  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + local_name_.size());
+  local_listener_ = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  if (local_listener_ < 0 || ::bind(local_listener_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+      ::listen(local_listener_, 16) != 0) {
+    if (local_listener_ >= 0) ::close(local_listener_);
+    local_listener_ = -1;
+    local_name_.clear();
+  }
+#endif
 }
 
 LaneServer::~LaneServer() { close(); }
 
 void LaneServer::close() {
   if (closed_.exchange(true)) return;
-  ::shutdown(listener_, SHUT_RDWR);
-  ::close(listener_);
+  const char byte = 0;
+  if (::write(wake_[1], &byte, 1) < 0) {  // the accept loop polls the pipe too: this ends it
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  close_fds();
   {
     std::lock_guard<std::mutex> guard(mutex_);
     for (int fd : connections_) ::shutdown(fd, SHUT_RDWR);  // wakes their threads; each closes its own
   }
-  if (accept_thread_.joinable()) accept_thread_.join();
   for (std::thread& t : workers_) t.join();
   workers_.clear();
 }
 
+void LaneServer::close_fds() {
+  for (int* fd : {&listener_, &local_listener_, &wake_[0], &wake_[1]}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
+}
+
 void LaneServer::accept_loop() {
+  pollfd ready[3] = {{wake_[0], POLLIN, 0}, {listener_, POLLIN, 0}, {local_listener_, POLLIN, 0}};
+  const nfds_t count = local_listener_ >= 0 ? 3 : 2;
   while (!closed_) {
-    const int fd = ::accept(listener_, nullptr, nullptr);
-    if (fd < 0) {
-      if (closed_) return;
-      continue;
+    if (::poll(ready, count, -1) < 0 || ready[0].revents != 0) continue;  // EINTR, or closing
+    for (nfds_t i = 1; i < count; ++i) {
+      if (!(ready[i].revents & POLLIN)) continue;
+      const int fd = ::accept(ready[i].fd, nullptr, nullptr);
+      if (fd < 0) continue;
+      if (i == 1) {
+        const int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      }
+      std::lock_guard<std::mutex> guard(mutex_);
+      connections_.push_back(fd);
+      workers_.emplace_back([this, fd] { serve(fd); });
     }
-    const int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    std::lock_guard<std::mutex> guard(mutex_);
-    if (closed_) {
-      ::close(fd);
-      return;
-    }
-    connections_.push_back(fd);
-    workers_.emplace_back([this, fd] { serve(fd); });
   }
 }
 
 void LaneServer::serve(int fd) {
   omp_set_num_threads(1);  // a call is one row's attention: this thread alone, beside the instance's own team
-  while (!closed_ && serve_one(fd)) {
+  std::vector<int64_t> body;  // a call's block tables and rows, kept for the next one
+  while (!closed_) {
+    LaneRequestHeader head{};
+    iovec part{&head, sizeof(head)};
+    const ssize_t got = receive_some(fd, &part, 1, spin_us_, -1);
+    if (got <= 0 || (static_cast<size_t>(got) < sizeof(head) &&
+                     !read_all(fd, reinterpret_cast<char*>(&head) + got, sizeof(head) - got)))
+      break;
+    if (!serve_one(fd, head, body)) break;
   }
   std::lock_guard<std::mutex> guard(mutex_);
   connections_.erase(std::find(connections_.begin(), connections_.end(), fd));
   ::close(fd);
 }
 
-bool LaneServer::serve_one(int fd) {
-  RequestHeader head{};
-  if (!read_all(fd, &head, sizeof(head)) || head.magic != kMagic) return false;
+bool LaneServer::serve_one(int fd, const LaneRequestHeader& head, std::vector<int64_t>& body) {
+  if (head.magic != kLaneMagic) return false;
   const LanePool& pool = *pool_;
   const int64_t hk = pool.kv_heads(), d = pool.head_dim(), bs = pool.block_size(), slots = pool.blocks() * bs;
   if (head.items < 1 || head.items > kMaxItems || head.width < 1 || head.width > pool.blocks()) return false;
   const int64_t n = head.items, width = head.width, elem = c10::elementSize(pool.dtype());
-  std::vector<int64_t> ints(n * (2 + width));
-  std::vector<char> rows(n * (num_heads_ + 2 * hk) * d * elem);
-  if (!read_all(fd, ints.data(), ints.size() * sizeof(int64_t)) || !read_all(fd, rows.data(), rows.size())) return false;
+  const int64_t num_ints = n * (2 + width), row_bytes = n * (num_heads_ + 2 * hk) * d * elem;
+  body.resize(num_ints + (row_bytes + 7) / 8);  // int64 words: the rows start 8-byte aligned
+  if (!read_all(fd, body.data(), num_ints * sizeof(int64_t) + row_bytes)) return false;
+  const int64_t* ints = body.data();
+  char* rows = reinterpret_cast<char*>(body.data() + num_ints);
 
   const auto started = std::chrono::steady_clock::now();
   std::string error;
   std::vector<at::Tensor> partial;
   try {
     TORCH_CHECK(head.layer >= 0 && head.layer < pool.layers(), "layer ", head.layer, " out of range");
-    const int64_t* context = ints.data();
-    const int64_t* slot = ints.data() + n;
-    const int64_t* table = ints.data() + 2 * n;
+    const int64_t* context = ints;
+    const int64_t* slot = ints + n;
+    const int64_t* table = ints + 2 * n;
     std::vector<int64_t> written;  // the items that bring a new row
     for (int64_t i = 0; i < n; ++i) {  // all of a call is checked before any of it is written
       TORCH_CHECK(slot[i] >= -1 && slot[i] < slots, "slot ", slot[i], " out of range");
@@ -178,7 +238,7 @@ bool LaneServer::serve_one(int fd) {
     }
     const auto longs = at::TensorOptions().dtype(at::kLong);
     const auto wire = at::TensorOptions().dtype(pool.dtype());
-    char* k_new = rows.data() + n * num_heads_ * d * elem;
+    char* k_new = rows + n * num_heads_ * d * elem;
     char* v_new = k_new + n * hk * d * elem;
     if (!written.empty()) {
       at::Tensor k = at::from_blob(k_new, {n, hk, d}, wire), v = at::from_blob(v_new, {n, hk, d}, wire);
@@ -189,15 +249,15 @@ bool LaneServer::serve_one(int fd) {
       }
       pool_->write(head.layer, k, v, at_slots);
     }
-    const at::Tensor q = at::from_blob(rows.data(), {n, num_heads_, d}, wire);
-    partial = pool_->partial(head.layer, q, at::from_blob(ints.data() + 2 * n, {n, width}, longs),
-                             at::from_blob(ints.data(), {n}, longs), head.scale);
+    const at::Tensor q = at::from_blob(rows, {n, num_heads_, d}, wire);
+    partial = pool_->partial(head.layer, q, at::from_blob(const_cast<int64_t*>(table), {n, width}, longs),
+                             at::from_blob(const_cast<int64_t*>(context), {n}, longs), head.scale);
   } catch (const std::exception& e) {
     error = e.what();
     error = error.substr(0, error.find('\n'));  // the first line: c10 appends a C++ backtrace
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  AnswerHeader answer{kMagic, error.empty() ? 0 : 1, seconds};
+  LaneAnswerHeader answer{kLaneMagic, error.empty() ? 0 : 1, seconds};
   std::vector<iovec> parts{{&answer, sizeof(answer)}};
   int32_t length = static_cast<int32_t>(error.size());
   if (error.empty()) {

@@ -12,7 +12,23 @@
 #include <thread>
 #include <vector>
 
+#include <sys/socket.h>
+#include <sys/uio.h>
+
 namespace kvops {
+
+// The wire format's headers (lane_server.cpp documents the whole message).
+constexpr uint32_t kLaneMagic = 0x414d564b;  // "KVMA"
+struct LaneRequestHeader {
+  uint32_t magic;
+  int32_t layer, items, width;
+  double scale;
+};
+struct LaneAnswerHeader {
+  uint32_t magic;
+  int32_t status;
+  double seconds;
+};
 
 // One instance's KV pool as the server reads and writes it. Rows cross in dtype() (the compute dtype).
 class LanePool {
@@ -33,24 +49,34 @@ class LanePool {
 
 class LaneServer {
  public:
-  // listens on host, any port; serves `pool` to debtors for queries of num_heads heads
-  LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host);
+  // listens on host, any port; serves `pool` to debtors for queries of num_heads heads. After each
+  // answer a connection's thread polls for the next call for up to spin_us microseconds before it
+  // sleeps in the kernel (a debtor's step sends one call a layer: a polling thread skips the wake-up).
+  LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us = 0);
   ~LaneServer();
   LaneServer(const LaneServer&) = delete;
   LaneServer& operator=(const LaneServer&) = delete;
   int64_t port() const { return port_; }
+  // the abstract Unix socket debtors on this machine connect to ("" where there is none)
+  const std::string& local_name() const { return local_name_; }
   // stops accepting and ends every connection (a debtor's next call fails); idempotent
   void close();
 
  private:
+  void listen_local();
+  void close_fds();
   void accept_loop();
   void serve(int fd);
-  bool serve_one(int fd);
+  bool serve_one(int fd, const LaneRequestHeader& head, std::vector<int64_t>& body);
 
   std::unique_ptr<LanePool> pool_;
   int64_t num_heads_;
+  int64_t spin_us_;
   int listener_ = -1;
+  int local_listener_ = -1;
+  int wake_[2] = {-1, -1};  // a pipe: close() writes to it to end the accept loop
   int64_t port_ = 0;
+  std::string local_name_;
   std::atomic<bool> closed_{false};
   std::mutex mutex_;
   std::vector<int> connections_;
@@ -61,6 +87,11 @@ class LaneServer {
 // A server over the float KV caches, one [2, blocks, block_size, kv_heads, head_dim] tensor a layer
 // (float_lane_pool.cpp, in the float extension).
 std::shared_ptr<LaneServer> float_lane_server(std::vector<at::Tensor> caches, int64_t num_heads,
-                                              const std::string& host);
+                                              const std::string& host, int64_t spin_us);
+
+// Reads what has arrived on fd into parts, at least one byte: polls without sleeping for up to
+// spin_us microseconds, then sleeps in poll() for up to timeout_ms (-1: no limit). Returns the bytes
+// read, 0 when the peer closed, -1 on an error, -2 on a timeout.
+ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeout_ms);
 
 }  // namespace kvops

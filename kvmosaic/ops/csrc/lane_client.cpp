@@ -1,0 +1,159 @@
+// A debtor's end of a creditor's decode lane (lane_server.cpp): writes a call straight from the
+// tensors' memory and reads the answer into one float32 tensor, without the GIL. Waiting for the
+// answer polls without sleeping for up to spin_us microseconds first, as the server does for calls:
+// an answer is a few tens of microseconds away, less than putting a thread to sleep and waking it.
+// The wire format is the server's (lane_server.cpp).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+
+#include "lane_client.h"
+#include "lane_server.h"
+
+namespace kvops {
+
+LaneClient::LaneClient(const std::string& host, int64_t port, const std::string& local_name, double timeout,
+                       int64_t spin_us)
+    : timeout_ms_(static_cast<int>(timeout * 1000)), spin_us_(spin_us) {
+  TORCH_CHECK(timeout > 0 && spin_us >= 0 && spin_us <= 1000000, "LaneClient: bad timeout or spin_us");
+#ifdef __linux__
+  if (!local_name.empty() && local_name.size() < sizeof(sockaddr_un::sun_path) - 1) {  // the server's abstract socket
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path + 1, local_name.data(), local_name.size());
+    fd_ = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + local_name.size());
+    if (fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), len) == 0) return;
+    close();  // another machine's name, or gone: TCP below
+  }
+#endif
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  TORCH_CHECK(port > 0 && port < 65536 && ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1,
+              "LaneClient: not an IPv4 address and port: ", host, ":", port);
+  fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd_ >= 0, "LaneClient: cannot open a socket");
+  if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const std::string reason = std::strerror(errno);
+    close();
+    TORCH_CHECK(false, "LaneClient: cannot reach ", host, ":", port, ": ", reason);
+  }
+  const int one = 1;
+  ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  local_ = false;
+}
+
+LaneClient::~LaneClient() { close(); }
+
+void LaneClient::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+void LaneClient::send(int64_t layer, double scale, const std::vector<int64_t>& ints, const at::Tensor& q,
+                      const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                      int64_t kv_heads) {
+  TORCH_CHECK(fd_ >= 0, "LaneClient: closed");
+  const int64_t n = q.size(0), d = q.size(-1);
+  const int64_t nints = static_cast<int64_t>(ints.size());
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && n > 0, "LaneClient: q is contiguous [items, heads, head_dim]");
+  TORCH_CHECK(nints > 2 * n && (nints - 2 * n) % n == 0, "LaneClient: ints are [contexts, slots, tables] of the items");
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "LaneClient: k_new and v_new come together");
+  const size_t row_bytes = static_cast<size_t>(n * kv_heads * d) * q.element_size();
+  if (k_new.has_value()) {
+    for (const at::Tensor& t : {*k_new, *v_new})
+      TORCH_CHECK(t.is_contiguous() && t.scalar_type() == q.scalar_type() && static_cast<size_t>(t.nbytes()) == row_bytes,
+                  "LaneClient: k_new, v_new are contiguous [items, kv_heads, head_dim] in q's dtype");
+  } else if (zeros_.size() < row_bytes) {
+    zeros_.resize(row_bytes, 0);
+  }
+  LaneRequestHeader head{kLaneMagic, static_cast<int32_t>(layer), static_cast<int32_t>(n), static_cast<int32_t>((nints - 2 * n) / n),
+                     scale};
+  iovec parts[5] = {{&head, sizeof(head)},
+                    {const_cast<int64_t*>(ints.data()), ints.size() * sizeof(int64_t)},
+                    {q.data_ptr(), static_cast<size_t>(q.nbytes())},
+                    {k_new ? k_new->data_ptr() : zeros_.data(), row_bytes},
+                    {v_new ? v_new->data_ptr() : zeros_.data(), row_bytes}};
+  size_t first = 0;
+  while (first < 5) {
+    msghdr message{};
+    message.msg_iov = parts + first;
+    message.msg_iovlen = 5 - first;
+    const ssize_t sent = ::sendmsg(fd_, &message, MSG_NOSIGNAL);  // a closed peer is an error, not SIGPIPE
+    if (sent < 0 && errno == EINTR) continue;
+    TORCH_CHECK(sent >= 0, "LaneClient: sending failed: ", std::strerror(errno));
+    size_t left = static_cast<size_t>(sent);
+    while (first < 5 && left >= parts[first].iov_len) left -= parts[first++].iov_len;
+    if (first < 5 && left > 0) {
+      parts[first].iov_base = static_cast<char*>(parts[first].iov_base) + left;
+      parts[first].iov_len -= left;
+    }
+  }
+  ++outstanding_;
+}
+
+void LaneClient::read_exactly(void* buffer, size_t bytes) {
+  char* p = static_cast<char*>(buffer);
+  while (bytes > 0) {
+    iovec part{p, bytes};
+    const ssize_t got = receive_some(fd_, &part, 1, spin_us_, timeout_ms_);
+    TORCH_CHECK(got != -2, "LaneClient: no answer within the timeout");
+    TORCH_CHECK(got > 0, "LaneClient: the creditor closed the connection");
+    p += got;
+    bytes -= static_cast<size_t>(got);
+  }
+}
+
+LaneAnswer LaneClient::receive(int64_t items, int64_t num_heads, int64_t head_dim) {
+  TORCH_CHECK(fd_ >= 0 && outstanding_ > 0, "LaneClient: no call is waiting for an answer");
+  const int64_t rows = items * num_heads;
+  at::Tensor floats = at::empty({rows * (head_dim + 2)}, at::TensorOptions().dtype(at::kFloat));
+  char* payload = static_cast<char*>(floats.data_ptr());
+  const size_t size = static_cast<size_t>(floats.nbytes());
+  // The header and, when this is the only call in flight (nothing of a later answer can follow it),
+  // as much of a successful answer's payload as has arrived: usually the whole answer in one read.
+  LaneAnswerHeader head{};
+  iovec parts[2] = {{&head, sizeof(head)}, {payload, outstanding_ == 1 ? size : 0}};
+  --outstanding_;
+  const ssize_t got = receive_some(fd_, parts, 2, spin_us_, timeout_ms_);
+  TORCH_CHECK(got != -2, "LaneClient: no answer within the timeout");
+  TORCH_CHECK(got > 0, "LaneClient: the creditor closed the connection");
+  size_t have = static_cast<size_t>(got);
+  if (have < sizeof(head)) {
+    read_exactly(reinterpret_cast<char*>(&head) + have, sizeof(head) - have);
+    have = sizeof(head);
+  }
+  have -= sizeof(head);  // payload bytes already read
+  TORCH_CHECK(head.magic == kLaneMagic, "LaneClient: the answer is malformed");
+  if (head.status != 0) {  // int32 length, then the message; part of it may be in the payload buffer
+    std::string bytes(payload, have);
+    if (bytes.size() < sizeof(int32_t)) {
+      bytes.resize(sizeof(int32_t));
+      read_exactly(bytes.data() + have, sizeof(int32_t) - have);
+    }
+    int32_t length = 0;
+    std::memcpy(&length, bytes.data(), sizeof(length));
+    TORCH_CHECK(length >= 0 && length < (1 << 20) && bytes.size() <= sizeof(length) + length,
+                "LaneClient: the answer is malformed");
+    std::string message = bytes.substr(sizeof(length));
+    const size_t known = message.size();
+    message.resize(static_cast<size_t>(length));
+    read_exactly(message.data() + known, message.size() - known);
+    if (message.empty()) message = "the creditor failed the call";
+    return {head.seconds, at::Tensor(), at::Tensor(), at::Tensor(), message};
+  }
+  read_exactly(payload + have, size - have);
+  return {head.seconds, floats.narrow(0, 0, rows * head_dim).view({items, num_heads, head_dim}),
+          floats.narrow(0, rows * head_dim, rows).view({items, num_heads}),
+          floats.narrow(0, rows * (head_dim + 1), rows).view({items, num_heads}), std::string()};
+}
+
+}  // namespace kvops

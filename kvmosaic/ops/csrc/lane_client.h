@@ -1,0 +1,49 @@
+// A debtor's connection to a creditor's decode lane (lane_client.cpp). Compiled into both extensions
+// with the server; the float one binds it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+namespace kvops {
+
+struct LaneAnswer {
+  double seconds;  // the creditor's compute time
+  // on success out [items, hq, d], reference [items, hq] and sum of exps [items, hq] (views of one buffer)
+  at::Tensor out, reference, sum_exp;
+  std::string error;  // the creditor's message when it failed the call
+};
+
+class LaneClient {
+ public:
+  // connects to a lane server: through its abstract Unix socket local_name when that is reachable (the
+  // server is on this machine), else over TCP; waits up to timeout seconds for an answer, the first
+  // spin_us of them polling
+  LaneClient(const std::string& host, int64_t port, const std::string& local_name, double timeout, int64_t spin_us);
+  bool local() const { return local_; }  // connected through the Unix socket
+  ~LaneClient();
+  LaneClient(const LaneClient&) = delete;
+  LaneClient& operator=(const LaneClient&) = delete;
+  // one call: ints are [context[items], slot[items], table[items * width]]; q is [items, hq, head_dim]
+  // and k_new, v_new [items, hk, head_dim] in the lane's dtype, or none when no item has a new row
+  // (every slot -1; the server then reads zeros it ignores)
+  void send(int64_t layer, double scale, const std::vector<int64_t>& ints, const at::Tensor& q,
+            const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new, int64_t kv_heads);
+  // the answer to the oldest call sent and not yet received
+  LaneAnswer receive(int64_t items, int64_t num_heads, int64_t head_dim);
+  void close();
+
+ private:
+  void read_exactly(void* buffer, size_t bytes);
+
+  int fd_ = -1;
+  bool local_ = true;
+  int64_t outstanding_ = 0;  // calls sent and not yet answered
+  std::vector<char> zeros_;  // the new rows of calls that bring none
+  int timeout_ms_;
+  int64_t spin_us_;
+};
+
+}  // namespace kvops
