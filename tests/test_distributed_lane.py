@@ -198,3 +198,26 @@ def test_lane_spin_is_a_checked_setting() -> None:
     for bad in (-1, 100_001):
         with pytest.raises(ValueError, match="lane_spin_us"):
             DistributedConfig(lane_spin_us=bad)
+
+
+def test_a_connection_that_is_never_taken_fails_after_the_timeout(level_kernels) -> None:
+    """A listener whose queue is full drops the handshake: connecting gives up after the client's
+    timeout, not the system's (minutes)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    queued = []
+    for _ in range(3):  # fill the accept queue; later handshakes are dropped
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex(listener.getsockname())
+        queued.append(sock)
+    time.sleep(0.05)
+    lane = DecodeLane(listener.getsockname()[:2], torch.float32, HQ, HK, 64)
+    item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
+    started = time.monotonic()
+    with pytest.raises(ChannelError, match="cannot reach.*within the timeout"):
+        DecodeLaneClient(lane, 0.3, level_kernels.ops).call("attention", 0, [item], 0.125)
+    assert 0.25 < time.monotonic() - started < 5
+    for sock in (*queued, listener):
+        sock.close()

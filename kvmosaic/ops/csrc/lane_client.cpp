@@ -5,7 +5,9 @@
 // The wire format is the server's (lane_server.cpp).
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -41,14 +43,36 @@ LaneClient::LaneClient(const std::string& host, int64_t port, const std::string&
               "LaneClient: not an IPv4 address and port: ", host, ":", port);
   fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
   TORCH_CHECK(fd_ >= 0, "LaneClient: cannot open a socket");
-  if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    const std::string reason = std::strerror(errno);
+  const int reason = connect_within(reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  if (reason != 0) {
     close();
-    TORCH_CHECK(false, "LaneClient: cannot reach ", host, ":", port, ": ", reason);
+    TORCH_CHECK(false, "LaneClient: cannot reach ", host, ":", port, ": ",
+                reason == ETIMEDOUT ? "no answer within the timeout" : std::strerror(reason));
   }
   const int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   local_ = false;
+}
+
+int LaneClient::connect_within(const sockaddr* addr, socklen_t len) {
+  // a non-blocking connect waited for in poll(): a host that drops the handshake fails after the
+  // timeout rather than the system's (minutes)
+  const int flags = ::fcntl(fd_, F_GETFL, 0);
+  if (flags < 0 || ::fcntl(fd_, F_SETFL, flags | O_NONBLOCK) != 0) return errno;
+  if (::connect(fd_, addr, len) != 0) {
+    if (errno != EINPROGRESS) return errno;
+    pollfd ready{fd_, POLLOUT, 0};
+    int polled;
+    do {
+      polled = ::poll(&ready, 1, timeout_ms_);
+    } while (polled < 0 && errno == EINTR);
+    if (polled == 0) return ETIMEDOUT;
+    int error = 0;
+    socklen_t size = sizeof(error);
+    if (polled < 0 || ::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &error, &size) != 0) return errno;
+    if (error != 0) return error;
+  }
+  return ::fcntl(fd_, F_SETFL, flags) == 0 ? 0 : errno;  // blocking again: sends block, reads poll
 }
 
 LaneClient::~LaneClient() { close(); }

@@ -2,6 +2,7 @@
 // with the server; the float one binds it.
 #pragma once
 
+#include <sys/socket.h>
 #include <torch/extension.h>
 
 #include <string>
@@ -37,6 +38,7 @@ class LaneClient {
 
  private:
   void read_exactly(void* buffer, size_t bytes);
+  int connect_within(const sockaddr* addr, socklen_t len);  // 0, or the errno of a failed connect
 
   int fd_ = -1;
   bool local_ = true;
