@@ -106,34 +106,14 @@ void LaneClient::send(int64_t layer, double scale, const std::vector<int64_t>& i
                     {q.data_ptr(), static_cast<size_t>(q.nbytes())},
                     {k_new ? k_new->data_ptr() : zeros_.data(), row_bytes},
                     {v_new ? v_new->data_ptr() : zeros_.data(), row_bytes}};
-  size_t first = 0;
-  while (first < 5) {
-    msghdr message{};
-    message.msg_iov = parts + first;
-    message.msg_iovlen = 5 - first;
-    const ssize_t sent = ::sendmsg(fd_, &message, MSG_NOSIGNAL);  // a closed peer is an error, not SIGPIPE
-    if (sent < 0 && errno == EINTR) continue;
-    TORCH_CHECK(sent >= 0, "LaneClient: sending failed: ", std::strerror(errno));
-    size_t left = static_cast<size_t>(sent);
-    while (first < 5 && left >= parts[first].iov_len) left -= parts[first++].iov_len;
-    if (first < 5 && left > 0) {
-      parts[first].iov_base = static_cast<char*>(parts[first].iov_base) + left;
-      parts[first].iov_len -= left;
-    }
-  }
+  TORCH_CHECK(send_all(fd_, parts, 5), "LaneClient: sending failed: ", std::strerror(errno));
   ++outstanding_;
 }
 
 void LaneClient::read_exactly(void* buffer, size_t bytes) {
-  char* p = static_cast<char*>(buffer);
-  while (bytes > 0) {
-    iovec part{p, bytes};
-    const ssize_t got = receive_some(fd_, &part, 1, spin_us_, timeout_ms_);
-    TORCH_CHECK(got != -2, "LaneClient: no answer within the timeout");
-    TORCH_CHECK(got > 0, "LaneClient: the creditor closed the connection");
-    p += got;
-    bytes -= static_cast<size_t>(got);
-  }
+  const ssize_t got = receive_exactly(fd_, buffer, bytes, spin_us_, timeout_ms_);
+  TORCH_CHECK(got != -2, "LaneClient: no answer within the timeout");
+  TORCH_CHECK(got > 0, "LaneClient: the creditor closed the connection");
 }
 
 LaneAnswer LaneClient::receive(int64_t items, int64_t num_heads, int64_t head_dim) {

@@ -43,35 +43,6 @@ namespace {
 
 constexpr int32_t kMaxItems = 1 << 12;
 
-
-bool read_all(int fd, void* buffer, size_t bytes) {
-  char* p = static_cast<char*>(buffer);
-  while (bytes > 0) {
-    const ssize_t n = ::recv(fd, p, bytes, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool write_all(int fd, std::vector<iovec> parts) {
-  size_t first = 0;
-  while (first < parts.size()) {
-    const ssize_t n = ::writev(fd, parts.data() + first, static_cast<int>(std::min<size_t>(parts.size() - first, 512)));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return false;
-    size_t sent = static_cast<size_t>(n);
-    while (first < parts.size() && sent >= parts[first].iov_len) sent -= parts[first++].iov_len;
-    if (first < parts.size() && sent > 0) {
-      parts[first].iov_base = static_cast<char*>(parts[first].iov_base) + sent;
-      parts[first].iov_len -= sent;
-    }
-  }
-  return true;
-}
-
 }  // namespace
 
 ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeout_ms) {
@@ -95,6 +66,37 @@ ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeo
     pollfd ready{fd, POLLIN, 0};
     if (::poll(&ready, 1, timeout_ms) == 0) return -2;  // else readable, closed, failed or EINTR: recvmsg tells
   }
+}
+
+ssize_t receive_exactly(int fd, void* buffer, size_t bytes, int64_t spin_us, int timeout_ms) {
+  char* p = static_cast<char*>(buffer);
+  while (bytes > 0) {
+    iovec part{p, bytes};
+    const ssize_t got = receive_some(fd, &part, 1, spin_us, timeout_ms);
+    if (got <= 0) return got;
+    p += got;
+    bytes -= static_cast<size_t>(got);
+  }
+  return 1;
+}
+
+bool send_all(int fd, iovec* parts, size_t count) {
+  size_t first = 0;
+  while (first < count) {
+    msghdr message{};
+    message.msg_iov = parts + first;
+    message.msg_iovlen = std::min<size_t>(count - first, 512);
+    const ssize_t sent = ::sendmsg(fd, &message, MSG_NOSIGNAL);  // a closed peer is an error, not SIGPIPE
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent < 0) return false;
+    size_t left = static_cast<size_t>(sent);
+    while (first < count && left >= parts[first].iov_len) left -= parts[first++].iov_len;
+    if (first < count && left > 0) {
+      parts[first].iov_base = static_cast<char*>(parts[first].iov_base) + left;
+      parts[first].iov_len -= left;
+    }
+  }
+  return true;
 }
 
 LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us)
@@ -199,7 +201,7 @@ void LaneServer::serve(int fd) {
     iovec part{&head, sizeof(head)};
     const ssize_t got = receive_some(fd, &part, 1, spin_us_, -1);
     if (got <= 0 || (static_cast<size_t>(got) < sizeof(head) &&
-                     !read_all(fd, reinterpret_cast<char*>(&head) + got, sizeof(head) - got)))
+                     receive_exactly(fd, reinterpret_cast<char*>(&head) + got, sizeof(head) - got, 0, -1) <= 0))
       break;
     if (!serve_one(fd, head, body)) break;
   }
@@ -216,7 +218,7 @@ bool LaneServer::serve_one(int fd, const LaneRequestHeader& head, std::vector<in
   const int64_t n = head.items, width = head.width, elem = c10::elementSize(pool.dtype());
   const int64_t num_ints = n * (2 + width), row_bytes = n * (num_heads_ + 2 * hk) * d * elem;
   body.resize(num_ints + (row_bytes + 7) / 8);  // int64 words: the rows start 8-byte aligned
-  if (!read_all(fd, body.data(), num_ints * sizeof(int64_t) + row_bytes)) return false;
+  if (receive_exactly(fd, body.data(), num_ints * sizeof(int64_t) + row_bytes, 0, -1) <= 0) return false;
   const int64_t* ints = body.data();
   char* rows = reinterpret_cast<char*>(body.data() + num_ints);
 
@@ -266,7 +268,7 @@ bool LaneServer::serve_one(int fd, const LaneRequestHeader& head, std::vector<in
     parts.push_back({&length, sizeof(length)});
     parts.push_back({error.data(), error.size()});
   }
-  return write_all(fd, std::move(parts));
+  return send_all(fd, parts.data(), parts.size());
 }
 
 }  // namespace kvops

@@ -93,5 +93,9 @@ std::shared_ptr<LaneServer> float_lane_server(std::vector<at::Tensor> caches, in
 // spin_us microseconds, then sleeps in poll() for up to timeout_ms (-1: no limit). Returns the bytes
 // read, 0 when the peer closed, -1 on an error, -2 on a timeout.
 ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeout_ms);
+// Fills buffer, waiting for each piece as receive_some does: 1, or receive_some's 0 / -1 / -2.
+ssize_t receive_exactly(int fd, void* buffer, size_t bytes, int64_t spin_us, int timeout_ms);
+// Sends every byte of parts (a closed peer is an error, not SIGPIPE); false on an error.
+bool send_all(int fd, iovec* parts, size_t count);
 
 }  // namespace kvops
