@@ -47,6 +47,20 @@ def small_batch(llm: LLM) -> float:
 WORKLOADS = {"single stream": single_stream, "16 x 64": small_batch}
 
 
+def rate_summary(rates: list[float], base: list[float]) -> dict:
+    """The median and best of a case's rounds and its median ratio to the base case, round by round."""
+    return {"median": statistics.median(rates), "best": max(rates),
+            "ratio": statistics.median(r / b for r, b in zip(rates, base, strict=True)), "rounds": rates}
+
+
+def write_results(json_arg: str | None, name: str, rounds: int, rows: list[dict]) -> None:
+    """The rows as JSON: at --json, else benchmarks/results/<name>.json."""
+    out = Path(json_arg) if json_arg else RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"isa": isa_summary(), "rounds": rounds, "results": rows}, indent=2))
+    print(f"\nwrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default="1,8", help="num_scheduler_steps values; the first is the baseline")
@@ -70,15 +84,10 @@ def main() -> None:
     for name in WORKLOADS:
         base = rates[name, steps[0]]
         for k in steps:
-            ratio = statistics.median(r / b for r, b in zip(rates[name, k], base, strict=True))
-            row = {"workload": name, "steps": k, "median": statistics.median(rates[name, k]),
-                   "best": max(rates[name, k]), "ratio": ratio, "rounds": rates[name, k]}
+            row = {"workload": name, "steps": k, **rate_summary(rates[name, k], base)}
             rows.append(row)
-            print(f"| {name} | {k} | {row['median']:.1f} | {row['best']:.1f} | {ratio:.3f}x |")
-    out = Path(args.json) if args.json else RESULTS / "multistep.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"isa": isa_summary(), "rounds": args.rounds, "results": rows}, indent=2))
-    print(f"wrote {out}")
+            print(f"| {name} | {k} | {row['median']:.1f} | {row['best']:.1f} | {row['ratio']:.3f}x |")
+    write_results(args.json, "multistep", args.rounds, rows)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ A single-stream decode step runs every layer in one team of threads with ~9 barr
 the variable is read at every step, so the rounds here alternate the two kinds on the same engines.
 Workloads as benchmarks/multistep.py (a greedy stream, a 16 x 64 batch), with 1 and 8 scheduler
 steps; default model (its Q4_1 weights), float32 activations. Reported: the median and best tok/s of
-the rounds and the median ratio own / omp, round by round. Prints a table and writes JSON.
+the rounds and the median ratio to OpenMP's, round by round. Prints a table and writes JSON.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/team_barrier.py [--steps 1,8] [--rounds 12]
 """
@@ -13,17 +13,13 @@ the rounds and the median ratio own / omp, round by round. Prints a table and wr
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-from pathlib import Path
 
-from multistep import WORKLOADS
+from multistep import WORKLOADS, rate_summary, write_results
 
 from kvmosaic import LLM
 from kvmosaic.ops.cpu import isa_summary
 
-RESULTS = Path(__file__).parent / "results"
 KINDS = {"omp": "omp", "own": "own"}  # KVMOSAIC_TEAM_BARRIER values; anything but omp is the team's own
 
 
@@ -58,15 +54,10 @@ def main() -> None:
         for k in steps:
             base = rates[name, k, "omp"]
             for kind in KINDS:
-                ratio = statistics.median(r / b for r, b in zip(rates[name, k, kind], base, strict=True))
-                row = {"workload": name, "steps": k, "barrier": kind, "median": statistics.median(rates[name, k, kind]),
-                       "best": max(rates[name, k, kind]), "ratio_to_omp": ratio, "rounds": rates[name, k, kind]}
+                row = {"workload": name, "steps": k, "barrier": kind, **rate_summary(rates[name, k, kind], base)}
                 rows.append(row)
-                print(f"| {name} | {k} | {kind} | {row['median']:.1f} | {row['best']:.1f} | {ratio:.3f}x |")
-    out = Path(args.json) if args.json else RESULTS / "team_barrier.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"isa": isa_summary(), "rounds": args.rounds, "results": rows}, indent=2))
-    print(f"\nwrote {out}")
+                print(f"| {name} | {k} | {kind} | {row['median']:.1f} | {row['best']:.1f} | {row['ratio']:.3f}x |")
+    write_results(args.json, "team_barrier", args.rounds, rows)
 
 
 if __name__ == "__main__":
