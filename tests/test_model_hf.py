@@ -168,8 +168,8 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dt
     one whose unsampled row stops at the last attention, and mixed steps of decode rows (a speculated
     verification and a prompt's short tail are decode rows too) with a prefill chunk longer than
     DECODE_ROW_SPAN, where only the sampled rows go past the last layer's attention (a step of five
-    decode rows keeps two); with q/k/v biases for qwen2, float and quantized weights, float32 and
-    bfloat16 activations, on every ISA level built."""
+    decode rows keeps two), a step of one decode row and one of two keeping one; with q/k/v biases
+    for qwen2, float and quantized weights, float32 and bfloat16 activations, on every ISA level built."""
     # quantized weights need 32-wide blocks of inputs; head size 64 takes the register-blocked attention
     _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json, head_dim=16 if quantization is None else 64)
     loaded = load_model(str(tmp_path), dtype, quantization)
@@ -214,6 +214,9 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dt
                   request("e", [14], 5), request("f", [15], 7)])
     # c samples nothing this step: its row stops after the last attention
     steps.append([request("a", [16], 9), request("c", [17], 14, sampled=False), request("e", [18], 6)])
+    # one row (its context split among the threads, then the splits merged), then two rows keeping one
+    steps.append([request("a", [19], 10)])
+    steps.append([request("b", [20], 25, sampled=False), request("e", [21], 7)])
     for step, reqs in enumerate(steps):
         _, ours = stacked.compute_logits(reqs)
         _, ref = looped.compute_logits(reqs)
