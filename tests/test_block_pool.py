@@ -39,12 +39,30 @@ def test_allocation_pops_from_the_head_in_order():
     assert [pool.ref_count(b) for b in range(8)] == [1, 1, 1, 1, 1, 0, 0, 0]
 
 
-def test_freed_blocks_join_the_tail_in_the_given_order():
+def test_freed_blocks_are_taken_again_before_unused_ones_the_last_freed_first():
     pool = BlockPool(8)
     pool.allocate(3)
     pool.free(reversed([0, 1, 2]))
     assert pool.num_free_blocks == 8
-    assert pool.allocate(8) == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert pool.allocate(8) == [0, 1, 2, 3, 4, 5, 6, 7]
+    pool.free([5, 2, 7])
+    assert pool.allocate(2) == [7, 2]
+    pool.free([0])
+    assert pool.allocate(2) == [0, 5]
+
+
+def test_blocks_holding_a_cached_prefix_are_taken_last_the_least_recently_freed_first():
+    pool = BlockPool(6)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool.cache_full_block(1, block_hash=11, token_ids=(1, 2))
+    pool.cache_full_block(3, block_hash=33, token_ids=(3, 4))
+    pool.free([3, 1, 0, 2])
+    # plain freed blocks (2 last freed), then the unused 4 and 5, then the cached ones: 3 before 1
+    assert pool.allocate(4) == [2, 0, 4, 5]
+    assert pool.lookup(33, (3, 4)) == 3 and pool.lookup(11, (1, 2)) == 1
+    assert pool.allocate(1) == [3]
+    assert pool.lookup(33, (3, 4)) is None and pool.lookup(11, (1, 2)) == 1
+    assert pool.num_evictions == 1
 
 
 def test_allocating_more_than_free_raises_and_changes_nothing():

@@ -147,11 +147,12 @@ def test_swap_out_and_in():
     assert kv.swap_out(a) == [(0, 0), (1, 1)]
     assert kv.get_block_table("a") == []
     assert kv.num_free_blocks == 4 and kv.num_free_host_blocks == 2
-    assert _admit(kv, _request("b", [5, 6])) == [2]  # free queue after the swap: 2 3 1 0
+    # free after the swap: 1 (freed, no cached prefix), then 2 and 3 (never used), then 0 (cached)
+    assert _admit(kv, _request("b", [5, 6])) == [1]
     a.append_output_token(4)
-    assert kv.swap_in(a, 1) == [(0, 3), (1, 1)]
+    assert kv.swap_in(a, 1) == [(0, 2), (1, 3)]
     assert kv.num_free_host_blocks == 4
-    assert kv.allocate_slots(a, 1) == [3, 1]
+    assert kv.allocate_slots(a, 1) == [2, 3]
 
 
 def test_swap_out_fails_when_the_host_is_full():

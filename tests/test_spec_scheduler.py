@@ -63,12 +63,12 @@ def test_rejected_tail_past_a_block_boundary_frees_its_block():
     assert scheduler.kv_manager.get_block_table("a") == [0, 1]
     assert scheduler.kv_manager.num_free_blocks == 6
     verify = _step(scheduler, executor).scheduled[0]
-    # block 2 went to the tail of the free queue: the next one is taken from its head
-    assert (verify.start_pos, verify.num_tokens, verify.block_table) == (7, 4, [0, 1, 3])
+    # block 2 was freed without a cached prefix: it is the first block taken again
+    assert (verify.start_pos, verify.num_tokens, verify.block_table) == (7, 4, [0, 1, 2])
     # all three accepted, plus the bonus token: 4 new tokens, positions 0..10 computed
     assert request.output_token_ids == truth[:7]
     assert request.num_computed_tokens == 11
-    assert scheduler.kv_manager.get_block_table("a") == [0, 1, 3]
+    assert scheduler.kv_manager.get_block_table("a") == [0, 1, 2]
 
 
 def test_proposals_share_the_budget_and_leave_a_token_for_every_later_sequence():
