@@ -143,3 +143,25 @@ def test_weight_arena_opens_a_new_slab_when_full_and_big_tensors_go_elsewhere(mo
     assert after.data_ptr() == parts[4].data_ptr() + 1024
     assert [p.sum().item() for p in parts] == [0.0, 250.0, 500.0, 750.0, 1000.0] and after.sum() == 90
     assert arena.place(torch.empty(0)).numel() == 0
+
+
+@linux_only
+@pytest.mark.parametrize("prefault", [False, True])
+def test_kv_pool_is_resident_at_start_only_when_prefaulted(prefault):
+    """CacheConfig.prefault writes every page of the device pool when the KV cache is made (as
+    vLLM and llama.cpp reserve theirs); without it the pool costs memory only as blocks are written."""
+    from kvmosaic.config import CacheConfig, ModelConfig
+    from kvmosaic.worker.kv_cache import KVCache
+
+    model = ModelConfig("llama", 64, 64, 128, 2, 2, 2)  # a block: 2 layers x K/V x 16 slots x 2 x 32 floats
+    gc.collect()
+    before = _rss_bytes()
+    cache = KVCache(model, CacheConfig(num_blocks=8192, num_host_blocks=0, prefault=prefault), torch.float32)
+    grown = _rss_bytes() - before
+    pool = cache.device_pool.numel() * cache.device_pool.element_size()
+    assert pool == 8192 * 16 * 1024  # 128 MiB
+    if prefault:
+        assert grown >= 0.9 * pool
+    else:
+        assert grown < 16 * MiB
+    assert not cache.device_pool[:, :, ::97].any()

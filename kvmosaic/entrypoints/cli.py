@@ -26,6 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "q4_1 / q4_k / q6_k (quantized at load)")
     p.add_argument("--kv-cache-memory", default="auto",
                    help="KV pool size such as 2GiB; auto: profile, then take a share of the RAM still available")
+    p.add_argument("--kv-cache-prefault", action="store_true",
+                   help="make the whole KV pool resident at start (default: page by page as blocks are first "
+                        "written)")
     p.add_argument("--memory-utilization", type=float, default=0.5,
                    help="with --kv-cache-memory auto: the share of available RAM the KV pool may take")
     p.add_argument("--block-size", type=int, default=16)
@@ -73,7 +76,8 @@ def _make_llm(args: argparse.Namespace, **engine_kwargs) -> LLM:
                memory_utilization=args.memory_utilization, block_size=args.block_size, max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                kv_cache_dtype=args.kv_cache_dtype, kv_thresholds=args.kv_thresholds,
-               speculative=args.speculative_config, num_scheduler_steps=args.num_scheduler_steps, **engine_kwargs)
+               kv_cache_prefault=args.kv_cache_prefault, speculative=args.speculative_config,
+               num_scheduler_steps=args.num_scheduler_steps, **engine_kwargs)
 
 
 def stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:

@@ -40,6 +40,7 @@ class LLM:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         kv_thresholds: str | None = None,
+        kv_cache_prefault: bool = False,
         instances: int = 1,
         ray_address: str | None = None,
         enable_borrowing: bool = True,
@@ -53,8 +54,10 @@ class LLM:
         """``instances > 1`` (or a ``ray_address``) runs that many engine instances as Ray actors that
         lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``.
         ``kv_cache_memory="auto"`` sizes the pool from a profiling run (``memory_utilization`` of the
-        RAM still available). ``quantization``: the weight format (``auto``: a GGUF's Q8_0 / Q4_x / Q6_K
-        matrices run natively, an HF directory stays float; None: every weight dequantized to ``dtype``;
+        RAM still available); ``kv_cache_prefault`` makes the whole pool resident at start (as vLLM and
+        llama.cpp reserve theirs) instead of page by page as blocks are first written. ``quantization``:
+        the weight format (``auto``: a GGUF's Q8_0 / Q4_x / Q6_K matrices run natively, an HF directory
+        stays float; None: every weight dequantized to ``dtype``;
         ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k``: quantized at load). ``speculative``: speculative
         decoding, e.g.
         ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``
@@ -78,7 +81,7 @@ class LLM:
                 block_size=block_size, kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
                 swap_space=swap_space,
                 enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
-                kv_cache_dtype=kv_cache_dtype, kv_thresholds=kv_thresholds,
+                kv_cache_dtype=kv_cache_dtype, kv_thresholds=kv_thresholds, prefault=kv_cache_prefault,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

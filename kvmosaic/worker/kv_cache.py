@@ -83,6 +83,8 @@ class KVCache:
         shape = (model.num_hidden_layers, 2, self.num_blocks + own_scratch, cache.block_size) + per_slot
         # read in scattered blocks every step; pages are touched as blocks are first written
         self.device_pool = lazy_zeros_huge(shape, pool_dtype)
+        if cache.prefault:
+            self.device_pool.zero_()  # writes every page now (the pages are zero already)
         host_shape = (model.num_hidden_layers, 2, self.num_host_blocks) + shape[3:]
         self.host_pool = lazy_zeros_huge(host_shape, pool_dtype)
         self.draft: KVCache | None = None
