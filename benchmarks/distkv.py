@@ -167,7 +167,8 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
     cluster = Cluster(config, DistributedConfig(num_instances=n, enable_borrowing=borrowing, dgfm_interval=8,
                                                 kv_pull=mode != "borrowing-push",
                                                 decode_lane=mode != "borrowing-channel",
-                                                lane_spin_us=args.lane_spin_us))
+                                                lane_spin_us=args.lane_spin_us,
+                                                lane_shared_memory=mode != "borrowing-socket"))
     items = stream_schedule(args)
     try:
         warm = cluster.add_request(None, items[0][2][:16], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -200,7 +201,8 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
                 time.sleep(max(0.0, min(0.01, pending[0][0] - (time.perf_counter() - start))))
         elapsed = time.perf_counter() - start
         stats = cluster.stats()
-        lane = lane_vs_local(cluster, config, args.lane_spin_us) if borrowing else None
+        lane = (lane_vs_local(cluster, config, args.lane_spin_us, mode != "borrowing-socket")
+                if borrowing else None)
     finally:
         cluster.shutdown()
     done = [r for r, (_, reason) in ended.items() if reason == "length"]
@@ -295,9 +297,11 @@ def main() -> None:
     parser.add_argument("--lane-spin-us", type=int, default=DistributedConfig().lane_spin_us,
                         help="microseconds the decode lane's ends poll before they sleep")
     parser.add_argument("--modes", nargs="+", default=["static", "one-instance", "borrowing-push", "borrowing"],
-                        choices=["static", "one-instance", "borrowing-push", "borrowing", "borrowing-channel"],
+                        choices=["static", "one-instance", "borrowing-push", "borrowing", "borrowing-channel",
+                                 "borrowing-socket"],
                         help="--stream: borrowing-push: creditors always attend themselves (no K/V pulls); "
-                             "borrowing-channel: no decode lane (every call over the pickled channel)")
+                             "borrowing-channel: no decode lane (every call over the pickled channel); "
+                             "borrowing-socket: the decode lane over its socket, not shared rings")
     args = parser.parse_args()
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     if args.stream:

@@ -261,6 +261,8 @@ class DistributedConfig:
     decode_lane: bool = True  # decode rows' micro-attention through the creditor's C++ server, not the channel
     # microseconds the lane's two ends poll for the next call / the answer before they sleep (0: sleep at once)
     lane_spin_us: int = 50
+    # between instances of one machine, the lane's calls go through rings in shared memory, not the socket
+    lane_shared_memory: bool = True
     instance_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

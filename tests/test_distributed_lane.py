@@ -5,7 +5,9 @@ gives, bit for bit, on every ISA level."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
+import struct
 import threading
 import time
 from types import SimpleNamespace
@@ -37,27 +39,32 @@ def _item(gen: torch.Generator, dtype: torch.dtype, head_dim: int, logical: list
             "k_new": rows(HK), "v_new": rows(HK)}
 
 
+SHM, UNIX, TCP = "shared memory", "unix socket", "tcp"
+
+
 @pytest.fixture
 def lane_pair(level_kernels, request):
-    """(a server's caches, a client) for caches of the requested dtype and head size; both ends poll
-    for the requested microseconds before they sleep."""
-    dtype, head_dim, spin_us, local = request.param
+    """(a server's caches, a client) for caches of the requested dtype and head size, over the
+    requested transport; both ends poll for the requested microseconds before they sleep."""
+    dtype, head_dim, spin_us, transport = request.param
     caches = _caches(dtype, head_dim, head_dim)
     server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1", spin_us)
     assert lane.local_name == server.local_name != ""
-    if not local:  # as a debtor on another machine: the name does not reach the server, TCP does
+    if transport == TCP:  # as a debtor on another machine: the name does not reach the server, TCP does
         lane = dataclasses.replace(lane, local_name="kvmosaic-lane-nobody")
-    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, spin_us)
+    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, spin_us, shared_memory=transport == SHM)
     client.call("attention", 0, [_item(torch.Generator(), dtype, head_dim, [0], [1], 3, None)], 0.125)
-    assert client.over_local_socket == local
+    assert client.over_local_socket == (transport != TCP) and client.transport == transport
     yield caches, client, server
     client.close()
     server.close()
 
 
-@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, True), (torch.bfloat16, 64, 200, True),
-                                       (torch.float32, 128, 50, False), (torch.bfloat16, 64, 0, False)],
-                         indirect=True, ids=["f32-64", "bf16-64-spin", "f32-128-spin-tcp", "bf16-64-tcp"])
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, SHM), (torch.bfloat16, 64, 200, SHM),
+                                       (torch.float32, 64, 0, UNIX), (torch.float32, 128, 50, TCP),
+                                       (torch.bfloat16, 64, 0, TCP)],
+                         indirect=True, ids=["f32-64-shm", "bf16-64-spin-shm", "f32-64-unix", "f32-128-spin-tcp",
+                                             "bf16-64-tcp"])
 def test_lane_answers_and_writes_as_the_channels_handler_does(lane_pair, level_kernels) -> None:
     """Three decode rows in one call: one writing its new K/V into a lent block and attending up to
     it, one past all of its lent blocks, one before them (nothing visible). Partials and the cache's
@@ -82,7 +89,8 @@ def test_lane_answers_and_writes_as_the_channels_handler_does(lane_pair, level_k
     assert torch.equal(caches[1][0].view(-1, HK, head_dim)[10 * BS + 6], items[0]["k_new"][0])
 
 
-@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, True)], indirect=True, ids=["f32-64"])
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, SHM), (torch.float32, 64, 0, UNIX)], indirect=True,
+                         ids=["f32-64-shm", "f32-64-unix"])
 def test_lane_refuses_bad_calls_with_an_error_and_stays_usable(lane_pair) -> None:
     caches, client, _ = lane_pair
     gen = torch.Generator().manual_seed(1)
@@ -99,9 +107,9 @@ def test_lane_refuses_bad_calls_with_an_error_and_stays_usable(lane_pair) -> Non
     assert answers[0][1].shape == (1, HQ, 64)
 
 
-@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, True), (torch.float32, 64, 200, True),
-                                       (torch.float32, 64, 0, False)], indirect=True,
-                         ids=["f32-64", "f32-64-spin", "f32-64-tcp"])
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 64, 0, SHM), (torch.float32, 64, 200, SHM),
+                                       (torch.float32, 64, 0, UNIX), (torch.float32, 64, 0, TCP)], indirect=True,
+                         ids=["f32-64-shm", "f32-64-spin-shm", "f32-64-unix", "f32-64-tcp"])
 def test_a_closed_lane_fails_calls_instead_of_hanging(lane_pair) -> None:
     _, client, server = lane_pair
     item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
@@ -110,6 +118,82 @@ def test_a_closed_lane_fails_calls_instead_of_hanging(lane_pair) -> None:
     with pytest.raises(ChannelError):
         client.call("attention", 0, [item], 0.125)
     server.close()  # idempotent
+
+
+@pytest.mark.parametrize("lane_pair", [(torch.float32, 128, 0, SHM), (torch.float32, 128, 50, SHM)], indirect=True,
+                         ids=["f32-128-shm", "f32-128-spin-shm"])
+def test_calls_larger_than_the_shared_rings_stream_through_them(lane_pair, level_kernels) -> None:
+    """160 decode rows in one call: ~1.2 MiB of request and ~0.7 MiB of answer against rings of 1 MiB
+    each way, so both ends wrap and wait for room while the other reads. The same partials and cache
+    writes as the channel's Python handler, bit for bit, in two calls in a row."""
+    caches, client, _ = lane_pair
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        items = []
+        for i in range(160):  # attending over blocks 0-7; a quarter write a new row each into blocks 8-11
+            blocks = torch.randperm(8, generator=gen)[:3].tolist()
+            slot = 8 * BS + i // 4 if i % 4 == 1 else None
+            items.append(_item(gen, torch.float32, 128, [0, 1, 2], blocks, 2 * BS + i % BS, slot))
+        copies = [c.clone() for c in caches]
+        want = creditor_micro_attention(FloatPoolRows(SimpleNamespace(layers=copies, ops=level_kernels.ops)), 0,
+                                        items, 128**-0.5)
+        got, _ = client.call("attention", 0, items, 128**-0.5)
+        assert len(got) == 160
+        for g, w in zip(got, want, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(g[1:], w[1:], strict=True))
+        assert all(torch.equal(c, d) for c, d in zip(caches, copies, strict=True))
+
+
+_ANSWER = struct.Struct("=Iid")
+
+
+def _fake_creditor(consent: int) -> tuple[socket.socket, str, list[socket.socket]]:
+    """A creditor on this machine that takes the debtor's hello (consenting or not) and then never
+    answers: (its listener, its abstract socket's name, its accepted connections)."""
+    name = f"kvmosaic-lane-test-{time.monotonic_ns()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    accepted: list[socket.socket] = []
+
+    def take() -> None:
+        conn = listener.accept()[0]
+        accepted.append(conn)
+        hello, fds, _, _ = socket.recv_fds(conn, 24, 1)
+        for fd in fds:
+            os.close(fd)
+        assert struct.unpack_from("=I", hello)[0] == 0x534D564B
+        conn.sendall(_ANSWER.pack(0x414D564B, consent, 0.0))
+
+    threading.Thread(target=take, daemon=True).start()
+    return listener, name, accepted
+
+
+@pytest.mark.parametrize("consent", [0, 1], ids=["rings", "declined"])
+def test_a_silent_creditor_on_this_machine_times_out_and_a_gone_one_fails(level_kernels, consent) -> None:
+    """Over the shared rings (or the socket, when the creditor declines them): a creditor that never
+    answers fails the call after the client's timeout; one whose connection closes fails it at once."""
+    listener, name, accepted = _fake_creditor(consent)
+    lane = DecodeLane(("127.0.0.1", 1), torch.float32, HQ, HK, 64, local_name=name)
+    client = DecodeLaneClient(lane, 0.3, level_kernels.ops, 100)
+    item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
+    started = time.monotonic()
+    with pytest.raises(ChannelError, match="within the timeout"):
+        client.call("attention", 0, [item], 0.125)
+    assert 0.25 < time.monotonic() - started < 5
+    assert client.transport is None  # a failed call drops the connection
+
+    listener2, name2, accepted2 = _fake_creditor(consent)
+    client = DecodeLaneClient(dataclasses.replace(lane, local_name=name2), 30.0, level_kernels.ops, 100)
+    client.send("attention", 0, [item], 0.125)
+    assert client.transport == (SHM if consent == 0 else UNIX)
+    threading.Timer(0.2, lambda: accepted2[0].close()).start()
+    started = time.monotonic()
+    with pytest.raises(ChannelError, match="closed the connection"):
+        client.receive()
+    assert time.monotonic() - started < 5  # the hang-up, not the 30 s timeout
+    for sock in (listener, listener2, *accepted):
+        sock.close()
 
 
 def test_a_silent_creditor_times_out_instead_of_hanging(level_kernels) -> None:

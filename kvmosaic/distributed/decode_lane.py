@@ -2,7 +2,9 @@
 creditor's C++ server (``AttentionServer``, kvmosaic/ops/csrc/lane_server.cpp) as one binary
 message each way, written and read by the debtor's C++ client (``AttentionClient``,
 lane_client.cpp), with no Python or GIL on the creditor and none in the transfer on the debtor.
-Instances on one machine talk over the server's abstract Unix socket, others over TCP.
+Instances on one machine connect through the server's abstract Unix socket and then move the calls
+through a pair of byte rings in memory they share (the debtor's memfd, passed over the socket: a
+round trip without system calls); others talk over TCP.
 
 A decode step of a spanning sequence makes one call per layer per creditor; through the pickled
 channel each cost ~1 ms end to end, most of it Python on both ends, while the attention itself is
@@ -87,11 +89,13 @@ class DecodeLaneClient(ChannelClient):
     """A ChannelClient for the "attention" calls whose items are all decode rows (``takes``), over the
     float kernels' ``AttentionClient`` (``ops``)."""
 
-    def __init__(self, lane: DecodeLane, timeout: float, ops: Any, spin_us: int = 0) -> None:
+    def __init__(self, lane: DecodeLane, timeout: float, ops: Any, spin_us: int = 0,
+                 shared_memory: bool = True) -> None:
         super().__init__(lane.address, timeout)
         self.lane = lane
         self.ops = ops
         self.spin_us = spin_us
+        self.shared_memory = shared_memory
         self._pending: deque[int] = deque()  # items of each call sent and not yet answered
         self._no_row = torch.zeros(1, lane.num_kv_heads, lane.head_dim, dtype=lane.dtype)  # an item with no new row
 
@@ -105,6 +109,11 @@ class DecodeLaneClient(ChannelClient):
         """Whether the connection goes through the server's Unix socket (None: not connected yet)."""
         return None if self._sock is None else self._sock.local
 
+    @property
+    def transport(self) -> str | None:
+        """"shared memory", "unix socket" or "tcp" (None: not connected yet)."""
+        return None if self._sock is None else self._sock.transport
+
     def takes(self, items: list[dict]) -> bool:
         """One query row each over at least one lent block, in the server's dtype ("visible": how many
         of the blocks' slots, in order, it attends to)."""
@@ -114,7 +123,8 @@ class DecodeLaneClient(ChannelClient):
     def _open(self) -> Any:
         host, port = self.address
         try:
-            return self.ops.AttentionClient(host, port, self.lane.local_name, self.timeout, self.spin_us)
+            return self.ops.AttentionClient(host, port, self.lane.local_name, self.timeout, self.spin_us,
+                                            self.shared_memory)
         except RuntimeError as exc:
             raise ChannelError(f"cannot reach {self.address}: {exc}") from exc
 

@@ -178,10 +178,13 @@ class RemoteKVAttention(AttentionBackend):
     def open_decode_lane(self, host: str, spin_us: int) -> tuple[object, DecodeLane] | None:
         return self.rows.open_decode_lane(host, spin_us)
 
-    def decode_lane_client(self, lane: DecodeLane, timeout: float, spin_us: int) -> DecodeLaneClient | None:
+    def decode_lane_client(self, lane: DecodeLane, timeout: float, spin_us: int,
+                           shared_memory: bool = True) -> DecodeLaneClient | None:
         """A client for another instance's decode lane, or None when this instance's kernels have none."""
         ops = self.rows.float_ops
-        return DecodeLaneClient(lane, timeout, ops, spin_us) if DecodeLaneClient.available(ops) else None
+        if not DecodeLaneClient.available(ops):
+            return None
+        return DecodeLaneClient(lane, timeout, ops, spin_us, shared_memory)
 
     def serve_micro_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
         """Creditor side: a debtor's queries over the blocks it borrowed from us, for one layer."""

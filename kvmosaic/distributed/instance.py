@@ -87,7 +87,8 @@ class Instance:
         self.rmanager.peer_capacity = {i: n for i, n in capacities.items() if i != self.instance_id}
         self.rmanager.channels = {i: ChannelClient(address, self.config.rpc_timeout)
                                   for i, address in channels.items() if i != self.instance_id}
-        clients = {i: self.attention.decode_lane_client(lane, self.config.rpc_timeout, self.config.lane_spin_us)
+        clients = {i: self.attention.decode_lane_client(lane, self.config.rpc_timeout, self.config.lane_spin_us,
+                                                        self.config.lane_shared_memory)
                    for i, lane in lanes.items() if i != self.instance_id and lane is not None}
         self.rmanager.decode_lanes = {i: client for i, client in clients.items() if client is not None}
 

@@ -63,9 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<kvops::LaneClient, std::shared_ptr<kvops::LaneClient>>(
       m, "AttentionClient", "a debtor's connection to a creditor's AttentionServer (kvmosaic.distributed)",
       py::module_local())
-      .def(py::init<const std::string&, int64_t, const std::string&, double, int64_t>(), no_gil, py::arg("host"),
-           py::arg("port"), py::arg("local_name"), py::arg("timeout"), py::arg("spin_us") = 0)
+      .def(py::init<const std::string&, int64_t, const std::string&, double, int64_t, bool>(), no_gil,
+           py::arg("host"), py::arg("port"), py::arg("local_name"), py::arg("timeout"), py::arg("spin_us") = 0,
+           py::arg("shared_memory") = true)
       .def_property_readonly("local", &kvops::LaneClient::local)
+      .def_property_readonly("transport", &kvops::LaneClient::transport)
       .def("send", &kvops::LaneClient::send, no_gil, py::arg("layer"), py::arg("scale"), py::arg("ints"),
            py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("kv_heads"))
       .def("receive", [](kvops::LaneClient& client, int64_t items, int64_t num_heads, int64_t head_dim) -> py::tuple {

@@ -21,8 +21,14 @@
 
 namespace kvops {
 
+namespace {
+
+constexpr size_t kRingBytes = size_t{1} << 20;  // each way: larger than a socket's buffer
+
+}  // namespace
+
 LaneClient::LaneClient(const std::string& host, int64_t port, const std::string& local_name, double timeout,
-                       int64_t spin_us)
+                       int64_t spin_us, bool shared_memory)
     : timeout_ms_(static_cast<int>(timeout * 1000)), spin_us_(spin_us) {
   TORCH_CHECK(timeout > 0 && spin_us >= 0 && spin_us <= 1000000, "LaneClient: bad timeout or spin_us");
 #ifdef __linux__
@@ -32,7 +38,16 @@ LaneClient::LaneClient(const std::string& host, int64_t port, const std::string&
     std::memcpy(addr.sun_path + 1, local_name.data(), local_name.size());
     fd_ = ::socket(AF_UNIX, SOCK_STREAM, 0);
     const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + local_name.size());
-    if (fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), len) == 0) return;
+    if (fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), len) == 0) {
+      try {
+        if (shared_memory) link_ = offer_shared_rings(fd_, kRingBytes, timeout_ms_);
+      } catch (...) {
+        close();
+        throw;
+      }
+      if (link_ == nullptr) link_ = socket_transport(fd_);
+      return;
+    }
     close();  // another machine's name, or gone: TCP below
   }
 #endif
@@ -52,6 +67,7 @@ LaneClient::LaneClient(const std::string& host, int64_t port, const std::string&
   const int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   local_ = false;
+  link_ = socket_transport(fd_);
 }
 
 int LaneClient::connect_within(const sockaddr* addr, socklen_t len) {
@@ -78,6 +94,7 @@ int LaneClient::connect_within(const sockaddr* addr, socklen_t len) {
 LaneClient::~LaneClient() { close(); }
 
 void LaneClient::close() {
+  link_.reset();
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
 }
@@ -106,12 +123,12 @@ void LaneClient::send(int64_t layer, double scale, const std::vector<int64_t>& i
                     {q.data_ptr(), static_cast<size_t>(q.nbytes())},
                     {k_new ? k_new->data_ptr() : zeros_.data(), row_bytes},
                     {v_new ? v_new->data_ptr() : zeros_.data(), row_bytes}};
-  TORCH_CHECK(send_all(fd_, parts, 5), "LaneClient: sending failed: ", std::strerror(errno));
+  TORCH_CHECK(link_->send_all(parts, 5), "LaneClient: sending failed: ", std::strerror(errno));
   ++outstanding_;
 }
 
 void LaneClient::read_exactly(void* buffer, size_t bytes) {
-  const ssize_t got = receive_exactly(fd_, buffer, bytes, spin_us_, timeout_ms_);
+  const ssize_t got = receive_exactly(*link_, buffer, bytes, spin_us_, timeout_ms_);
   TORCH_CHECK(got != -2, "LaneClient: no answer within the timeout");
   TORCH_CHECK(got > 0, "LaneClient: the creditor closed the connection");
 }
@@ -127,7 +144,7 @@ LaneAnswer LaneClient::receive(int64_t items, int64_t num_heads, int64_t head_di
   LaneAnswerHeader head{};
   iovec parts[2] = {{&head, sizeof(head)}, {payload, outstanding_ == 1 ? size : 0}};
   --outstanding_;
-  const ssize_t got = receive_some(fd_, parts, 2, spin_us_, timeout_ms_);
+  const ssize_t got = link_->receive_some(parts, 2, spin_us_, timeout_ms_);
   TORCH_CHECK(got != -2, "LaneClient: no answer within the timeout");
   TORCH_CHECK(got > 0, "LaneClient: the creditor closed the connection");
   size_t have = static_cast<size_t>(got);

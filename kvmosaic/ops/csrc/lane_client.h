@@ -5,8 +5,11 @@
 #include <sys/socket.h>
 #include <torch/extension.h>
 
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "lane_transport.h"
 
 namespace kvops {
 
@@ -21,9 +24,15 @@ class LaneClient {
  public:
   // connects to a lane server: through its abstract Unix socket local_name when that is reachable (the
   // server is on this machine), else over TCP; waits up to timeout seconds for an answer, the first
-  // spin_us of them polling
-  LaneClient(const std::string& host, int64_t port, const std::string& local_name, double timeout, int64_t spin_us);
+  // spin_us of them polling. On this machine the calls then go through rings in shared memory
+  // (lane_transport.h) unless shared_memory is false.
+  LaneClient(const std::string& host, int64_t port, const std::string& local_name, double timeout, int64_t spin_us,
+             bool shared_memory = true);
   bool local() const { return local_; }  // connected through the Unix socket
+  // "shared memory", "unix socket" or "tcp"
+  std::string transport() const {
+    return !local_ ? "tcp" : (link_ != nullptr && link_->shared_memory() ? "shared memory" : "unix socket");
+  }
   ~LaneClient();
   LaneClient(const LaneClient&) = delete;
   LaneClient& operator=(const LaneClient&) = delete;
@@ -42,6 +51,7 @@ class LaneClient {
 
   int fd_ = -1;
   bool local_ = true;
+  std::unique_ptr<LaneTransport> link_;  // over fd_, or the shared rings beside it
   int64_t outstanding_ = 0;  // calls sent and not yet answered
   std::vector<char> zeros_;  // the new rows of calls that bring none
   int timeout_ms_;

@@ -5,7 +5,8 @@
 // The Python data plane (channel.py) cost ~1 ms a call end to end, ~0.35 ms of it in the creditor's
 // Python (unpickling, the handler, pickling the answer) on the core that runs the creditor's own
 // steps; a decode row's attention over a few hundred lent keys is ~20 us of kernel. Here a call is
-// one binary message each way over a TCP connection, served by a thread of its own.
+// one binary message each way over a connection (TCP, a Unix socket, or rings in shared memory),
+// served by a thread of its own.
 //
 // Request (native byte order: both ends are kvmosaic on one architecture):
 //   u32 magic, i32 layer, i32 items, i32 width, f64 scale,
@@ -16,6 +17,10 @@
 // Answer: u32 magic, i32 status, f64 seconds, then on success out[items, hq, d], reference[items, hq]
 // and sum of exponentials[items, hq] as float32 (the pool's decode partials); on failure i32 length
 // and a message. A malformed request closes the connection.
+// A debtor on this machine may open with a hello instead (lane_transport.cpp): a request header of
+// magic "KVMS" whose scale is the size of each of two shared byte rings, with the rings' memfd riding
+// along; the answer header's status says whether the server took them. The calls then go through the
+// rings in the same format, and the socket only tells either end that the other has gone.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -66,18 +71,6 @@ ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeo
     pollfd ready{fd, POLLIN, 0};
     if (::poll(&ready, 1, timeout_ms) == 0) return -2;  // else readable, closed, failed or EINTR: recvmsg tells
   }
-}
-
-ssize_t receive_exactly(int fd, void* buffer, size_t bytes, int64_t spin_us, int timeout_ms) {
-  char* p = static_cast<char*>(buffer);
-  while (bytes > 0) {
-    iovec part{p, bytes};
-    const ssize_t got = receive_some(fd, &part, 1, spin_us, timeout_ms);
-    if (got <= 0) return got;
-    p += got;
-    bytes -= static_cast<size_t>(got);
-  }
-  return 1;
 }
 
 bool send_all(int fd, iovec* parts, size_t count) {
@@ -196,21 +189,22 @@ void LaneServer::accept_loop() {
 void LaneServer::serve(int fd) {
   omp_set_num_threads(1);  // a call is one row's attention: this thread alone, beside the instance's own team
   std::vector<int64_t> body;  // a call's block tables and rows, kept for the next one
-  while (!closed_) {
-    LaneRequestHeader head{};
+  LaneRequestHeader head{};
+  // the socket, or the shared rings a debtor on this machine brought in its hello
+  const std::unique_ptr<LaneTransport> link = accept_transport(fd, &head, spin_us_);
+  while (link != nullptr && !closed_ && serve_one(*link, head, body)) {
     iovec part{&head, sizeof(head)};
-    const ssize_t got = receive_some(fd, &part, 1, spin_us_, -1);
+    const ssize_t got = link->receive_some(&part, 1, spin_us_, -1);
     if (got <= 0 || (static_cast<size_t>(got) < sizeof(head) &&
-                     receive_exactly(fd, reinterpret_cast<char*>(&head) + got, sizeof(head) - got, 0, -1) <= 0))
+                     receive_exactly(*link, reinterpret_cast<char*>(&head) + got, sizeof(head) - got, 0, -1) <= 0))
       break;
-    if (!serve_one(fd, head, body)) break;
   }
   std::lock_guard<std::mutex> guard(mutex_);
   connections_.erase(std::find(connections_.begin(), connections_.end(), fd));
   ::close(fd);
 }
 
-bool LaneServer::serve_one(int fd, const LaneRequestHeader& head, std::vector<int64_t>& body) {
+bool LaneServer::serve_one(LaneTransport& link, const LaneRequestHeader& head, std::vector<int64_t>& body) {
   if (head.magic != kLaneMagic) return false;
   const LanePool& pool = *pool_;
   const int64_t hk = pool.kv_heads(), d = pool.head_dim(), bs = pool.block_size(), slots = pool.blocks() * bs;
@@ -218,7 +212,7 @@ bool LaneServer::serve_one(int fd, const LaneRequestHeader& head, std::vector<in
   const int64_t n = head.items, width = head.width, elem = c10::elementSize(pool.dtype());
   const int64_t num_ints = n * (2 + width), row_bytes = n * (num_heads_ + 2 * hk) * d * elem;
   body.resize(num_ints + (row_bytes + 7) / 8);  // int64 words: the rows start 8-byte aligned
-  if (receive_exactly(fd, body.data(), num_ints * sizeof(int64_t) + row_bytes, 0, -1) <= 0) return false;
+  if (receive_exactly(link, body.data(), num_ints * sizeof(int64_t) + row_bytes, 0, -1) <= 0) return false;
   const int64_t* ints = body.data();
   char* rows = reinterpret_cast<char*>(body.data() + num_ints);
 
@@ -268,7 +262,7 @@ bool LaneServer::serve_one(int fd, const LaneRequestHeader& head, std::vector<in
     parts.push_back({&length, sizeof(length)});
     parts.push_back({error.data(), error.size()});
   }
-  return send_all(fd, parts.data(), parts.size());
+  return link.send_all(parts.data(), parts.size());
 }
 
 }  // namespace kvops

@@ -15,6 +15,8 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include "lane_transport.h"
+
 namespace kvops {
 
 // The wire format's headers (lane_server.cpp documents the whole message).
@@ -67,7 +69,7 @@ class LaneServer {
   void close_fds();
   void accept_loop();
   void serve(int fd);
-  bool serve_one(int fd, const LaneRequestHeader& head, std::vector<int64_t>& body);
+  bool serve_one(LaneTransport& link, const LaneRequestHeader& head, std::vector<int64_t>& body);
 
   std::unique_ptr<LanePool> pool_;
   int64_t num_heads_;
@@ -93,8 +95,6 @@ std::shared_ptr<LaneServer> float_lane_server(std::vector<at::Tensor> caches, in
 // spin_us microseconds, then sleeps in poll() for up to timeout_ms (-1: no limit). Returns the bytes
 // read, 0 when the peer closed, -1 on an error, -2 on a timeout.
 ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeout_ms);
-// Fills buffer, waiting for each piece as receive_some does: 1, or receive_some's 0 / -1 / -2.
-ssize_t receive_exactly(int fd, void* buffer, size_t bytes, int64_t spin_us, int timeout_ms);
 // Sends every byte of parts (a closed peer is an error, not SIGPIPE); false on an error.
 bool send_all(int fd, iovec* parts, size_t count);
 
