@@ -19,7 +19,12 @@ from quant_pools import BLOCKS, BS, HK, HQ, LAYERS, quantized_rows
 from kvmosaic.config import DistributedConfig
 from kvmosaic.distributed.channel import ChannelError
 from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient, open_lane
-from kvmosaic.distributed.dist_attention import _key_positions, creditor_micro_attention
+from kvmosaic.distributed.dist_attention import (
+    DistAttention,
+    RemoteKVAttention,
+    _key_positions,
+    creditor_micro_attention,
+)
 from kvmosaic.distributed.pool_rows import FloatPoolRows
 
 
@@ -169,6 +174,16 @@ def _fake_creditor(consent: int) -> tuple[socket.socket, str, list[socket.socket
     return listener, name, accepted
 
 
+def _fails_after_the_timeout(client: DecodeLaneClient) -> dict:
+    """A call that gets no answer fails after the client's 0.3 s (polling first, then sleeping); the item."""
+    item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
+    started = time.monotonic()
+    with pytest.raises(ChannelError, match="within the timeout"):
+        client.call("attention", 0, [item], 0.125)
+    assert 0.25 < time.monotonic() - started < 5
+    return item
+
+
 @pytest.mark.parametrize("consent", [0, 1], ids=["rings", "declined"])
 def test_a_silent_creditor_on_this_machine_times_out_and_a_gone_one_fails(level_kernels, consent) -> None:
     """Over the shared rings (or the socket, when the creditor declines them): a creditor that never
@@ -176,11 +191,7 @@ def test_a_silent_creditor_on_this_machine_times_out_and_a_gone_one_fails(level_
     listener, name, accepted = _fake_creditor(consent)
     lane = DecodeLane(("127.0.0.1", 1), torch.float32, HQ, HK, 64, local_name=name)
     client = DecodeLaneClient(lane, 0.3, level_kernels.ops, 100)
-    item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
-    started = time.monotonic()
-    with pytest.raises(ChannelError, match="within the timeout"):
-        client.call("attention", 0, [item], 0.125)
-    assert 0.25 < time.monotonic() - started < 5
+    item = _fails_after_the_timeout(client)
     assert client.transport is None  # a failed call drops the connection
 
     listener2, name2, accepted2 = _fake_creditor(consent)
@@ -204,11 +215,7 @@ def test_a_silent_creditor_times_out_instead_of_hanging(level_kernels) -> None:
     threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
     lane = DecodeLane(listener.getsockname()[:2], torch.float32, HQ, HK, 64)
     client = DecodeLaneClient(lane, 0.3, level_kernels.ops, 100)
-    item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
-    started = time.monotonic()
-    with pytest.raises(ChannelError, match="within the timeout"):
-        client.call("attention", 0, [item], 0.125)
-    assert 0.25 < time.monotonic() - started < 5
+    item = _fails_after_the_timeout(client)
     client.close()
     listener.close()
     for conn in accepted:
@@ -266,6 +273,33 @@ def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(
         with pytest.raises(ChannelError, match="block id out of range"):
             client.call("attention", 0, [dict(items[0], blocks=[3, 2, BLOCKS])], 0.125)
         assert torch.equal(cache.device_pool, twin_cache.device_pool)  # a refused call wrote nothing
+    finally:
+        client.close()
+        server.close()
+
+
+def test_oaken_outliers_folded_by_lane_writes_are_counted(level_kernels) -> None:
+    """New rows of mostly outliers overflow Oaken's sparse lists: the server counts the outliers it
+    folds as the Python handler's writes count them in the pool's layers, and the creditor's
+    attention backend reports them with its own (``RemoteKVAttention.folded_outliers``)."""
+    rows, _ = quantized_rows(level_kernels, "oaken", torch.float32, 64)
+    twin, _ = quantized_rows(level_kernels, "oaken", torch.float32, 64)
+    backend = RemoteKVAttention(rows.local, DistAttention(None, BS, BLOCKS))
+    own = backend.folded_outliers
+    server, lane = backend.open_decode_lane("127.0.0.1", 0)
+    client = DecodeLaneClient(lane, 10.0, level_kernels.ops)
+    try:
+        gen = torch.Generator().manual_seed(13)
+        items = [_item(gen, torch.float32, 64, [0, 1], [3, 8], BS + 4, 8 * BS + 4 + i) for i in range(3)]
+        for item in items:
+            item["k_new"], item["v_new"] = 40 * item["k_new"], 40 * item["v_new"]
+        before = sum(layer.folded_outliers for layer in twin.local.layers)
+        creditor_micro_attention(twin, 1, items, 0.125)
+        folded = sum(layer.folded_outliers for layer in twin.local.layers) - before
+        assert server.folded_outliers == 0 and backend.folded_outliers == own
+        client.call("attention", 1, items, 0.125)
+        assert folded > 0 and server.folded_outliers == folded
+        assert backend.folded_outliers == own + folded
     finally:
         client.close()
         server.close()

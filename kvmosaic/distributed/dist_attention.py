@@ -157,6 +157,7 @@ class RemoteKVAttention(AttentionBackend):
         self.rows = pool_rows(local)
         self.merge = merge_on(self.rows.float_ops)  # quantized pools merge on the float kernels too
         self.dist = dist
+        self._lane_server: object | None = None
 
     def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
         return self.local.write(layer, qkv, rotary, meta)
@@ -176,7 +177,16 @@ class RemoteKVAttention(AttentionBackend):
         return self.dist.bind(batch, meta, self.local, self.rows, self.merge)
 
     def open_decode_lane(self, host: str, spin_us: int) -> tuple[object, DecodeLane] | None:
-        return self.rows.open_decode_lane(host, spin_us)
+        lane = self.rows.open_decode_lane(host, spin_us)
+        self._lane_server = None if lane is None else lane[0]
+        return lane
+
+    @property
+    def folded_outliers(self) -> int:
+        """The pool's Oaken outliers folded for want of room: its own steps' and the channel's writes,
+        plus the rows debtors wrote through the decode lane (counted by its server)."""
+        lane = getattr(self._lane_server, "folded_outliers", 0)
+        return self.local.folded_outliers + lane
 
     def decode_lane_client(self, lane: DecodeLane, timeout: float, spin_us: int,
                            shared_memory: bool = True) -> DecodeLaneClient | None:

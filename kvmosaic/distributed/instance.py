@@ -217,7 +217,8 @@ class Instance:
         d = self.attention.dist.stats
         stats.update({"dist_remote_steps": d.steps, "dist_remote_calls": d.layer_calls,
                       "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds,
-                      "dist_remote_merge_seconds": d.merge_seconds, "dist_kv_pulls": d.kv_pulls})
+                      "dist_remote_merge_seconds": d.merge_seconds, "dist_kv_pulls": d.kv_pulls,
+                      "kv_folded_outliers": self.attention.folded_outliers})
         return stats
 
     # ------------------------------------------------------------- creditor side

@@ -42,6 +42,8 @@ class QuantLanePool final : public kvops::LanePool {
                            l.v_thresholds, l.k_center);
   }
 
+  int64_t folded_outliers() const override { return folded_; }
+
   std::vector<at::Tensor> partial(int64_t layer, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                                   double scale) override {
     const LaneLayer& l = layers_[layer];

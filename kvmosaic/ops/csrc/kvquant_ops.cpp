@@ -36,5 +36,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("dtype"), py::arg("num_heads"), py::arg("host"), py::arg("spin_us") = 0)
       .def_property_readonly("port", &kvops::LaneServer::port)
       .def_property_readonly("local_name", &kvops::LaneServer::local_name)
+      .def_property_readonly("folded_outliers", &kvops::LaneServer::folded_outliers)
       .def("close", &kvops::LaneServer::close, no_gil);
 }

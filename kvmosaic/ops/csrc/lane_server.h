@@ -47,6 +47,8 @@ class LanePool {
   // queries [n, hq, head_dim] over tables [n, width] up to lens [n]: {out, reference, sum of exps}, float32
   virtual std::vector<at::Tensor> partial(int64_t layer, const at::Tensor& q, const at::Tensor& tables,
                                           const at::Tensor& lens, double scale) = 0;
+  // Oaken outliers of written rows folded into the middle group because a sparse list was full
+  virtual int64_t folded_outliers() const { return 0; }
 };
 
 class LaneServer {
@@ -61,6 +63,7 @@ class LaneServer {
   int64_t port() const { return port_; }
   // the abstract Unix socket debtors on this machine connect to ("" where there is none)
   const std::string& local_name() const { return local_name_; }
+  int64_t folded_outliers() const { return pool_->folded_outliers(); }  // of the rows debtors wrote here
   // stops accepting and ends every connection (a debtor's next call fails); idempotent
   void close();
 

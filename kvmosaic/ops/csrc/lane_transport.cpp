@@ -245,23 +245,33 @@ void* map_shared(int memory, size_t bytes) {
   return p == MAP_FAILED ? nullptr : p;
 }
 
-// One message with a file descriptor riding along (SCM_RIGHTS); a hello is small enough for one write.
-bool send_with_fd(int fd, const void* data, size_t size, int passed) {
-  iovec part{const_cast<void*>(data), size};
+// A one-part message with room for a file descriptor riding along (SCM_RIGHTS).
+struct FdMessage {
+  FdMessage(void* data, size_t size) : part{data, size} {
+    header.msg_iov = &part;
+    header.msg_iovlen = 1;
+    header.msg_control = control;
+    header.msg_controllen = sizeof(control);
+  }
+  FdMessage(const FdMessage&) = delete;
+  FdMessage& operator=(const FdMessage&) = delete;
+
+  iovec part;
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr message{};
-  message.msg_iov = &part;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
-  cmsghdr* c = CMSG_FIRSTHDR(&message);
+  msghdr header{};
+};
+
+// data with the descriptor passed; a hello is small enough for one write
+bool send_with_fd(int fd, const void* data, size_t size, int passed) {
+  FdMessage message(const_cast<void*>(data), size);
+  cmsghdr* c = CMSG_FIRSTHDR(&message.header);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
   c->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(c), &passed, sizeof(int));
   ssize_t sent;
   do {
-    sent = ::sendmsg(fd, &message, MSG_NOSIGNAL);
+    sent = ::sendmsg(fd, &message.header, MSG_NOSIGNAL);
   } while (sent < 0 && errno == EINTR);
   return sent == static_cast<ssize_t>(size);
 }
@@ -269,18 +279,12 @@ bool send_with_fd(int fd, const void* data, size_t size, int passed) {
 // Reads into data (blocking) and takes a file descriptor that rode along, if any (else *passed is -1).
 ssize_t receive_with_fd(int fd, void* data, size_t size, int* passed) {
   *passed = -1;
-  iovec part{data, size};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr message{};
-  message.msg_iov = &part;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
+  FdMessage message(data, size);
   ssize_t got;
   do {
-    got = ::recvmsg(fd, &message, MSG_CMSG_CLOEXEC);
+    got = ::recvmsg(fd, &message.header, MSG_CMSG_CLOEXEC);
   } while (got < 0 && errno == EINTR);
-  for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c))
+  for (cmsghdr* c = CMSG_FIRSTHDR(&message.header); c != nullptr; c = CMSG_NXTHDR(&message.header, c))
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(passed, CMSG_DATA(c), sizeof(int));
   return got;
 }
