@@ -30,7 +30,7 @@ constexpr size_t kRingBytes = size_t{1} << 20;  // each way: larger than a socke
 LaneClient::LaneClient(const std::string& host, int64_t port, const std::string& local_name, double timeout,
                        int64_t spin_us, bool shared_memory)
     : timeout_ms_(static_cast<int>(timeout * 1000)), spin_us_(spin_us) {
-  TORCH_CHECK(timeout > 0 && spin_us >= 0 && spin_us <= 1000000, "LaneClient: bad timeout or spin_us");
+  TORCH_CHECK(timeout > 0 && spin_us >= 0 && spin_us <= 100000, "LaneClient: bad timeout or spin_us");
 #ifdef __linux__
   if (!local_name.empty() && local_name.size() < sizeof(sockaddr_un::sun_path) - 1) {  // the server's abstract socket
     sockaddr_un addr{};

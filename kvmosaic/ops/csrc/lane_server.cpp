@@ -95,7 +95,7 @@ bool send_all(int fd, iovec* parts, size_t count) {
 LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us)
     : pool_(std::move(pool)), num_heads_(num_heads), spin_us_(spin_us) {
   TORCH_CHECK(pool_ != nullptr && pool_->layers() > 0, "LaneServer needs a pool of at least one layer");
-  TORCH_CHECK(spin_us >= 0 && spin_us <= 1000000, "LaneServer: spin_us must be in [0, 1e6]");
+  TORCH_CHECK(spin_us >= 0 && spin_us <= 100000, "LaneServer: spin_us must be in [0, 1e5]");
   TORCH_CHECK(num_heads > 0 && num_heads % pool_->kv_heads() == 0, "LaneServer: bad number of query heads");
   TORCH_CHECK(::pipe(wake_) == 0, "LaneServer: cannot open a pipe");
   listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -192,9 +192,16 @@ void LaneServer::serve(int fd) {
   LaneRequestHeader head{};
   // the socket, or the shared rings a debtor on this machine brought in its hello
   const std::unique_ptr<LaneTransport> link = accept_transport(fd, &head, spin_us_);
+  int64_t spin_us = spin_us_;
   while (link != nullptr && !closed_ && serve_one(*link, head, body)) {
     iovec part{&head, sizeof(head)};
-    const ssize_t got = link->receive_some(&part, 1, spin_us_, -1);
+    const auto answered = std::chrono::steady_clock::now();
+    const ssize_t got = link->receive_some(&part, 1, spin_us, -1);
+    // Poll for the next call only while calls come within spin_us of the last answer: a debtor's
+    // step computes between its layers' calls for longer than that, and a thread polling through
+    // the gap takes a core from the instance's own steps on a busy host.
+    const auto gap = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - answered);
+    spin_us = gap.count() <= spin_us_ ? spin_us_ : 0;
     if (got <= 0 || (static_cast<size_t>(got) < sizeof(head) &&
                      receive_exactly(*link, reinterpret_cast<char*>(&head) + got, sizeof(head) - got, 0, -1) <= 0))
       break;

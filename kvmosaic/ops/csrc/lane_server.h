@@ -55,7 +55,8 @@ class LaneServer {
  public:
   // listens on host, any port; serves `pool` to debtors for queries of num_heads heads. After each
   // answer a connection's thread polls for the next call for up to spin_us microseconds before it
-  // sleeps in the kernel (a debtor's step sends one call a layer: a polling thread skips the wake-up).
+  // sleeps in the kernel (a polling thread skips the wake-up), as long as the previous call came
+  // within spin_us of its answer.
   LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us = 0);
   ~LaneServer();
   LaneServer(const LaneServer&) = delete;
