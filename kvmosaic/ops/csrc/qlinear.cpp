@@ -39,12 +39,17 @@ constexpr int64_t kQ6Sub = 16;     // weights per q6 sub-block scale
 constexpr int64_t kQ6Super = 256;  // weights per q6 super-block scale
 constexpr int kMaxRows = 4;  // activation rows sharing one pass over a group's codes
 
-// Bytes of codes a product asks for ahead of the block it multiplies. On an AVX2 host (Zen 3) the
-// integer dots are heavy enough that the hardware prefetcher alone falls behind: the default model's
-// Q4_1 decode went from ~87 to ~100 tok/s (medians of 3 x 6 interleaved runs; 1 and 2 KiB alike). On
-// AVX-512 (Zen 4) prefetching inside a product gave nothing (decode_team.cpp), so it stays off there.
+// Bytes of codes a product asks for ahead of the block it multiplies, so the stream runs on across
+// the 4 KiB pages where the hardware prefetcher stops. Only the first rows of a group ask: later rows
+// find its codes in L1. On an AVX2 host (Zen 3) the integer dots are heavy enough that the hardware
+// prefetcher alone falls behind: the default model's Q4_1 decode went from ~87 to ~100 tok/s (medians
+// of 3 x 6 interleaved runs; 1 and 2 KiB alike). On the AVX-512 host of session 31 (AVX512-BF16,
+// VNNI, VP2INTERSECT), Q4_1, one stream, in-process interleaved rounds against none: 1 KiB 1.07x,
+// 2 KiB 1.16x, 4 KiB 1.21x, 8 KiB 1.38x, 16 KiB 1.31x when the host's read probe gave ~92 GB/s, and
+// 8 KiB 1.13x at ~55 GB/s; Q8_0 the same with or without (0.98-1.00x). (Zen 4 had gained nothing
+// from 1-4 KiB in session 15.)
 #if defined(KVM_VEC_AVX512)
-constexpr int64_t kStreamAhead = 0;
+constexpr int64_t kStreamAhead = 8192;
 #else
 constexpr int64_t kStreamAhead = 1024;
 #endif
@@ -90,7 +95,7 @@ inline int32_t load4(const int8_t* p) {
 // (one accumulator in flight) below the memory bandwidth.
 template <typename T, typename S, bool kQ4, int R>
 void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* scale, const S* mins,
-                const float* bias, T* out, int64_t ldo) {
+                const float* bias, T* out, int64_t ldo, bool stream) {
   constexpr int64_t kGroups = kQ4 ? 4 : 8;  // 64-byte vectors per 32-k block
   constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
   F16 acc[R];
@@ -105,7 +110,7 @@ void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* 
         q4sums[r][c] = Q4Sum::zero();
       }
     const uint8_t* wb = codes + b * kGroups * 64;
-    if constexpr (kStreamAhead > 0) {
+    if (kStreamAhead > 0 && stream) {
       constexpr int64_t kBlocksAhead = kStreamAhead / (kGroups * 64);
       for (int64_t q = 0; q < kGroups * 64; q += 64) kvmosaic_vec::prefetch_l1(wb + kStreamAhead + q);
       kvmosaic_vec::prefetch_l1(scale + (b + kBlocksAhead) * kCols);
@@ -165,13 +170,13 @@ inline void q6_dots(V64 nibbles, V64 pairs, const QuantRow* rows, int64_t b, Q4S
 // sum of four dots (qdot.h's Q4Sum) widened with its int8 scale, then the block's one float multiply-add.
 template <typename T, int R>
 void group_rows_q6(const QuantRow* rows, int64_t k, const uint8_t* codes, const int8_t* scale, const float* supers,
-                   const float* bias, T* out, int64_t ldo) {
+                   const float* bias, T* out, int64_t ldo, bool stream) {
   F16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = F16::zero();
   const int64_t blocks = k / kQBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = codes + b * kQ6Vectors * 64;
-    if constexpr (kStreamAhead > 0) {
+    if (kStreamAhead > 0 && stream) {
       for (int64_t q = 0; q < kQ6Vectors * 64; q += 64) kvmosaic_vec::prefetch_l1(wb + kStreamAhead + q);
       kvmosaic_vec::prefetch_l1(scale + (2 * b) * kCols + kStreamAhead / 12);  // 32 scale bytes per 384 code bytes
     }
@@ -203,21 +208,21 @@ enum class Kind { kQ8, kQ4, kQ6 };
 // S: the scale dtype (int8 for q6); extra: q4's mins (S) or q6's super-block scales (float)
 template <typename T, typename S, Kind kKind, int R>
 void group_rows_of(const QuantRow* q, int64_t k, const uint8_t* codes, const S* scale, const void* extra,
-                   const float* bias, T* out, int64_t ldo) {
+                   const float* bias, T* out, int64_t ldo, bool stream) {
   if constexpr (kKind == Kind::kQ6)
-    group_rows_q6<T, R>(q, k, codes, scale, static_cast<const float*>(extra), bias, out, ldo);
+    group_rows_q6<T, R>(q, k, codes, scale, static_cast<const float*>(extra), bias, out, ldo, stream);
   else
-    group_rows<T, S, kKind == Kind::kQ4, R>(q, k, codes, scale, static_cast<const S*>(extra), bias, out, ldo);
+    group_rows<T, S, kKind == Kind::kQ4, R>(q, k, codes, scale, static_cast<const S*>(extra), bias, out, ldo, stream);
 }
 
 template <typename T, typename S, Kind kKind>
 void rows_dispatch(int rows, const QuantRow* q, int64_t k, const uint8_t* codes, const S* scale, const void* extra,
-                   const float* bias, T* out, int64_t ldo) {
+                   const float* bias, T* out, int64_t ldo, bool stream) {
   switch (rows) {
-    case 4: return group_rows_of<T, S, kKind, 4>(q, k, codes, scale, extra, bias, out, ldo);
-    case 3: return group_rows_of<T, S, kKind, 3>(q, k, codes, scale, extra, bias, out, ldo);
-    case 2: return group_rows_of<T, S, kKind, 2>(q, k, codes, scale, extra, bias, out, ldo);
-    default: return group_rows_of<T, S, kKind, 1>(q, k, codes, scale, extra, bias, out, ldo);
+    case 4: return group_rows_of<T, S, kKind, 4>(q, k, codes, scale, extra, bias, out, ldo, stream);
+    case 3: return group_rows_of<T, S, kKind, 3>(q, k, codes, scale, extra, bias, out, ldo, stream);
+    case 2: return group_rows_of<T, S, kKind, 2>(q, k, codes, scale, extra, bias, out, ldo, stream);
+    default: return group_rows_of<T, S, kKind, 1>(q, k, codes, scale, extra, bias, out, ldo, stream);
   }
 }
 
@@ -238,7 +243,8 @@ void groups_of(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* o
       for (int r = 0; r < rows; ++r)
         q[r] = {x.codes + (r0 + r) * k, x.scale + (r0 + r) * blocks, x.sum + (r0 + r) * blocks};
       rows_dispatch<T, S, kKind>(rows, q, k, w.codes + g * group_bytes, scale + g * group_scales, extra,
-                                 w.bias != nullptr ? w.bias + g * kCols : nullptr, out + r0 * ldo + g * kCols, ldo);
+                                 w.bias != nullptr ? w.bias + g * kCols : nullptr, out + r0 * ldo + g * kCols, ldo,
+                                 r0 == 0);
     }
   }
 }
