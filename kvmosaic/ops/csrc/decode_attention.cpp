@@ -320,20 +320,6 @@ AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim,
 }
 
 template <typename T>
-void prefetch_attention(const DecodeBatch<T>& db, const AttentionWork& work, int64_t i0, int64_t i1,
-                        int64_t bytes) {
-  if (db.head_dim != 64 && db.head_dim != 128) return;
-  const int64_t token_lines = 2 * ((db.hk * db.head_dim * static_cast<int64_t>(sizeof(T)) + 63) / 64);
-  int64_t tokens = bytes / (64 * token_lines);
-  for (int64_t item = i0; item < i1 && tokens > 0; ++item) {
-    const Piece p = Piece::of(db.lens, work.splits, item);
-    const int64_t n = std::min(tokens, p.t_end - p.t_begin);
-    p.lines(db, p.t_begin, p.t_begin + n, [](const char* line) { vec::prefetch_l2(line); });
-    tokens -= n;
-  }
-}
-
-template <typename T>
 void decode_attention_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work, float* partials,
                             int64_t i0, int64_t i1) {
   const float fscale = static_cast<float>(scale);
@@ -386,10 +372,6 @@ void merge_attention_splits(const DecodeBatch<T>& db, const AttentionWork& work,
   }
 }
 
-template void prefetch_attention<float>(const DecodeBatch<float>&, const AttentionWork&, int64_t, int64_t,
-                                         int64_t);
-template void prefetch_attention<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, const AttentionWork&, int64_t,
-                                                int64_t, int64_t);
 template void decode_attention_items<float>(const DecodeBatch<float>&, double, const AttentionWork&, float*, int64_t,
                                             int64_t);
 template void decode_attention_items<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, double, const AttentionWork&,

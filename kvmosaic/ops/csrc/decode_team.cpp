@@ -105,12 +105,12 @@ void prefetch_slots(const Team& team, const RopeStep<T>& r, int64_t rows) {
   }
 }
 
-// And this layer's K/V of the thread's attention items, up to this many bytes: the attention (a
-// fifth of a single-stream decode step at 128-256 tokens of context) otherwise waits on memory for
-// them, while the product streams alongside. Measured on the default model, Q4_1, AVX2 host: the qkv
-// product and attention 27% of the layer stack's time against 29.6% (3 interleaved rounds; the first
-// 32 tokens only: 28.8%).
-constexpr int64_t kAttentionPrefetchBytes = 160 << 10;
+// The layer's K/V are not asked for ahead of the attention here. A walk that asked for each thread's
+// first 160 KiB into L2 before the qkv product (sessions 24-30) compiled to nothing at every level:
+// GCC found the out-of-line walk, only prefetches, free of effects and dropped the call. Made real
+// (session 31, AVX-512 host, Q4_1, one stream), it cost ~1 us a layer to issue and slowed the qkv
+// product about as much as it shortened the attention, and reading every K/V line right after it
+// still took as long as with no walk (~150 us a step): the burst did not stay in the cache.
 
 at::Tensor buffer(int64_t rows, int64_t cols, const at::Tensor& like) { return at::empty({rows, cols}, like.options()); }
 
@@ -198,8 +198,6 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
       DecodeBatch<T> db = batch;
       db.k = r.k_cache;
       db.v = r.v_cache;
-      s = team.share(work.items);
-      prefetch_attention(db, work, s.begin, s.end, kAttentionPrefetchBytes);
       team.sync();
       team_linear(team, layer.qkv, normed_p, n, qkv_p, scratch);
       prefetch_share(team, layer.o);

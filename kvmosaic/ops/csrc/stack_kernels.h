@@ -102,10 +102,6 @@ AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim,
 template <typename T>
 void decode_attention_items(const DecodeBatch<T>& batch, double scale, const AttentionWork& work, float* partials,
                             int64_t i0, int64_t i1);
-// the first `bytes` of the K/V rows items [i0, i1) read, asked for into L2 (register kernel only)
-template <typename T>
-void prefetch_attention(const DecodeBatch<T>& batch, const AttentionWork& work, int64_t i0, int64_t i1,
-                        int64_t bytes);
 template <typename T>
 void merge_attention_splits(const DecodeBatch<T>& batch, const AttentionWork& work, const float* partials,
                             int64_t i0, int64_t i1);
