@@ -72,8 +72,8 @@ void team_linear(const Team& team, const StackLinear& l, const T* x, int64_t m, 
 // The first bytes of this thread's share of a quantized linear's weights, asked for into L2 before the
 // barrier in front of that linear: the faster thread waits there, and the short kernels between two
 // products (norm, rotary, attention) leave the memory idle. Measured on the default model, Q4_1, one
-// stream, AVX-512 host (Zen 4): 281 -> 297 tok/s (best of 3 runs each, 3 interleaved rounds); 8 to
-// 128 KiB all gave about the same. (The products' own prefetch ahead: qlinear.cpp's kStreamAhead.)
+// stream, AVX-512 host: 281 -> 297 tok/s (best of 3 runs each, 3 interleaved rounds); 8 to 128 KiB
+// all gave about the same. (The products' own prefetch ahead: qlinear.cpp's kStreamAhead.)
 constexpr int64_t kPrefetchBytes = 16 << 10;
 
 void prefetch_share(const Team& team, const StackLinear& l) {
