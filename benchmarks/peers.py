@@ -16,6 +16,7 @@ Workloads (token-id prompts, greedy, EOS ignored, 2 threads everywhere):
   A  1 prompt x 128 tokens, 128 generated      -> decode tok/s
   B  64 prompts x 128 tokens, 128 generated    -> output tok/s and wall time
   C  16 prompts x 512 tokens, 1 generated      -> prompt tok/s
+  L  1 prompt x 2048 tokens, 128 generated     -> decode tok/s at a long context (not in the default set)
   S  kvmosaic only: process start -> first token with the embedded default model
 
 Every (engine, dtype, workload) runs in its own subprocess (peer_runners/*_runner.py) that prints one
@@ -25,7 +26,7 @@ benchmarks/results/peers.json.
 
     make peers
     python benchmarks/peers.py [--engines kvmosaic,hf,vllm,llamacpp,ct2] [--dtypes float32,bfloat16,q8_0,q4_1]
-                               [--workloads A,B,C] [--rounds 1] [--timeout 1500] [--isa-cap avx2]
+                               [--workloads A,B,C,L] [--rounds 1] [--timeout 1500] [--isa-cap avx2]
                                [--json out.json]
 """
 
@@ -206,7 +207,7 @@ def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], t
                     tag = f" r{round_no}" if rounds > 1 else ""
                     print(f"  {engine.label:16} {dtype:9} {workload}{tag} ...", end=" ", flush=True)
                     wait_for_quiet(quiet_wait)
-                    probes = [read_bandwidth()] if workload == "A" else []
+                    probes = [read_bandwidth()] if WORKLOADS[workload].single_stream_decode else []
                     res = run_one(engine, dtype, workload, timeout)
                     if probes:  # the roofline of this run: the bandwidth just before and after it
                         probes.append(read_bandwidth())
@@ -303,7 +304,8 @@ def main() -> None:
     if args.isa_cap:
         isa += f", every engine capped at {args.isa_cap.upper()} code paths"
     print(f"\nhost ISA {isa}, kvmosaic kernels {kernels}; SmolLM2-135M-Instruct, greedy, EOS ignored, {THREADS} "
-          "threads; A: 1 x 128 prompt + 128 output tokens, B: 64 x 128 + 128, C: 16 x 512 + 1; q8_0 / q4_1: GGUF "
+          "threads; A: 1 x 128 prompt + 128 output tokens, B: 64 x 128 + 128, C: 16 x 512 + 1, L: 1 x 2048 + 128; "
+          "q8_0 / q4_1: GGUF "
           "weight formats with float32 activations\n")
     lines = table(results, engines, dtypes, workloads, skipped)
     for res in startup:  # kvmosaic is the first engine column

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from itertools import islice
 
-from common import run
+from common import WORKLOADS, context_window, parse_args, run
 from llama_cpp import Llama
 
 
 class LlamaCppEngine:
     def __init__(self, model_path: str, dtype: str, threads: int) -> None:
-        self.llm = Llama(model_path=model_path, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
+        n_ctx = context_window(WORKLOADS[parse_args().workload])
+        self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -52,9 +52,9 @@ def weight_bytes_per_param(dtype: str, num_params: int) -> float:
 def roofline_rows(results: list[dict]) -> list[dict] | None:
     """kvmosaic against this machine's roofline, from the planner (kvmosaic/planner).
 
-    A: a decode step reads the weights and the KV cache once: their bytes / the read bandwidth probed
-       around that run (the mean of the probes just before and after it), against the measured
-       seconds per token.
+    A and L (the same at a 2048-token prompt): a decode step reads the weights and the KV cache once:
+       their bytes / the read bandwidth probed around that run (the mean of the probes just before and
+       after it), against the measured seconds per token.
     B: prefill matmul FLOPs / measured matmul FLOP/s plus 128 decode steps of 64 sequences, each the
        larger of its FLOP and weight-read times (plus KV reads), against the measured wall time.
     q8_0 / q4_1 weights count their GGUF files' bytes (scales included, tensors in the formats the file
@@ -66,7 +66,7 @@ def roofline_rows(results: list[dict]) -> list[dict] | None:
         from kvmosaic.planner.probe import probe
     except ImportError:
         return None
-    ours = [r for r in results if r["engine"] == "kvmosaic" and succeeded(r) and r["workload"] in ("A", "B")]
+    ours = [r for r in results if r["engine"] == "kvmosaic" and succeeded(r) and r["workload"] in ("A", "B", "L")]
     if not ours:
         return []
     measured_host = probe()
@@ -86,10 +86,10 @@ def roofline_rows(results: list[dict]) -> list[dict] | None:
         kv_size = 4 if dtype in WEIGHT_FORMATS else weight_size
         batch, context = work.num_prompts, work.prompt_len + work.max_tokens // 2
         spec = hw
-        if work.name == "A" and res.get("read_bandwidth"):
+        if work.single_stream_decode and res.get("read_bandwidth"):
             spec = dataclasses.replace(hw, hbm_bandwidth=res["read_bandwidth"])
         step = roofline_step_time(model, spec, batch, context, weight_size, kv_size, compute_dtype=compute)
-        if work.name == "A":
+        if work.single_stream_decode:
             roof, measured, unit = step.total_s, 1 / res["tokens_per_s"], "s/token"
         else:
             prefill = 2 * body * batch * work.prompt_len / rate.flops
@@ -109,8 +109,8 @@ def roofline_lines(rows: list[dict] | None) -> list[str]:
     if rows is None:
         return ["roofline: planner not available"]
     if not rows:
-        return ["roofline: no kvmosaic A or B result to compare"]
-    lines = ["kvmosaic vs roofline (planner probes of this machine; A: weights+KV bytes / read bandwidth probed "
+        return ["roofline: no kvmosaic A, B or L result to compare"]
+    lines = ["kvmosaic vs roofline (planner probes of this machine; A, L: weights+KV bytes / read bandwidth probed "
              "around that run, "
              "B: prefill FLOPs + 128 decode steps of 64 at max(FLOP, weight-read) time):"]
     for r in rows:

@@ -6,7 +6,7 @@ sets them); the engine core runs in a child process, hence the ``__main__`` guar
 
 from __future__ import annotations
 
-from common import run
+from common import WORKLOADS, context_window, parse_args, run
 
 
 class VLLMEngine:
@@ -14,7 +14,8 @@ class VLLMEngine:
         from vllm import LLM
 
         # No prefix caching: workload A runs the same prompt more than once.
-        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=1024, max_num_seqs=64,
+        window = context_window(WORKLOADS[parse_args().workload])
+        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=window, max_num_seqs=64,
                        enable_prefix_caching=False, seed=0)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
