@@ -48,7 +48,7 @@ WORKLOADS = {
     "A": Workload("A", 1, 128, 128, "decode tok/s"),
     "B": Workload("B", 64, 128, 128, "output tok/s"),
     "C": Workload("C", 16, 512, 1, "prompt tok/s"),
-    # A at a long context: the KV cache read each step outweighs the Q4_1 weights (float32 KV)
+    # A at a long context: the float32 KV read each step is as large as the Q4_1 weights
     "L": Workload("L", 1, 2048, 128, "decode tok/s"),
     "S": Workload("S", 1, 128, 1, "start-up s"),  # process start -> first token
 }
