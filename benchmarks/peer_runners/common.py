@@ -39,6 +39,11 @@ class Workload:
         return self.metric == "decode tok/s"
 
     @property
+    def decodes(self) -> bool:
+        """The workload generates past its first token (A, B, L), so the planner's roofline applies."""
+        return self.max_tokens > 1
+
+    @property
     def context(self) -> int:
         """Tokens a sequence holds at its end: what an engine's context window must fit."""
         return self.prompt_len + self.max_tokens

@@ -66,7 +66,7 @@ def roofline_rows(results: list[dict]) -> list[dict] | None:
         from kvmosaic.planner.probe import probe
     except ImportError:
         return None
-    ours = [r for r in results if r["engine"] == "kvmosaic" and succeeded(r) and r["workload"] in ("A", "B", "L")]
+    ours = [r for r in results if r["engine"] == "kvmosaic" and succeeded(r) and WORKLOADS[r["workload"]].decodes]
     if not ours:
         return []
     measured_host = probe()

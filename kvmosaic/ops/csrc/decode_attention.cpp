@@ -121,11 +121,11 @@ struct QueryDot<c10::BFloat16, NC> {
 // chunk's K rows j < n (zero past n); the G queries stay in registers.
 template <typename T, int NC, int G, typename Prefetch>
 inline void head_scores(const QueryDot<T, NC>* qd, const T* krows, const int64_t* slots, int64_t n,
-                        int64_t slot_stride, vec::F16* part, const Prefetch& prefetch_some) {
+                        int64_t slot_stride, vec::F16* part, const Prefetch& prefetch_row) {
   QueryDot<T, NC> q[G];
   for (int g = 0; g < G; ++g) q[g] = qd[g];
   for (int64_t j = 0; j < 16; ++j) {
-    prefetch_some();
+    prefetch_row(j);
     const T* row = krows + slots[j] * slot_stride;
     for (int g = 0; g < G; ++g) part[g * 16 + j] = j < n ? q[g].dot(row) : vec::F16::zero();
   }
@@ -179,6 +179,24 @@ bool kv_prefetch_to_l1() {
 #endif
 }
 
+// One line asked for into L1 or L2 (kv_prefetch_to_l1). On x86 an asm statement: GCC deleted the
+// loop of __builtin_prefetch calls in vec_items (no prefetch instruction left in the object file,
+// and a 2048-token context read from memory 1.3x slower), as it may delete any loop that only
+// prefetches. Elsewhere vec.h's prefetches.
+inline void prefetch_line(const char* line, bool to_l1) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (to_l1)
+    asm volatile("prefetcht0 %0" : : "m"(*line));
+  else
+    asm volatile("prefetcht1 %0" : : "m"(*line));
+#else
+  if (to_l1)
+    vec::prefetch_l1(line);
+  else
+    vec::prefetch_l2(line);
+#endif
+}
+
 // The tokens [t_begin, t_end) of sequence b that a work item of the register kernel covers
 struct Piece {
   int64_t b, t_begin, t_end;
@@ -190,21 +208,6 @@ struct Piece {
     const int64_t split_tokens = (ctx + splits - 1) / splits;
     const int64_t t_begin = std::min(ctx, split * split_tokens);
     return {b, t_begin, std::min(ctx, t_begin + split_tokens)};
-  }
-  // line(address) for every K and V cache line of the piece's tokens [from, to) (clipped to the piece)
-  template <typename T, typename Line>
-  void lines(const DecodeBatch<T>& db, int64_t from, int64_t to, const Line& line) const {
-    const int64_t slot_bytes = db.hk * db.head_dim * static_cast<int64_t>(sizeof(T));
-    const int64_t* table = db.tables + b * db.width;
-    for (int64_t t = std::max(from, t_begin); t < std::min(to, t_end); ++t) {
-      const int64_t slot = table[t / db.block_size] * db.block_size + t % db.block_size;
-      const char* k = reinterpret_cast<const char*>(db.k) + slot * slot_bytes;
-      const char* v = reinterpret_cast<const char*>(db.v) + slot * slot_bytes;
-      for (int64_t off = 0; off < slot_bytes; off += 64) {
-        line(k + off);
-        line(v + off);
-      }
-    }
   }
 };
 
@@ -220,7 +223,6 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
   constexpr int64_t D = NC * 16;
   const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr, head_dim] = db;
   const int64_t slot_stride = hk * D;
-  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
   const vec::F16 vscale = vec::F16::set1(scale);
   const int64_t splits = work.splits;
   const bool to_l1 = kv_prefetch_to_l1();
@@ -229,12 +231,14 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     std::vector<vec::F16> part(group * 16), acc(hq * NC);
     std::vector<vec::OnlineSoftmax> softmax(hq);
     std::vector<float> probs(hq * 16);
-    int64_t slots[16];
-    std::vector<const char*> pf_lines(2 * 16 * ((slot_bytes + 63) / 64));
+    int64_t slots[16], ahead_slots[16];
     auto piece_of = [&](int64_t item) { return Piece::of(lens, splits, item); };
-    // the K and V cache lines of chunk c of a piece, appended to pf_lines (none past its end)
-    auto add_chunk = [&](const Piece& p, int64_t c, int64_t& nlines) {
-      p.lines(db, p.t_begin + 16 * c, p.t_begin + 16 * (c + 1), [&](const char* line) { pf_lines[nlines++] = line; });
+    // the slots of chunk c of a piece into ahead_slots; returns how many (none past its end)
+    auto chunk_slots = [&](const Piece& p, int64_t c) {
+      const int64_t* tb = tables + p.b * width;
+      const int64_t from = p.t_begin + 16 * c, to = std::min(p.t_end, from + 16);
+      for (int64_t t = from; t < to; ++t) ahead_slots[t - from] = tb[t / block_size] * block_size + t % block_size;
+      return std::max<int64_t>(0, to - from);
     };
     for (int64_t item = begin; item < end; ++item) {
       const Piece piece = piece_of(item);
@@ -249,32 +253,38 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
         const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
         for (int64_t j = 0; j < n; ++j) slots[j] = slot_of(t0 + j);
         // the rows two chunks ahead (past the item's end: the next item's first ones) are prefetched
-        // (into L1 or L2: kv_prefetch_to_l1), spread evenly over the score loop below: one chunk
-        // ahead, or in one burst, left the loads waiting on memory (1.5x slower in bf16, measured)
-        int64_t nlines = 0;
+        // (into L1 or L2: kv_prefetch_to_l1), spread evenly over the score loop below in address
+        // order: its call c = kh * 16 + j asks for part c % hk (a head's bytes) of the K and V of
+        // row c / hk. One chunk ahead, or in one burst, left the loads waiting on memory (1.5x slower
+        // in bf16, measured). The slots come from the block table once a chunk; a list of every line
+        // built ahead (before session 33) cost ~15% of the kernel's time with its K/V in cache.
         const int64_t ahead = (t0 - t_begin) / 16 + 2;
-        if (ahead < piece.chunks()) add_chunk(piece, ahead, nlines);
-        else if (item + 1 < end) add_chunk(piece_of(item + 1), ahead - piece.chunks(), nlines);
-        const int64_t per_iter = (nlines + hk * 16 - 1) / (hk * 16);
-        int64_t issued = 0;
+        int64_t n_ahead = 0;
+        if (ahead < piece.chunks()) n_ahead = chunk_slots(piece, ahead);
+        else if (item + 1 < end) n_ahead = chunk_slots(piece_of(item + 1), ahead - piece.chunks());
         // scores of the sixteen tokens for every head, folded into the running softmax
         for (int64_t kh = 0; kh < hk; ++kh) {
-          auto prefetch_some = [&] {
-            if (to_l1)
-              for (int64_t i = 0; i < per_iter && issued < nlines; ++i) vec::prefetch_l1(pf_lines[issued++]);
-            else
-              for (int64_t i = 0; i < per_iter && issued < nlines; ++i) vec::prefetch_l2(pf_lines[issued++]);
+          auto prefetch_row = [&](int64_t j) {
+            const int64_t c = kh * 16 + j, row = c / hk;
+            if (row >= n_ahead) return;
+            const int64_t at = ahead_slots[row] * slot_stride + (c % hk) * D;
+            const char* k = reinterpret_cast<const char*>(kc + at);
+            const char* v = reinterpret_cast<const char*>(vc + at);
+            for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
+              prefetch_line(k + off, to_l1);
+              prefetch_line(v + off, to_l1);
+            }
           };
           const QueryDot<T, NC>* qh = qd.data() + kh * group;
           const T* krows = kc + kh * D;
           switch (group) {
-            case 1: head_scores<T, NC, 1>(qh, krows, slots, n, slot_stride, part.data(), prefetch_some); break;
-            case 2: head_scores<T, NC, 2>(qh, krows, slots, n, slot_stride, part.data(), prefetch_some); break;
-            case 3: head_scores<T, NC, 3>(qh, krows, slots, n, slot_stride, part.data(), prefetch_some); break;
-            case 4: head_scores<T, NC, 4>(qh, krows, slots, n, slot_stride, part.data(), prefetch_some); break;
+            case 1: head_scores<T, NC, 1>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
+            case 2: head_scores<T, NC, 2>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
+            case 3: head_scores<T, NC, 3>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
+            case 4: head_scores<T, NC, 4>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
             default:
               for (int64_t j = 0; j < 16; ++j) {
-                prefetch_some();
+                prefetch_row(j);
                 for (int64_t g = 0; g < group; ++g)
                   part[g * 16 + j] = j < n ? qh[g].dot(krows + slots[j] * slot_stride) : vec::F16::zero();
               }
