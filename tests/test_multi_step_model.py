@@ -72,6 +72,35 @@ def test_native_q4_1_weights_on_the_kernels_give_the_same_tokens():
     assert outs[6] == outs[1]
 
 
+def test_greedy_steps_run_every_pass_in_one_kernel_call():
+    """A step whose rows are all greedy runs its first pass in the kernel call too (no forward
+    through the sampler): the same tokens and finish reasons as one pass a step, a stop token
+    mid-step included."""
+    params = [SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=26)]
+    engines = {steps: LLM(kv_cache_memory="64MiB", num_scheduler_steps=steps) for steps in (1, 6)}
+    expected = engines[1].generate(PROMPTS[:2], params)
+    runner = engines[6].engine.executor.worker.runner
+    steps: list[tuple[bool, int]] = []  # (every row multi-step, forwards in the step)
+    forward, execute = runner._forward, runner.execute
+
+    def counted_forward(*args, **kwargs):
+        steps[-1] = (steps[-1][0], steps[-1][1] + 1)
+        return forward(*args, **kwargs)
+
+    def recorded_execute(sched):
+        steps.append((bool(sched.scheduled) and all(s.num_steps > 1 for s in sched.scheduled), 0))
+        return execute(sched)
+
+    runner._forward, runner.execute = counted_forward, recorded_execute
+    got = engines[6].generate(PROMPTS[:2], params)
+    assert [(c.token_ids, c.finish_reason) for o in got for c in o.outputs] == \
+        [(c.token_ids, c.finish_reason) for o in expected for c in o.outputs]
+    multi = [forwards for every_row, forwards in steps if every_row]
+    assert multi and not any(multi)
+    assert steps[0][1] == 1  # the prompts' step
+
+
 def test_rows_moved_one_slot_on_equal_a_fresh_build(float_engines):
     """DecodeRows.advance against the runner's own inputs for the fed-back batch, pass after pass,
     across a block boundary (block size 16)."""
