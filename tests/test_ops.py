@@ -257,7 +257,7 @@ def test_layer_stack_with_a_head_returns_the_final_norm_and_lm_head_of_its_outpu
         ops.StackWeights(layer, [norm, ops.pack_linear_weight(torch.randn(48, 64)), none, none])
 
 
-@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 4096, 4097, 49152])
 def test_argmax_rows_gives_torchs_ids(ops, width):
     """The greedy pick: torch.argmax(dim=-1) bit for bit, ties (first index), NaN (the first one, as
     torch counts NaN largest), +-inf, all -inf and -0.0 next to 0.0 included, at every row width's tail."""
@@ -277,6 +277,15 @@ def test_argmax_rows_gives_torchs_ids(ops, width):
     x[9, :] = torch.arange(width, dtype=torch.float32)  # the last lane of all
     got = ops.argmax_rows(x)
     assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1))
+    # one row alone: a wide one is split between the threads (a tie, a NaN or the maximum on either side)
+    for row in x:
+        assert ops.argmax_rows(row[None]).tolist() == [int(row.argmax())]
+    x[10, :] = float("-inf")
+    x[10, last] = 0.0  # the only finite value, at the end of the last part
+    x[11, :] = 5.0
+    x[11, last // 2 + 1:] = float("nan")  # NaNs in the second part only
+    for row in x[10:]:
+        assert ops.argmax_rows(row[None]).tolist() == [int(row.argmax())]
     strided = x.t().contiguous().t()  # not contiguous
     assert torch.equal(ops.argmax_rows(strided), x.argmax(dim=-1))
     assert torch.equal(ops.argmax_rows(x[:0]), x[:0].argmax(dim=-1))

@@ -7,6 +7,16 @@
 
 namespace kvops {
 
+QuantScratch::QuantScratch(int64_t rows, int64_t width, int copies)
+    : rows_(rows), width_(width), codes_(copies * rows * width),
+      floats_(copies * rows * QuantizedRows::floats_per_row(width)) {}
+
+QuantizedRows QuantScratch::rows_for(const Team& team, int64_t m, int64_t k, bool private_copy) {
+  const int64_t copy = private_copy ? team.id() : 0;
+  return QuantizedRows::over(codes_.data() + copy * rows_ * width_,
+                             floats_.data() + copy * rows_ * QuantizedRows::floats_per_row(width_), m, k);
+}
+
 namespace {
 
 constexpr int64_t kPrivateRows = 4;  // up to this many rows, each thread quantizes a linear's input itself
@@ -28,25 +38,6 @@ void check_linear(const at::Tensor* w, at::ScalarType dtype) {
   }
   QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, nullptr, "layer_stack");
 }
-
-// The int8 activations of a quantized linear: one copy per thread when every thread quantizes the
-// (few) rows itself, else one shared copy that the threads fill row by row.
-class QuantScratch {
- public:
-  QuantScratch(int64_t rows, int64_t width, int copies)
-      : rows_(rows), width_(width), codes_(copies * rows * width),
-        floats_(copies * rows * QuantizedRows::floats_per_row(width)) {}
-  QuantizedRows rows_for(const Team& team, int64_t m, int64_t k, bool private_copy) {
-    const int64_t copy = private_copy ? team.id() : 0;
-    return QuantizedRows::over(codes_.data() + copy * rows_ * width_,
-                               floats_.data() + copy * rows_ * QuantizedRows::floats_per_row(width_), m, k);
-  }
-
- private:
-  int64_t rows_, width_;
-  std::vector<int8_t> codes_;
-  std::vector<float> floats_;
-};
 
 // x [m, in] times the linear into out [m, out]; the caller syncs before reading out.
 template <typename T>
@@ -137,6 +128,142 @@ std::vector<int64_t> rows_to_keep(const c10::optional<at::Tensor>& keep_rows, in
   return keep;
 }
 
+}  // namespace
+
+template <typename T>
+DecodeRun<T>::DecodeRun(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
+                        const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, const c10::optional<at::Tensor>& keep_rows, int64_t hq,
+                        int64_t hk, double eps, double scale)
+    : weights_(weights), caches_(caches), residual_(residual), n_(residual.size(0)), h_(residual.size(1)),
+      hq_(hq), d_(caches.head_dim()), f_(weights.intermediate()), fused_(weights.fused_mlp()),
+      eps_(static_cast<float>(eps)), scale_(scale), keep_(rows_to_keep(keep_rows, n_, &compact_)),
+      kept_(compact_ ? static_cast<int64_t>(keep_.size()) : n_),
+      // a copy per thread when some linear quantizes its rows privately: the last layer's kept rows
+      // may be few even when the step's rows are many
+      scratch_(n_, weights.widest_input(), kept_ <= kPrivateRows ? at::get_num_threads() : 1),
+      work_(decode_attention_work(n_, hk, d_, at::get_num_threads())),
+      partials_(work_.partial_floats(n_, hq, d_)) {
+  normed_ = buffer(n_, h_, residual);
+  qkv_ = buffer(n_, (hq + 2 * hk) * d_, residual);
+  q_ = buffer(n_, hq * d_, residual);
+  attn_ = buffer(n_, hq * d_, residual);
+  o_ = buffer(n_, h_, residual);
+  act_ = buffer(n_, f_, residual);
+  carry_ = buffer(n_, h_, residual);
+  if (!fused_) gate_up_ = buffer(n_, 2 * f_, residual);
+  kept_residual_ = compact_ ? buffer(kept_, h_, residual) : residual;
+  kept_attn_ = compact_ ? buffer(kept_, hq * d_, residual) : attn_;
+  head_ = kept_ > 0 ? weights.head() : nullptr;
+  if (head_ != nullptr) logits_ = buffer(kept_, head_->linear.out, residual);
+  rope_ = {qkv_.data_ptr<T>(), qkv_.stride(0), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+           cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), nullptr, nullptr, q_.data_ptr<T>(), hq, hk, d_};
+  batch_ = {n_, hq, hk, hq / hk, block_tables.size(1), caches.block_size(), q_.data_ptr<T>(), nullptr, nullptr,
+            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), attn_.data_ptr<T>(), d_};
+}
+
+template <typename T>
+void DecodeRun<T>::run(const Team& team) {
+  const int64_t n = n_, h = h_, hq = hq_, d = d_, f = f_, layers = static_cast<int64_t>(weights_.layers());
+  const bool fused = fused_;
+  const float feps = eps_;
+  T* res = residual_.data_ptr<T>();
+  T* normed_p = normed_.data_ptr<T>();
+  T* attn_p = attn_.data_ptr<T>();
+  T* o_p = o_.data_ptr<T>();
+  T* act_p = act_.data_ptr<T>();
+  T* carry_p = carry_.data_ptr<T>();
+  T* gate_up_p = fused ? nullptr : gate_up_.data_ptr<T>();
+  T* kept_res_p = kept_residual_.data_ptr<T>();
+  T* kept_attn_p = kept_attn_.data_ptr<T>();
+  T* qkv_p = qkv_.data_ptr<T>();
+  T* logits_p = head_ != nullptr ? logits_.data_ptr<T>() : nullptr;
+  const AttentionWork& work = work_;
+  QuantScratch& scratch = scratch_;
+  for (int64_t i = 0; i < layers; ++i) {
+    const StackWeights::Layer& layer = weights_.plan()[i];
+    Share s = team.share(n);
+    norm_rows(res, i == 0 ? nullptr : carry_p, static_cast<const T*>(layer.input_norm), normed_p, h, feps,
+              s.begin, s.end);
+    if (i == 0) prefetch_share(team, layer.qkv);
+    RopeStep<T> r = rope_;
+    r.k_cache = static_cast<T*>(caches_.k(i));
+    r.v_cache = static_cast<T*>(caches_.v(i));
+    prefetch_slots(team, r, n);
+    DecodeBatch<T> db = batch_;
+    db.k = r.k_cache;
+    db.v = r.v_cache;
+    team.sync();
+    team_linear(team, layer.qkv, normed_p, n, qkv_p, scratch);
+    prefetch_share(team, layer.o);
+    team.sync();
+    s = team.share(r.items(n));
+    rope_items(r, s.begin, s.end);
+    team.sync();
+    s = team.share(work.items);
+    decode_attention_items(db, scale_, work, partials_.data(), s.begin, s.end);
+    team.sync();
+    if (work.splits > 1) {
+      s = team.share(work.merge_items(n, hq));
+      merge_attention_splits(db, work, partials_.data(), s.begin, s.end);
+      team.sync();
+    }
+    T* rows = res;
+    const T* attn_rows = attn_p;
+    int64_t m = n;
+    if (i + 1 == layers && compact_) {  // only the kept rows go on past the last attention
+      if (team.leader()) {
+        for (int64_t j = 0; j < kept_; ++j) {
+          std::memcpy(kept_res_p + j * h, res + keep_[j] * h, sizeof(T) * h);
+          std::memcpy(kept_attn_p + j * hq * d, attn_p + keep_[j] * hq * d, sizeof(T) * hq * d);
+        }
+      }
+      team.sync();
+      rows = kept_res_p;
+      attn_rows = kept_attn_p;
+      m = kept_;
+    }
+    team_linear(team, layer.o, attn_rows, m, o_p, scratch);
+    prefetch_share(team, layer.gate_up);
+    team.sync();
+    s = team.share(m);
+    norm_rows(rows, o_p, static_cast<const T*>(layer.post_norm), normed_p, h, feps, s.begin, s.end);
+    team.sync();
+    if (fused) {
+      team_linear(team, layer.gate_up, normed_p, m, act_p, scratch);
+      prefetch_share(team, layer.down);
+    } else {
+      team_linear(team, layer.gate_up, normed_p, m, gate_up_p, scratch);
+      team.sync();
+      s = team.share(silu_work(m, f));
+      silu_items(gate_up_p, f, act_p, s.begin, s.end);
+    }
+    team.sync();
+    team_linear(team, layer.down, act_p, m, carry_p, scratch);
+    if (i + 1 < layers) prefetch_share(team, weights_.plan()[i + 1].qkv);
+    else if (head_ != nullptr) prefetch_share(team, head_->linear);
+    team.sync();
+  }
+  if (head_ == nullptr) return;
+  // the final norm of the kept rows and the LM head, as the model's own norm and head compute them
+  const Share s = team.share(kept_);
+  norm_rows(kept_res_p, carry_p, static_cast<const T*>(head_->norm), normed_p, h, feps, s.begin, s.end);
+  team.sync();
+  team_linear(team, head_->linear, normed_p, kept_, logits_p, scratch);
+}
+
+template <typename T>
+std::vector<at::Tensor> DecodeRun<T>::result() const {
+  if (weights_.head() != nullptr) return {head_ != nullptr ? logits_.to(at::kFloat) : empty_logits(weights_, residual_)};
+  return {kept_residual_, carry_.narrow(0, 0, kept_)};
+}
+
+template class DecodeRun<float>;
+template class DecodeRun<c10::BFloat16>;
+
+namespace {
+
 template <typename T>
 std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
                                         const at::Tensor& positions, const at::Tensor& cos_table,
@@ -144,120 +271,10 @@ std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights&
                                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                                         const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk,
                                         double eps, double scale) {
-  const int64_t n = residual.size(0), h = residual.size(1), layers = static_cast<int64_t>(weights.layers());
-  const int64_t d = caches.head_dim(), f = weights.intermediate();
-  const bool fused = weights.fused_mlp();
-  bool compact = false;
-  const std::vector<int64_t> keep = rows_to_keep(keep_rows, n, &compact);
-  const int64_t kept = compact ? static_cast<int64_t>(keep.size()) : n;
-
-  at::Tensor normed = buffer(n, h, residual), qkv = buffer(n, (hq + 2 * hk) * d, residual);
-  at::Tensor q = buffer(n, hq * d, residual), attn = buffer(n, hq * d, residual);
-  at::Tensor o = buffer(n, h, residual), act = buffer(n, f, residual), carry = buffer(n, h, residual);
-  at::Tensor gate_up = fused ? at::Tensor() : buffer(n, 2 * f, residual);
-  at::Tensor kept_residual = compact ? buffer(kept, h, residual) : residual;
-  at::Tensor kept_attn = compact ? buffer(kept, hq * d, residual) : attn;
-  const StackWeights::Head* head = kept > 0 ? weights.head() : nullptr;
-  at::Tensor logits = head != nullptr ? buffer(kept, head->linear.out, residual) : at::Tensor();
-  // a copy per thread when some linear quantizes its rows privately: the last layer's kept rows may be
-  // few even when the step's rows are many
-  QuantScratch scratch(n, weights.widest_input(), kept <= kPrivateRows ? at::get_num_threads() : 1);
-  const AttentionWork work = decode_attention_work(n, hk, d, at::get_num_threads());
-  std::vector<float> partials(work.partial_floats(n, hq, d));
-
-  T* res = residual.data_ptr<T>();
-  T* normed_p = normed.data_ptr<T>();
-  T* attn_p = attn.data_ptr<T>();
-  T* o_p = o.data_ptr<T>();
-  T* act_p = act.data_ptr<T>();
-  T* carry_p = carry.data_ptr<T>();
-  T* gate_up_p = fused ? nullptr : gate_up.data_ptr<T>();
-  T* kept_res_p = kept_residual.data_ptr<T>();
-  T* kept_attn_p = kept_attn.data_ptr<T>();
-  T* qkv_p = qkv.data_ptr<T>();
-  T* logits_p = head != nullptr ? logits.data_ptr<T>() : nullptr;
-  const float feps = static_cast<float>(eps);
-  const RopeStep<T> rope{qkv_p, qkv.stride(0), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
-                         cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), nullptr, nullptr,
-                         q.data_ptr<T>(), hq, hk, d};
-  const DecodeBatch<T> batch{n, hq, hk, hq / hk, block_tables.size(1), caches.block_size(), q.data_ptr<T>(),
-                             nullptr, nullptr, block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                             attn_p, d};
-
-  run_team([&](const Team& team) {
-    for (int64_t i = 0; i < layers; ++i) {
-      const StackWeights::Layer& layer = weights.plan()[i];
-      Share s = team.share(n);
-      norm_rows(res, i == 0 ? nullptr : carry_p, static_cast<const T*>(layer.input_norm), normed_p, h, feps,
-                s.begin, s.end);
-      if (i == 0) prefetch_share(team, layer.qkv);
-      RopeStep<T> r = rope;
-      r.k_cache = static_cast<T*>(caches.k(i));
-      r.v_cache = static_cast<T*>(caches.v(i));
-      prefetch_slots(team, r, n);
-      DecodeBatch<T> db = batch;
-      db.k = r.k_cache;
-      db.v = r.v_cache;
-      team.sync();
-      team_linear(team, layer.qkv, normed_p, n, qkv_p, scratch);
-      prefetch_share(team, layer.o);
-      team.sync();
-      s = team.share(r.items(n));
-      rope_items(r, s.begin, s.end);
-      team.sync();
-      s = team.share(work.items);
-      decode_attention_items(db, scale, work, partials.data(), s.begin, s.end);
-      team.sync();
-      if (work.splits > 1) {
-        s = team.share(work.merge_items(n, hq));
-        merge_attention_splits(db, work, partials.data(), s.begin, s.end);
-        team.sync();
-      }
-      T* rows = res;
-      const T* attn_rows = attn_p;
-      int64_t m = n;
-      if (i + 1 == layers && compact) {  // only the kept rows go on past the last attention
-        if (team.leader()) {
-          for (int64_t j = 0; j < kept; ++j) {
-            std::memcpy(kept_res_p + j * h, res + keep[j] * h, sizeof(T) * h);
-            std::memcpy(kept_attn_p + j * hq * d, attn_p + keep[j] * hq * d, sizeof(T) * hq * d);
-          }
-        }
-        team.sync();
-        rows = kept_res_p;
-        attn_rows = kept_attn_p;
-        m = kept;
-      }
-      team_linear(team, layer.o, attn_rows, m, o_p, scratch);
-      prefetch_share(team, layer.gate_up);
-      team.sync();
-      s = team.share(m);
-      norm_rows(rows, o_p, static_cast<const T*>(layer.post_norm), normed_p, h, feps, s.begin, s.end);
-      team.sync();
-      if (fused) {
-        team_linear(team, layer.gate_up, normed_p, m, act_p, scratch);
-        prefetch_share(team, layer.down);
-      } else {
-        team_linear(team, layer.gate_up, normed_p, m, gate_up_p, scratch);
-        team.sync();
-        s = team.share(silu_work(m, f));
-        silu_items(gate_up_p, f, act_p, s.begin, s.end);
-      }
-      team.sync();
-      team_linear(team, layer.down, act_p, m, carry_p, scratch);
-      if (i + 1 < layers) prefetch_share(team, weights.plan()[i + 1].qkv);
-      else if (head != nullptr) prefetch_share(team, head->linear);
-      team.sync();
-    }
-    if (head == nullptr) return;
-    // the final norm of the kept rows and the LM head, as the model's own norm and head compute them
-    const Share s = team.share(kept);
-    norm_rows(kept_res_p, carry_p, static_cast<const T*>(head->norm), normed_p, h, feps, s.begin, s.end);
-    team.sync();
-    team_linear(team, head->linear, normed_p, kept, logits_p, scratch);
-  });
-  if (weights.head() != nullptr) return {head != nullptr ? logits.to(at::kFloat) : empty_logits(weights, residual)};
-  return {kept_residual, carry.narrow(0, 0, kept)};
+  DecodeRun<T> step(residual, weights, caches, positions, cos_table, sin_table, slot_mapping, block_tables,
+                    context_lens, keep_rows, hq, hk, eps, scale);
+  run_team([&](const Team& team) { step.run(team); });
+  return step.result();
 }
 
 }  // namespace
@@ -316,12 +333,10 @@ StackCaches::StackCaches(std::vector<at::Tensor> caches) : caches_(std::move(cac
   }
 }
 
-std::vector<at::Tensor> decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
-                                    const at::Tensor& positions, const at::Tensor& cos_table,
-                                    const at::Tensor& sin_table, const at::Tensor& slot_mapping,
-                                    const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                    const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps,
-                                    double scale) {
+void check_decode_rows(const at::Tensor& residual, const StackWeights& weights, const StackCaches& caches,
+                       const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                       const at::Tensor& context_lens, int64_t hq, int64_t hk) {
   const int64_t n = residual.size(0), d = caches.head_dim();
   TORCH_CHECK(residual.scalar_type() == weights.dtype() && caches.dtype() == weights.dtype() &&
                   residual.is_contiguous() && residual.size(1) == weights.plan()[0].qkv.in,
@@ -339,6 +354,16 @@ std::vector<at::Tensor> decode_team(at::Tensor residual, const StackWeights& wei
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
                   cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.size(1) * 2 == d,
               "layer_stack: rotary tables must be contiguous float32 [positions, head_dim / 2]");
+}
+
+std::vector<at::Tensor> decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
+                                    const at::Tensor& positions, const at::Tensor& cos_table,
+                                    const at::Tensor& sin_table, const at::Tensor& slot_mapping,
+                                    const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                    const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps,
+                                    double scale) {
+  check_decode_rows(residual, weights, caches, positions, cos_table, sin_table, slot_mapping, block_tables,
+                    context_lens, hq, hk);
   if (residual.scalar_type() == at::kFloat)
     return run_decode_team<float>(residual, weights, caches, positions, cos_table, sin_table, slot_mapping,
                                   block_tables, context_lens, keep_rows, hq, hk, eps, scale);

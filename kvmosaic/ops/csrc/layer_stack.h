@@ -79,6 +79,63 @@ class StackCaches {
 // [0, vocab] float32 logits: a step that keeps no row past the last attention.
 at::Tensor empty_logits(const StackWeights& weights, const at::Tensor& like);
 
+class Team;
+
+// The int8 activations of a quantized linear: one copy per thread when every thread quantizes the
+// (few) rows itself, else one shared copy that the threads fill row by row.
+class QuantScratch {
+ public:
+  QuantScratch(int64_t rows, int64_t width, int copies);
+  QuantizedRows rows_for(const Team& team, int64_t m, int64_t k, bool private_copy);
+
+ private:
+  int64_t rows_, width_;
+  std::vector<int8_t> codes_;
+  std::vector<float> floats_;
+};
+
+// A step of decode rows (decode_team.cpp): its buffers and plans, built once, and run() (every
+// layer, then the head when the weights hold one) by each thread of a team; the caller syncs after
+// it. It reads its inputs from the tensors it was built with (the residual rows, positions, slots,
+// context lengths), so rewriting them runs it again for the next token (ops.decode_passes).
+template <typename T>
+class DecodeRun {
+ public:
+  DecodeRun(at::Tensor residual, const StackWeights& weights, const StackCaches& caches, const at::Tensor& positions,
+            const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slot_mapping,
+            const at::Tensor& block_tables, const at::Tensor& context_lens,
+            const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps, double scale);
+  void run(const Team& team);
+  // [float32 logits] when the weights hold the head, else (residual, delta) of the kept rows
+  std::vector<at::Tensor> result() const;
+  const T* logits() const { return head_ != nullptr ? logits_.data_ptr<T>() : nullptr; }  // [kept, vocab]
+
+ private:
+  const StackWeights& weights_;
+  const StackCaches& caches_;
+  at::Tensor residual_;
+  int64_t n_, h_, hq_, d_, f_;
+  bool fused_;
+  float eps_;
+  double scale_;
+  bool compact_ = false;
+  std::vector<int64_t> keep_;
+  int64_t kept_;
+  QuantScratch scratch_;
+  AttentionWork work_;
+  std::vector<float> partials_;
+  at::Tensor normed_, qkv_, q_, attn_, o_, act_, carry_, gate_up_, kept_residual_, kept_attn_, logits_;
+  const StackWeights::Head* head_ = nullptr;
+  RopeStep<T> rope_;
+  DecodeBatch<T> batch_;
+};
+
+// What decode_team needs of its inputs (the checks that can fail; the caller's checks aside).
+void check_decode_rows(const at::Tensor& residual, const StackWeights& weights, const StackCaches& caches,
+                       const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                       const at::Tensor& context_lens, int64_t hq, int64_t hk);
+
 // A step of decode rows only, in one team of threads (decode_team.cpp). Inputs checked by the caller.
 std::vector<at::Tensor> decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
                                     const at::Tensor& positions, const at::Tensor& cos_table,

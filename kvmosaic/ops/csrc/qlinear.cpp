@@ -413,13 +413,20 @@ void rows_of(const QuantizedWeight& w, const int64_t* index, int64_t count, T* o
   }
 }
 
+}  // namespace
+
+namespace kvops {
+
 template <typename T>
-void dequantized_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
+void dequantize_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
   if (w.half_scales) rows_of<T, c10::Half>(w, index, count, out);
   else rows_of<T, float>(w, index, count, out);
 }
 
-}  // namespace
+template void dequantize_rows<float>(const QuantizedWeight&, const int64_t*, int64_t, float*);
+template void dequantize_rows<c10::BFloat16>(const QuantizedWeight&, const int64_t*, int64_t, c10::BFloat16*);
+
+}  // namespace kvops
 
 // Rows `index` of a q8 / q4 / q6 weight in the interleaved layout, dequantized: an embedding lookup
 // through a tied quantized LM head, without a float copy of the table.
@@ -434,7 +441,7 @@ at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, cons
   for (int64_t r = 0; r < idx.numel(); ++r)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "quantized_rows: index ", ip[r], " out of range for ", n, " rows");
   at::Tensor out = at::empty({idx.numel(), w.k}, scale.options().dtype(dtype));
-  if (dtype == at::kFloat) dequantized_rows(w, ip, idx.numel(), out.data_ptr<float>());
-  else dequantized_rows(w, ip, idx.numel(), out.data_ptr<c10::BFloat16>());
+  if (dtype == at::kFloat) kvops::dequantize_rows(w, ip, idx.numel(), out.data_ptr<float>());
+  else kvops::dequantize_rows(w, ip, idx.numel(), out.data_ptr<c10::BFloat16>());
   return out;
 }

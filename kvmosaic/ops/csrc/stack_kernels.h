@@ -55,6 +55,21 @@ template <typename T>
 void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
                       int64_t g1);
 
+// rows `index` of a quantized weight dequantized into out [count, K] (the values quantized_rows gives)
+template <typename T>
+void dequantize_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out);
+
+// ---- greedy sampling (sample_ops.cpp): a row's argmax from the argmax of consecutive column ranges
+struct ArgmaxPart {
+  int64_t index;  // -1 for an empty range
+  float value;
+  bool nan;       // index is the range's first NaN (which torch.argmax counts as the largest)
+};
+template <typename T>
+ArgmaxPart argmax_part(const T* x, int64_t begin, int64_t end);
+// the argmax over both ranges, `first` covering the lower columns
+ArgmaxPart merge_argmax(const ArgmaxPart& first, const ArgmaxPart& second);
+
 // ---- per-layer kernels around attention (layer_ops.cpp)
 template <typename T>
 struct RopeStep {  // rotary of q and k of a fused qkv projection, k and v written to their cache slots
