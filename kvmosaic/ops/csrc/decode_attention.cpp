@@ -233,25 +233,22 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     std::vector<float> probs(hq * 16);
     int64_t slots[16], ahead_slots[16];
     auto piece_of = [&](int64_t item) { return Piece::of(lens, splits, item); };
-    // the slots of chunk c of a piece into ahead_slots; returns how many (none past its end)
-    auto chunk_slots = [&](const Piece& p, int64_t c) {
+    // the slots of chunk c of a piece into `out`; returns how many (none past its end)
+    auto chunk_slots = [&](const Piece& p, int64_t c, int64_t* out) {
       const int64_t* tb = tables + p.b * width;
       const int64_t from = p.t_begin + 16 * c, to = std::min(p.t_end, from + 16);
-      for (int64_t t = from; t < to; ++t) ahead_slots[t - from] = tb[t / block_size] * block_size + t % block_size;
+      for (int64_t t = from; t < to; ++t) out[t - from] = tb[t / block_size] * block_size + t % block_size;
       return std::max<int64_t>(0, to - from);
     };
     for (int64_t item = begin; item < end; ++item) {
       const Piece piece = piece_of(item);
       const int64_t b = piece.b, t_begin = piece.t_begin, t_end = piece.t_end, split = item % splits;
-      const int64_t* table = tables + b * width;
-      auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
       for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
       std::fill(softmax.begin(), softmax.end(), vec::OnlineSoftmax());
       std::fill(acc.begin(), acc.end(), vec::F16::zero());
       for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, t_end - t0);
+        const int64_t n = chunk_slots(piece, (t0 - t_begin) / 16, slots);
         const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
-        for (int64_t j = 0; j < n; ++j) slots[j] = slot_of(t0 + j);
         // the rows two chunks ahead (past the item's end: the next item's first ones) are prefetched
         // (into L1 or L2: kv_prefetch_to_l1), spread evenly over the score loop below in address
         // order: its call c = kh * 16 + j asks for part c % hk (a head's bytes) of the K and V of
@@ -260,21 +257,25 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
         // built ahead (before session 33) cost ~15% of the kernel's time with its K/V in cache.
         const int64_t ahead = (t0 - t_begin) / 16 + 2;
         int64_t n_ahead = 0;
-        if (ahead < piece.chunks()) n_ahead = chunk_slots(piece, ahead);
-        else if (item + 1 < end) n_ahead = chunk_slots(piece_of(item + 1), ahead - piece.chunks());
+        if (ahead < piece.chunks()) n_ahead = chunk_slots(piece, ahead, ahead_slots);
+        else if (item + 1 < end) n_ahead = chunk_slots(piece_of(item + 1), ahead - piece.chunks(), ahead_slots);
+        int64_t ahead_row = 0, ahead_part = 0;  // what the next score call asks for: row c / hk, part c % hk
+        auto prefetch_row = [&](int64_t) {
+          if (ahead_row >= n_ahead) return;
+          const int64_t at = ahead_slots[ahead_row] * slot_stride + ahead_part * D;
+          if (++ahead_part == hk) {
+            ahead_part = 0;
+            ++ahead_row;
+          }
+          const char* k = reinterpret_cast<const char*>(kc + at);
+          const char* v = reinterpret_cast<const char*>(vc + at);
+          for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
+            prefetch_line(k + off, to_l1);
+            prefetch_line(v + off, to_l1);
+          }
+        };
         // scores of the sixteen tokens for every head, folded into the running softmax
         for (int64_t kh = 0; kh < hk; ++kh) {
-          auto prefetch_row = [&](int64_t j) {
-            const int64_t c = kh * 16 + j, row = c / hk;
-            if (row >= n_ahead) return;
-            const int64_t at = ahead_slots[row] * slot_stride + (c % hk) * D;
-            const char* k = reinterpret_cast<const char*>(kc + at);
-            const char* v = reinterpret_cast<const char*>(vc + at);
-            for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
-              prefetch_line(k + off, to_l1);
-              prefetch_line(v + off, to_l1);
-            }
-          };
           const QueryDot<T, NC>* qh = qd.data() + kh * group;
           const T* krows = kc + kh * D;
           switch (group) {
