@@ -1,6 +1,7 @@
 """Multi-step decoding on the embedded SmolLM2 model: the same tokens, logprobs, texts and finish
 reasons as one pass a step, with the float weights and with the shipped Q4_1 weights on the
-kernels; and the later passes' inputs, moved one slot on in place, equal a fresh build's."""
+kernels; greedy steps' passes in one kernel call (one pass a step too) against the model and the
+sampler; and the later passes' inputs, moved one slot on in place, equal a fresh build's."""
 
 from __future__ import annotations
 
@@ -72,33 +73,63 @@ def test_native_q4_1_weights_on_the_kernels_give_the_same_tokens():
     assert outs[6] == outs[1]
 
 
-def test_greedy_steps_run_every_pass_in_one_kernel_call():
-    """A step whose rows are all greedy runs its first pass in the kernel call too (no forward
-    through the sampler): the same tokens and finish reasons as one pass a step, a stop token
-    mid-step included."""
-    params = [SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=26)]
-    engines = {steps: LLM(kv_cache_memory="64MiB", num_scheduler_steps=steps) for steps in (1, 6)}
-    expected = engines[1].generate(PROMPTS[:2], params)
-    runner = engines[6].engine.executor.worker.runner
-    steps: list[tuple[bool, int]] = []  # (every row multi-step, forwards in the step)
+def _count_forwards(runner) -> list[tuple[bool, bool, int]]:
+    """Per step the runner executes from now on: (every row decoding one token, every row
+    multi-step, forwards through the model and the sampler in the step)."""
+    steps: list[tuple[bool, bool, int]] = []
     forward, execute = runner._forward, runner.execute
 
     def counted_forward(*args, **kwargs):
-        steps[-1] = (steps[-1][0], steps[-1][1] + 1)
+        steps[-1] = (*steps[-1][:2], steps[-1][2] + 1)
         return forward(*args, **kwargs)
 
     def recorded_execute(sched):
-        steps.append((bool(sched.scheduled) and all(s.num_steps > 1 for s in sched.scheduled), 0))
+        rows = sched.scheduled
+        steps.append((bool(rows) and all(s.num_tokens == 1 for s in rows),
+                      bool(rows) and all(s.num_steps > 1 for s in rows), 0))
         return execute(sched)
 
     runner._forward, runner.execute = counted_forward, recorded_execute
-    got = engines[6].generate(PROMPTS[:2], params)
-    assert [(c.token_ids, c.finish_reason) for o in got for c in o.outputs] == \
-        [(c.token_ids, c.finish_reason) for o in expected for c in o.outputs]
-    multi = [forwards for every_row, forwards in steps if every_row]
+    return steps
+
+
+def _tokens(outs) -> list[tuple]:
+    return [(c.token_ids, c.finish_reason) for o in outs for c in o.outputs]
+
+
+def test_greedy_steps_run_every_pass_in_one_kernel_call():
+    """A step whose rows are all greedy runs its first pass in the kernel call too (no forward
+    through the sampler): the same tokens and finish reasons as one pass a step through the model
+    and the sampler (logprobs asked for), a stop token mid-step included."""
+    params = [SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=26)]
+    sampled = [SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True, logprobs=0),
+               SamplingParams(temperature=0.0, max_tokens=26, logprobs=0)]
+    engines = {steps: LLM(kv_cache_memory="64MiB", num_scheduler_steps=steps) for steps in (1, 6)}
+    prompts = [engines[1].encode_chat([{"role": "user", "content": q}]) for q in ("Name a color.", "Say hi.")]
+    expected = engines[1].generate(prompts, sampled)
+    steps = _count_forwards(engines[6].engine.executor.worker.runner)
+    got = engines[6].generate(prompts, params)
+    assert _tokens(got) == _tokens(expected)
+    assert any(c.finish_reason == "stop" for o in expected for c in o.outputs)
+    multi = [forwards for _, every_row, forwards in steps if every_row]
     assert multi and not any(multi)
-    assert steps[0][1] == 1  # the prompts' step
+    assert steps[0][2] == 1  # the prompts' step
+
+
+def test_one_pass_steps_of_greedy_rows_run_in_the_kernel_call():
+    """With one pass a step, a step of greedy decode rows runs through ops.decode_passes (lookup,
+    layers, head and argmax in one call; no forward through the model and the sampler), while rows
+    that need the sampler (logprobs asked for) take the forward: the same tokens either way."""
+    llm = LLM(kv_cache_memory="64MiB")
+    steps = _count_forwards(llm.engine.executor.worker.runner)
+    got = llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True))
+    decode_forwards = [forwards for decoding, _, forwards in steps if decoding]
+    assert len(decode_forwards) == 18 and not any(decode_forwards)
+    steps.clear()
+    expected = llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True, logprobs=0))
+    assert [forwards for decoding, _, forwards in steps if decoding] == [1] * 18
+    assert _tokens(got) == _tokens(expected)
 
 
 def test_rows_moved_one_slot_on_equal_a_fresh_build(float_engines):
@@ -174,3 +205,6 @@ def test_kernel_passes_equal_step_by_step_greedy_decode(level_kernels, weights, 
     assert passes(6, [stop, -5]) == expected[1:expected.index(stop, 1) + 1]
     with pytest.raises(RuntimeError, match="past row 0's blocks"):
         model.decode_passes(torch.tensor([first]), torch.tensor([8 * 16]), attention, tables, 2, [])
+    vocab = model.config.vocab_size
+    with pytest.raises(RuntimeError, match=f"token id {vocab} of row 0 is outside the vocab of {vocab}"):
+        model.decode_passes(torch.tensor([vocab]), torch.tensor([len(prompt)]), attention, tables, 1, [])

@@ -137,7 +137,6 @@ class LlamaForCausalLM(nn.Module):
             return None
         return stack(residual, self._packed_weights, self.rotary, meta, self.config.rms_norm_eps, keep_rows)
 
-    @torch.inference_mode()
     def decode_passes(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                       block_tables: torch.Tensor, passes: int, stop_ids: list[int]) -> torch.Tensor | None:
         """Up to ``passes`` greedy passes of decode rows (one token per sequence, at ``positions``,
@@ -148,8 +147,8 @@ class LlamaForCausalLM(nn.Module):
         table = self.embed_tokens.kernel_table()
         if run is None or table is None or self.lm_head.method.stack_weights() is None:
             return None
-        return run(self.embed_tokens(input_ids), self._packed_weights, self.rotary, positions, block_tables, table,
-                   torch.tensor(stop_ids, dtype=torch.long), passes, self.config.rms_norm_eps)
+        return run(input_ids, self.embed_tokens.dtype, self._packed_weights, self.rotary, positions, block_tables,
+                   table, stop_ids, passes, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,

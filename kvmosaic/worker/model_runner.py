@@ -37,6 +37,14 @@ def fed_back(s: ScheduledRequest, *tokens: int) -> ScheduledRequest:
                                output_token_ids=[*s.output_token_ids, *tokens])
 
 
+def greedy_decode_row(s: ScheduledRequest) -> bool:
+    """Whether the step runs one token of the sequence and its next token is the argmax of the
+    logits with nothing else to report (no proposals, forks, grammar mask or prompt logprobs)."""
+    return (s.num_tokens == 1 and not s.spec_token_ids and s.sample_ids == [s.request_id]
+            and not any(s.token_masks) and not prompt_targets(s)
+            and argmax_only(s.sampling_params, len(s.output_token_ids)))
+
+
 def _longs(values) -> torch.Tensor:
     """An int64 tensor of a list (of lists) of ints: through numpy, ~1.5 us against ~5-8 us for
     torch.tensor on a short list; a single-stream decode step builds six of them."""
@@ -70,8 +78,8 @@ class ModelRunner:
             return ModelOutput()
         multi = [s for s in sched.scheduled if s.num_steps > 1]
         out = ModelOutput()
-        if len(multi) == len(sched.scheduled) and not any(prompt_targets(s) for s in multi):
-            self._decode_on(multi, out, step=0)  # greedy rows: every pass in one kernel call
+        if all(map(greedy_decode_row, sched.scheduled)):
+            self._decode_on(sched.scheduled, out, step=0)  # every pass, one or more, in one kernel call
         if not out.sampled:
             requests, logits, scored = self._forward(sched.scheduled)
             out = self._sample(logits, requests)
@@ -90,9 +98,10 @@ class ModelRunner:
         the passes start from the scheduled tokens, and only if the kernel can run them all (else
         ``out`` stays empty: the first pass goes through the model and the sampler).
 
-        One kernel call for a step's passes, the first included, saves the Python of a pass, which
-        costs ~4x what it costs in a loop of its own after a step streamed the weights through the
-        caches (single-stream Q4_1 decode, AVX-512 host: ~270 against ~70 us)."""
+        One kernel call for a step's passes, the first included (and for a one-pass step of greedy
+        rows), saves the Python of a forward and the sampler, which costs ~4x what it costs in a loop
+        of its own after a step streamed the weights through the caches (single-stream Q4_1 decode,
+        AVX-512 host: ~270 against ~70 us)."""
         rows: DecodeRows | None = None
         local = not self.attention.spanning(scheduled)  # else the backend needs each pass's batch
         while True:

@@ -218,10 +218,10 @@ class KernelAttention(ReferenceAttention):
     def decode_passes(self) -> DecodePasses | None:
         return self._decode_passes if hasattr(self.ops, "decode_passes") else None
 
-    def _decode_passes(self, residual: torch.Tensor, weights: object, rotary: RotaryEmbedding, positions: torch.Tensor,
-                       block_tables: torch.Tensor, embedding: list[torch.Tensor], stop_ids: torch.Tensor, passes: int,
-                       eps: float) -> torch.Tensor:
-        return self.ops.decode_passes(residual, weights, self._stack_caches, positions, rotary.cos, rotary.sin,
+    def _decode_passes(self, input_ids: torch.Tensor, dtype: torch.dtype, weights: object, rotary: RotaryEmbedding,
+                       positions: torch.Tensor, block_tables: torch.Tensor, embedding: list[torch.Tensor],
+                       stop_ids: list[int], passes: int, eps: float) -> torch.Tensor:
+        return self.ops.decode_passes(input_ids, dtype, weights, self._stack_caches, positions, rotary.cos, rotary.sin,
                                       block_tables, embedding, stop_ids, passes, self.num_heads, self.num_kv_heads,
                                       eps, self.scale)
 

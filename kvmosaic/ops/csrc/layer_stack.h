@@ -155,8 +155,10 @@ std::vector<at::Tensor> layer_stack(at::Tensor residual, const kvops::StackWeigh
                                     const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps,
                                     double scale);
 
-// Greedy passes of decode rows (multi-step decoding, decode_passes.cpp): [passes run, rows] tokens.
-at::Tensor decode_passes(at::Tensor residual, const kvops::StackWeights& weights, const kvops::StackCaches& caches,
-                         const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
-                         const at::Tensor& block_tables, const std::vector<at::Tensor>& embedding,
-                         const at::Tensor& stop_ids, int64_t passes, int64_t hq, int64_t hk, double eps, double scale);
+// Greedy passes of decode rows (decode_passes.cpp), from each row's token id, with rows of `dtype`:
+// [passes run, rows] tokens.
+at::Tensor decode_passes(const at::Tensor& input_ids, at::ScalarType dtype, const kvops::StackWeights& weights,
+                         const kvops::StackCaches& caches, const at::Tensor& positions, const at::Tensor& cos_table,
+                         const at::Tensor& sin_table, const at::Tensor& block_tables,
+                         const std::vector<at::Tensor>& embedding, const std::vector<int64_t>& stop_ids, int64_t passes,
+                         int64_t hq, int64_t hk, double eps, double scale);

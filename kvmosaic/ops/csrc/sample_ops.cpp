@@ -53,10 +53,14 @@ ArgmaxPart argmax_part(const T* x, int64_t begin, int64_t end) {
   return {begin, best, false};  // not reached: the best value is in the range
 }
 
-ArgmaxPart merge_argmax(const ArgmaxPart& first, const ArgmaxPart& second) {
-  if (first.nan || second.index < 0) return first;
-  if (second.nan || first.index < 0 || second.value > first.value) return second;
-  return first;  // a tie keeps the lower index
+int64_t merged_argmax(const ArgmaxPart* parts, int64_t count, int64_t stride) {
+  ArgmaxPart best = parts[0];
+  for (int64_t j = 1; j < count; ++j) {
+    const ArgmaxPart& next = parts[j * stride];
+    if (best.nan || next.index < 0) continue;
+    if (next.nan || best.index < 0 || next.value > best.value) best = next;  // a tie keeps the lower index
+  }
+  return best.index;
 }
 
 template ArgmaxPart argmax_part<float>(const float*, int64_t, int64_t);
@@ -81,10 +85,6 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
       found[i] = kvops::argmax_part(xp + (i / parts) * n, cols.begin, cols.end);
     }
   });
-  for (int64_t r = 0; r < rows; ++r) {
-    kvops::ArgmaxPart best = found[r * parts];
-    for (int64_t j = 1; j < parts; ++j) best = kvops::merge_argmax(best, found[r * parts + j]);
-    op[r] = best.index;
-  }
+  for (int64_t r = 0; r < rows; ++r) op[r] = kvops::merged_argmax(found.data() + r * parts, parts, 1);
   return out;
 }

@@ -67,8 +67,9 @@ struct ArgmaxPart {
 };
 template <typename T>
 ArgmaxPart argmax_part(const T* x, int64_t begin, int64_t end);
-// the argmax over both ranges, `first` covering the lower columns
-ArgmaxPart merge_argmax(const ArgmaxPart& first, const ArgmaxPart& second);
+// the row's argmax from the parts of its consecutive column ranges, lowest first: parts[0],
+// parts[stride], ... parts[(count - 1) * stride]
+int64_t merged_argmax(const ArgmaxPart* parts, int64_t count, int64_t stride);
 
 // ---- per-layer kernels around attention (layer_ops.cpp)
 template <typename T>
