@@ -352,3 +352,17 @@ def test_a_quantized_pools_partials_merge_on_the_float_kernel(level_kernels) -> 
     parts = [PartialAttention(torch.randn(1, 9, 64, generator=gen), torch.randn(1, 9, generator=gen),
                               torch.rand(1, 9, generator=gen) + 1) for _ in range(2)]
     torch.testing.assert_close(attention.merge(parts), merge_partials(parts), atol=1e-6, rtol=1e-5)
+
+
+def test_an_instance_backend_hands_on_its_local_kernel_calls() -> None:
+    """RemoteKVAttention gives the runner its local backend's layer stack and greedy decode passes (the
+    runner runs them only for steps that span no other instance), so an instance's local steps run
+    on the kernels as a lone engine's do."""
+    from kvmosaic import LLM
+    from kvmosaic.distributed.dist_attention import RemoteKVAttention
+
+    local = LLM(kv_cache_memory="16MiB").engine.executor.worker.runner.attention
+    attention = RemoteKVAttention(local, dist=None)
+    assert local.decode_passes() is not None and local.layer_stack() is not None
+    assert attention.decode_passes() == local.decode_passes()
+    assert attention.layer_stack() == local.layer_stack()

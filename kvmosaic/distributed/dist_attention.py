@@ -33,7 +33,7 @@ from kvmosaic.distributed.merge import PartialAttention, merge_on, partial_atten
 from kvmosaic.distributed.pool_rows import PoolRows, pool_rows
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.model.layers.attention import AttentionMetadata
-from kvmosaic.model.layers.backend import AttentionBackend, LayerStack
+from kvmosaic.model.layers.backend import AttentionBackend, DecodePasses, LayerStack
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.outputs import ScheduledRequest
 
@@ -167,6 +167,10 @@ class RemoteKVAttention(AttentionBackend):
 
     def layer_stack(self) -> LayerStack | None:
         return self.local.layer_stack()
+
+    def decode_passes(self) -> DecodePasses | None:
+        """The local kernel's passes: the runner runs them only for steps no sequence of which spans."""
+        return self.local.decode_passes()
 
     def spanning(self, batch: list[ScheduledRequest]) -> frozenset[str]:
         return self.dist.spanning(batch)
