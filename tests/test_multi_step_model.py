@@ -205,6 +205,10 @@ def test_kernel_passes_equal_step_by_step_greedy_decode(level_kernels, weights, 
     assert passes(6, [stop, -5]) == expected[1:expected.index(stop, 1) + 1]
     with pytest.raises(RuntimeError, match="past row 0's blocks"):
         model.decode_passes(torch.tensor([first]), torch.tensor([8 * 16]), attention, tables, 2, [])
-    vocab = model.config.vocab_size
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
     with pytest.raises(RuntimeError, match=f"token id {vocab} of row 0 is outside the vocab of {vocab}"):
         model.decode_passes(torch.tensor([vocab]), torch.tensor([len(prompt)]), attention, tables, 1, [])
+    wide = [torch.zeros(vocab, hidden + 16, dtype=model.embed_tokens.dtype)]
+    with pytest.raises(RuntimeError, match=f"embedding's rows are {hidden + 16} wide, not the hidden size {hidden}"):
+        attention.decode_passes()(torch.tensor([first]), model.embed_tokens.dtype, model._packed_weights, model.rotary,
+                                  torch.tensor([len(prompt)]), tables, wide, [], 1, model.config.rms_norm_eps)

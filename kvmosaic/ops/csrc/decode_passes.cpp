@@ -135,6 +135,8 @@ at::Tensor decode_passes(const at::Tensor& input_ids, at::ScalarType dtype, cons
   const Embedding table = Embedding::of(embedding, dtype);
   const int64_t vocab = weights.head()->linear.out;
   TORCH_CHECK(table.rows >= vocab, "decode_passes: the embedding has fewer rows than the vocab");
+  TORCH_CHECK(table.width == weights.plan()[0].qkv.in, "decode_passes: the embedding's rows are ", table.width,
+              " wide, not the hidden size ", weights.plan()[0].qkv.in);
   const at::Tensor ids = input_ids.contiguous();
   const int64_t* first = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
