@@ -168,7 +168,9 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dt
     one whose unsampled row stops at the last attention, and mixed steps of decode rows (a speculated
     verification and a prompt's short tail are decode rows too) with a prefill chunk longer than
     DECODE_ROW_SPAN, where only the sampled rows go past the last layer's attention (a step of five
-    decode rows keeps two), a step of one decode row and one of two keeping one; with q/k/v biases
+    decode rows keeps two), a step of one decode row and one of two keeping one, a step of three rows
+    where one reads the new K/V of another (each thread of the team computes a few rows' small phases
+    for itself and writes the K/V its attention reads first, unless a row reads another's); with q/k/v biases
     for qwen2, float and quantized weights, float32 and bfloat16 activations, on every ISA level built."""
     # quantized weights need 32-wide blocks of inputs; head size 64 takes the register-blocked attention
     _write_random_checkpoint(tmp_path, arch, smollm_tokenizer_json, head_dim=16 if quantization is None else 64)
@@ -217,6 +219,8 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dt
     # one row (its context split among the threads, then the splits merged), then two rows keeping one
     steps.append([request("a", [19], 10)])
     steps.append([request("b", [20], 25, sampled=False), request("e", [21], 7)])
+    # few rows, one sequence's two among them (a verification): its second row reads its first's new K/V
+    steps.append([request("a", [22], 11), request("b", [23, 24], 26, spec=1)])
     for step, reqs in enumerate(steps):
         _, ours = stacked.compute_logits(reqs)
         _, ref = looped.compute_logits(reqs)

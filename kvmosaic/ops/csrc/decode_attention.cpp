@@ -201,11 +201,11 @@ inline void prefetch_line(const char* line, bool to_l1) {
 struct Piece {
   int64_t b, t_begin, t_end;
   int64_t chunks() const { return (t_end - t_begin + 15) / 16; }
-  static Piece of(const int64_t* lens, int64_t splits, int64_t item) {
-    const int64_t b = item / splits, split = item % splits, ctx = lens[b];
+  static Piece of(const int64_t* lens, const AttentionWork& work, int64_t item) {
+    const int64_t b = item / work.splits, split = item % work.splits, ctx = lens[b];
     // a split's tokens: an even share of the context (the last split's maybe fewer), in chunks of
     // sixteen from its first; whole chunks per split left one thread up to 16 tokens more
-    const int64_t split_tokens = (ctx + splits - 1) / splits;
+    const int64_t split_tokens = work.split_tokens(ctx);
     const int64_t t_begin = std::min(ctx, split * split_tokens);
     return {b, t_begin, std::min(ctx, t_begin + split_tokens)};
   }
@@ -232,7 +232,7 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     std::vector<vec::OnlineSoftmax> softmax(hq);
     std::vector<float> probs(hq * 16);
     int64_t slots[16], ahead_slots[16];
-    auto piece_of = [&](int64_t item) { return Piece::of(lens, splits, item); };
+    auto piece_of = [&](int64_t item) { return Piece::of(lens, work, item); };
     // the slots of chunk c of a piece into `out`; returns how many (none past its end)
     auto chunk_slots = [&](const Piece& p, int64_t c, int64_t* out) {
       const int64_t* tb = tables + p.b * width;
@@ -345,7 +345,7 @@ namespace kvops {
 // runs); pieces of whole 16-token chunks left one thread up to a chunk more, ~30% more at 128-256.
 AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads) {
   const bool registers = head_dim == 64 || head_dim == 128;
-  if (!registers) return {batch * hk, 1};
+  if (!registers) return {batch * hk, 1, true};
   if (batch >= threads) return {batch, 1};
   const int64_t splits = threads / std::gcd<int64_t>(batch, threads);
   return {batch * splits, splits};

@@ -1,6 +1,6 @@
 // A step of decode rows only runs every layer in one team of threads (team.h): the kernels of a
-// layer in their range form (stack_kernels.h) with a barrier between them, and buffers allocated
-// once per step. Each work item computes what the ATen path computes, so the results are bit for bit
+// layer in their range form (stack_kernels.h) with barriers between them (five a layer for a few
+// rows: DecodeRun in layer_stack.h), and buffers allocated once per step. Each work item computes what the ATen path computes, so the results are bit for bit
 // those of the per-kernel calls. Also: the checks and plans of StackWeights and StackCaches.
 #include "layer_stack.h"
 #include "team.h"
@@ -39,14 +39,10 @@ void check_linear(const at::Tensor* w, at::ScalarType dtype) {
   QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, nullptr, "layer_stack");
 }
 
-// x [m, in] times the linear into out [m, out]; the caller syncs before reading out.
+// The int8 rows of x [m, in] for a quantized linear: each thread's own copy of a few rows, else one
+// copy the threads fill together (with a barrier).
 template <typename T>
-void team_linear(const Team& team, const StackLinear& l, const T* x, int64_t m, T* out, QuantScratch& scratch) {
-  if (!l.quantized) {
-    const Share s = team.share(l.packed.panels());
-    packed_panels(l.packed, x, m, out, s.begin, s.end);
-    return;
-  }
+QuantizedRows team_quantize(const Team& team, const StackLinear& l, const T* x, int64_t m, QuantScratch& scratch) {
   const bool private_copy = m <= kPrivateRows;
   const QuantizedRows rows = scratch.rows_for(team, m, l.in, private_copy);
   if (private_copy) {
@@ -56,8 +52,46 @@ void team_linear(const Team& team, const StackLinear& l, const T* x, int64_t m, 
     quantize_rows(x, l.in, rows, s.begin, s.end);
     team.sync();
   }
+  return rows;
+}
+
+// x [m, in] times the linear into out [m, out]; the caller syncs before reading out.
+template <typename T>
+void team_linear(const Team& team, const StackLinear& l, const T* x, int64_t m, T* out, QuantScratch& scratch) {
+  if (!l.quantized) {
+    const Share s = team.share(l.packed.panels());
+    packed_panels(l.packed, x, m, out, s.begin, s.end);
+    return;
+  }
+  const QuantizedRows rows = team_quantize(team, l, x, m, scratch);
   const Share s = team.share(l.quant.groups);
   quantized_groups(l.quant, rows, m, out, l.out, s.begin, s.end);
+}
+
+// The groups of a quantized gate/up pair [gate; up] that a thread computes: the same share of the
+// gate's groups and of the up's, so that it can take the SwiGLU of its columns with no barrier
+// between. An odd number of groups (a width not a multiple of 16) cannot be split so: none.
+bool paired_gate_up(const StackLinear& l) { return l.quantized && l.quant.groups % 2 == 0; }
+
+// silu(gate) * up of x [m, in] times a quantized gate/up pair into act [m, f] (gate_up [m, 2f] in
+// between); the caller syncs before reading act.
+template <typename T>
+void team_gate_up(const Team& team, const StackLinear& l, const T* x, int64_t m, T* gate_up, T* act, int64_t f,
+                  QuantScratch& scratch) {
+  const QuantizedRows rows = team_quantize(team, l, x, m, scratch);
+  if (paired_gate_up(l)) {
+    const int64_t half = l.quant.groups / 2;
+    const Share s = team.share(half);
+    quantized_groups(l.quant, rows, m, gate_up, l.out, s.begin, s.end);
+    quantized_groups(l.quant, rows, m, gate_up, l.out, half + s.begin, half + s.end);
+    silu_columns(gate_up, f, act, m, 16 * s.begin, 16 * s.end);
+    return;
+  }
+  Share s = team.share(l.quant.groups);
+  quantized_groups(l.quant, rows, m, gate_up, l.out, s.begin, s.end);
+  team.sync();
+  s = team.share(silu_work(m, f));
+  silu_items(gate_up, f, act, s.begin, s.end);
 }
 
 // The first bytes of this thread's share of a quantized linear's weights, asked for into L2 before the
@@ -67,33 +101,99 @@ void team_linear(const Team& team, const StackLinear& l, const T* x, int64_t m, 
 // all gave about the same. (The products' own prefetch ahead: qlinear.cpp's kStreamAhead.)
 constexpr int64_t kPrefetchBytes = 16 << 10;
 
-void prefetch_share(const Team& team, const StackLinear& l) {
-  if (!l.quantized) return;
-  const QuantizedWeight& w = l.quant;
+// the first `bytes` of the codes of groups [g0, g1) of w and as many groups' scales (and mins)
+void prefetch_groups(const QuantizedWeight& w, int64_t g0, int64_t g1, int64_t bytes) {
   const int64_t group_bytes = w.group_code_bytes(), scale_bytes = w.group_scale_bytes();
-  const Share s = team.share(w.groups);
-  const int64_t groups = std::min<int64_t>(s.end - s.begin, std::max<int64_t>(1, kPrefetchBytes / group_bytes));
-  const char* codes = reinterpret_cast<const char*>(w.codes) + s.begin * group_bytes;
+  const int64_t groups = std::min<int64_t>(g1 - g0, std::max<int64_t>(1, bytes / group_bytes));
+  const char* codes = reinterpret_cast<const char*>(w.codes) + g0 * group_bytes;
   for (int64_t b = 0; b < groups * group_bytes; b += 64) __builtin_prefetch(codes + b, 0, 2);
-  const char* sc = static_cast<const char*>(w.scale) + s.begin * scale_bytes;
-  const char* mn = w.mins != nullptr ? static_cast<const char*>(w.mins) + s.begin * scale_bytes : nullptr;
+  const char* sc = static_cast<const char*>(w.scale) + g0 * scale_bytes;
+  const char* mn = w.mins != nullptr ? static_cast<const char*>(w.mins) + g0 * scale_bytes : nullptr;
   for (int64_t b = 0; b < groups * scale_bytes; b += 64) {
     __builtin_prefetch(sc + b, 0, 2);
     if (mn != nullptr) __builtin_prefetch(mn + b, 0, 2);
   }
 }
 
-// The cache lines this thread's share of the rotary phase writes, asked for (to write) before the qkv
-// product: a store that misses waits for its line from memory at the rotary phase, the K/V writes
-// of a decode row cost ~2 us a layer there (AVX2 host).
-template <typename T>
-void prefetch_slots(const Team& team, const RopeStep<T>& r, int64_t rows) {
-  const Share s = team.share(r.items(rows));
-  const int64_t head_bytes = r.head_dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t item = s.begin; item < s.end; ++item) {
-    if (r.slot_line(item, 0) == nullptr) continue;  // a q head: written to this step's buffer
-    for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(r.slot_line(item, b), 1, 3);
+// paired: the linear is a gate/up pair that team_gate_up runs (the start of both of this thread's runs)
+void prefetch_share(const Team& team, const StackLinear& l, bool paired = false) {
+  if (!l.quantized) return;
+  const QuantizedWeight& w = l.quant;
+  if (paired && paired_gate_up(l)) {
+    const int64_t half = w.groups / 2;
+    const Share s = team.share(half);
+    prefetch_groups(w, s.begin, s.end, kPrefetchBytes / 2);
+    prefetch_groups(w, half + s.begin, half + s.end, kPrefetchBytes / 2);
+    return;
   }
+  const Share s = team.share(w.groups);
+  prefetch_groups(w, s.begin, s.end, kPrefetchBytes);
+}
+
+// Which thread writes the new K/V of a row's KV head to its slot: normally the one whose attention
+// item reads that slot first (AttentionWork::newest_item), right before reading it, with no barrier
+// between; when some row reads another row's new K/V (a sequence's verification rows, a prompt's
+// tail run as decode rows), each thread an even share of them all, and a barrier follows.
+struct KvWriters {
+  const AttentionWork& work;
+  const int64_t* lens;
+  int64_t rows, hk;
+  Share items;   // this thread's attention items
+  Share shared;  // this thread's share of the rows' KV heads when !by_items
+  bool by_items;
+  bool writes(int64_t b, int64_t kh) const {
+    const int64_t i = by_items ? work.newest_item(lens, b, hk, kh) : b * hk + kh;
+    const Share& s = by_items ? items : shared;
+    return i >= s.begin && i < s.end;
+  }
+  template <typename F>
+  void each(const F& f) const {
+    for (int64_t b = 0; b < rows; ++b)
+      for (int64_t kh = 0; kh < hk; ++kh)
+        if (writes(b, kh)) f(b, kh);
+  }
+};
+
+// The rotary phase of a thread: the queries of rows q_rows rotated into its q rows, and the new K/V it
+// writes (KvWriters) rotated (K) or copied (V) to their slots.
+template <typename T>
+void rope_for_items(const RopeStep<T>& r, const KvWriters& writers, const Share& q_rows) {
+  const int64_t heads = r.hq + 2 * r.hk;
+  for (int64_t b = q_rows.begin; b < q_rows.end; ++b) rope_items(r, b * heads + r.hk, b * heads + r.hk + r.hq);
+  writers.each([&](int64_t b, int64_t kh) {
+    rope_items(r, b * heads + kh, b * heads + kh + 1);
+    rope_items(r, b * heads + r.hk + r.hq + kh, b * heads + r.hk + r.hq + kh + 1);
+  });
+}
+
+// The cache lines a thread's rotary phase writes, asked for (to write) before the qkv product: a
+// store that misses waits for its line from memory at the rotary phase, the K/V writes of a decode
+// row cost ~2 us a layer there (AVX2 host).
+template <typename T>
+void prefetch_slots(const RopeStep<T>& r, const KvWriters& writers) {
+  const int64_t heads = r.hq + 2 * r.hk, head_bytes = r.head_dim * static_cast<int64_t>(sizeof(T));
+  writers.each([&](int64_t b, int64_t kh) {
+    for (int64_t item : {b * heads + kh, b * heads + r.hk + r.hq + kh})
+      for (int64_t off = 0; off < head_bytes; off += 64) __builtin_prefetch(r.slot_line(item, off), 1, 3);
+  });
+}
+
+// Whether some row's attention reads another row's new K/V: a row's new slot in the part of another
+// row's block table that holds its context. Blocks of new slots sorted, each row's table looked up.
+bool reads_others_new_kv(const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* lens, int64_t n,
+                         int64_t block_size) {
+  if (n < 2) return false;
+  std::vector<std::pair<int64_t, int64_t>> fresh(n);  // (block, row) of each row's new slot
+  for (int64_t b = 0; b < n; ++b) fresh[b] = {slots[b] / block_size, b};
+  std::sort(fresh.begin(), fresh.end());
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t j = 0; j * block_size < lens[c] && j < width; ++j) {
+      const int64_t block = tables[c * width + j];
+      for (auto it = std::lower_bound(fresh.begin(), fresh.end(), std::make_pair(block, int64_t{0}));
+           it != fresh.end() && it->first == block; ++it)
+        if (it->second != c && j * block_size + slots[it->second] % block_size < lens[c]) return true;
+    }
+  return false;
 }
 
 // The layer's K/V are not asked for ahead of the attention here. A walk that asked for each thread's
@@ -157,6 +257,12 @@ DecodeRun<T>::DecodeRun(at::Tensor residual, const StackWeights& weights, const 
   kept_attn_ = compact_ ? buffer(kept_, hq * d_, residual) : attn_;
   head_ = kept_ > 0 ? weights.head() : nullptr;
   if (head_ != nullptr) logits_ = buffer(kept_, head_->linear.out, residual);
+  alike_ = n_ <= kPrivateRows;
+  own_width_ = 2 * n_ * h_ + 2 * n_ * hq * d_ + kept_ * (h_ + hq * d_);
+  if (alike_) own_ = at::empty({at::get_num_threads() - 1, own_width_}, residual.options());
+  kv_by_items_ = alike_ && !reads_others_new_kv(slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                                                block_tables.size(1), context_lens.data_ptr<int64_t>(), n_,
+                                                caches.block_size());
   rope_ = {qkv_.data_ptr<T>(), qkv_.stride(0), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
            cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), nullptr, nullptr, q_.data_ptr<T>(), hq, hk, d_};
   batch_ = {n_, hq, hk, hq / hk, block_tables.size(1), caches.block_size(), q_.data_ptr<T>(), nullptr, nullptr,
@@ -164,93 +270,110 @@ DecodeRun<T>::DecodeRun(at::Tensor residual, const StackWeights& weights, const 
 }
 
 template <typename T>
+typename DecodeRun<T>::Own DecodeRun<T>::own(int id) {
+  Own o{residual_.data_ptr<T>(), normed_.data_ptr<T>(), q_.data_ptr<T>(), attn_.data_ptr<T>(),
+        kept_residual_.data_ptr<T>(), kept_attn_.data_ptr<T>()};
+  if (!alike_ || id == 0) return o;
+  T* p = own_.data_ptr<T>() + (id - 1) * own_width_;
+  auto take = [&p](int64_t count) {
+    T* at = p;
+    p += count;
+    return at;
+  };
+  o = {take(n_ * h_), take(n_ * h_), take(n_ * hq_ * d_), take(n_ * hq_ * d_), take(kept_ * h_),
+       take(kept_ * hq_ * d_)};
+  if (!compact_) o.kept_residual = o.residual;
+  return o;
+}
+
+template <typename T>
 void DecodeRun<T>::run(const Team& team) {
-  const int64_t n = n_, h = h_, hq = hq_, d = d_, f = f_, layers = static_cast<int64_t>(weights_.layers());
-  const bool fused = fused_;
-  const float feps = eps_;
-  T* res = residual_.data_ptr<T>();
-  T* normed_p = normed_.data_ptr<T>();
-  T* attn_p = attn_.data_ptr<T>();
+  const int64_t n = n_, h = h_, hq = hq_, d = d_, layers = static_cast<int64_t>(weights_.layers());
+  const bool alike = alike_;
+  const Own mine = own(team.id());
+  if (mine.residual != residual_.data_ptr<T>()) std::memcpy(mine.residual, residual_.data_ptr<T>(), sizeof(T) * n * h);
+  // after a phase of rows: with rows alike, every thread did every row; else its share, then a barrier
+  const Share rows_share = alike ? Share{0, n} : team.share(n);
+  auto rows_done = [&] {
+    if (!alike) team.sync();
+  };
   T* o_p = o_.data_ptr<T>();
   T* act_p = act_.data_ptr<T>();
   T* carry_p = carry_.data_ptr<T>();
-  T* gate_up_p = fused ? nullptr : gate_up_.data_ptr<T>();
-  T* kept_res_p = kept_residual_.data_ptr<T>();
-  T* kept_attn_p = kept_attn_.data_ptr<T>();
   T* qkv_p = qkv_.data_ptr<T>();
-  T* logits_p = head_ != nullptr ? logits_.data_ptr<T>() : nullptr;
   const AttentionWork& work = work_;
-  QuantScratch& scratch = scratch_;
+  const Share items = team.share(work.items);
+  const bool kv_by_items = kv_by_items_;
+  const KvWriters writers{work, batch_.lens, n, batch_.hk, items, team.share(n * batch_.hk), kv_by_items};
+  // the rows whose queries this thread rotates: those its attention items read, or its share
+  Share q_rows = rows_share;
+  if (alike) q_rows = items.begin < items.end ? Share{work.row_of(items.begin, batch_.hk),
+                                                      work.row_of(items.end - 1, batch_.hk) + 1}
+                                              : Share{0, 0};
   for (int64_t i = 0; i < layers; ++i) {
     const StackWeights::Layer& layer = weights_.plan()[i];
-    Share s = team.share(n);
-    norm_rows(res, i == 0 ? nullptr : carry_p, static_cast<const T*>(layer.input_norm), normed_p, h, feps,
-              s.begin, s.end);
-    if (i == 0) prefetch_share(team, layer.qkv);
+    norm_rows(mine.residual, i == 0 ? nullptr : carry_p, static_cast<const T*>(layer.input_norm), mine.normed, h,
+              eps_, rows_share.begin, rows_share.end);
+    rows_done();
     RopeStep<T> r = rope_;
     r.k_cache = static_cast<T*>(caches_.k(i));
     r.v_cache = static_cast<T*>(caches_.v(i));
-    prefetch_slots(team, r, n);
+    r.q_out = mine.q;
+    prefetch_slots(r, writers);
     DecodeBatch<T> db = batch_;
     db.k = r.k_cache;
     db.v = r.v_cache;
-    team.sync();
-    team_linear(team, layer.qkv, normed_p, n, qkv_p, scratch);
+    db.q = mine.q;
+    team_linear(team, layer.qkv, mine.normed, n, qkv_p, scratch_);
     prefetch_share(team, layer.o);
     team.sync();
-    s = team.share(r.items(n));
-    rope_items(r, s.begin, s.end);
+    rope_for_items(r, writers, q_rows);
+    if (!kv_by_items) team.sync();
+    decode_attention_items(db, scale_, work, partials_.data(), items.begin, items.end);
     team.sync();
-    s = team.share(work.items);
-    decode_attention_items(db, scale_, work, partials_.data(), s.begin, s.end);
-    team.sync();
-    if (work.splits > 1) {
-      s = team.share(work.merge_items(n, hq));
+    const T* attn_rows = attn_.data_ptr<T>();
+    if (work.splits > 1) {  // the pieces of a row's context merged
+      db.out = mine.attn;
+      const int64_t heads = work.merge_items(n, hq);
+      const Share s = alike ? Share{0, heads} : team.share(heads);
       merge_attention_splits(db, work, partials_.data(), s.begin, s.end);
-      team.sync();
+      rows_done();
+      attn_rows = mine.attn;
     }
-    T* rows = res;
-    const T* attn_rows = attn_p;
+    T* rows = mine.residual;
     int64_t m = n;
     if (i + 1 == layers && compact_) {  // only the kept rows go on past the last attention
-      if (team.leader()) {
-        for (int64_t j = 0; j < kept_; ++j) {
-          std::memcpy(kept_res_p + j * h, res + keep_[j] * h, sizeof(T) * h);
-          std::memcpy(kept_attn_p + j * hq * d, attn_p + keep_[j] * hq * d, sizeof(T) * hq * d);
-        }
+      const Share s = alike ? Share{0, kept_} : team.share(kept_);
+      for (int64_t j = s.begin; j < s.end; ++j) {
+        std::memcpy(mine.kept_residual + j * h, mine.residual + keep_[j] * h, sizeof(T) * h);
+        std::memcpy(mine.kept_attn + j * hq * d, attn_rows + keep_[j] * hq * d, sizeof(T) * hq * d);
       }
-      team.sync();
-      rows = kept_res_p;
-      attn_rows = kept_attn_p;
+      rows_done();
+      rows = mine.kept_residual;
+      attn_rows = mine.kept_attn;
       m = kept_;
     }
-    team_linear(team, layer.o, attn_rows, m, o_p, scratch);
-    prefetch_share(team, layer.gate_up);
+    team_linear(team, layer.o, attn_rows, m, o_p, scratch_);
+    prefetch_share(team, layer.gate_up, !fused_);
     team.sync();
-    s = team.share(m);
-    norm_rows(rows, o_p, static_cast<const T*>(layer.post_norm), normed_p, h, feps, s.begin, s.end);
+    const Share post = alike ? Share{0, m} : team.share(m);
+    norm_rows(rows, o_p, static_cast<const T*>(layer.post_norm), mine.normed, h, eps_, post.begin, post.end);
+    rows_done();
+    if (fused_) team_linear(team, layer.gate_up, mine.normed, m, act_p, scratch_);
+    else team_gate_up(team, layer.gate_up, mine.normed, m, gate_up_.data_ptr<T>(), act_p, f_, scratch_);
+    prefetch_share(team, layer.down);
     team.sync();
-    if (fused) {
-      team_linear(team, layer.gate_up, normed_p, m, act_p, scratch);
-      prefetch_share(team, layer.down);
-    } else {
-      team_linear(team, layer.gate_up, normed_p, m, gate_up_p, scratch);
-      team.sync();
-      s = team.share(silu_work(m, f));
-      silu_items(gate_up_p, f, act_p, s.begin, s.end);
-    }
-    team.sync();
-    team_linear(team, layer.down, act_p, m, carry_p, scratch);
+    team_linear(team, layer.down, act_p, m, carry_p, scratch_);
     if (i + 1 < layers) prefetch_share(team, weights_.plan()[i + 1].qkv);
     else if (head_ != nullptr) prefetch_share(team, head_->linear);
     team.sync();
   }
   if (head_ == nullptr) return;
   // the final norm of the kept rows and the LM head, as the model's own norm and head compute them
-  const Share s = team.share(kept_);
-  norm_rows(kept_res_p, carry_p, static_cast<const T*>(head_->norm), normed_p, h, feps, s.begin, s.end);
-  team.sync();
-  team_linear(team, head_->linear, normed_p, kept_, logits_p, scratch);
+  const Share s = alike ? Share{0, kept_} : team.share(kept_);
+  norm_rows(mine.kept_residual, carry_p, static_cast<const T*>(head_->norm), mine.normed, h, eps_, s.begin, s.end);
+  rows_done();
+  team_linear(team, head_->linear, mine.normed, kept_, logits_.data_ptr<T>(), scratch_);
 }
 
 template <typename T>

@@ -112,26 +112,42 @@ void norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t h, 
   }
 }
 
+}  // namespace kvops
+
+namespace {
+
+// silu(gate) * up of columns [c0, c1) of one row
+template <typename T>
+void silu_span(const T* gate, const T* up, T* o, int64_t c0, int64_t c1) {
+  int64_t i = c0;
+  for (; i + 16 <= c1; i += 16) {
+    const F16 g = F16::load(gate + i);
+    const F16 silu = vec::round_to<T>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g)));
+    (silu * F16::load(up + i)).store(o + i);
+  }
+  for (; i < c1; ++i) {
+    const float g = to_float(gate[i]);
+    const float silu = to_float(static_cast<T>(g / (1.f + std::exp(-g))));
+    store(o + i, silu * to_float(up[i]));
+  }
+}
+
+}  // namespace
+
+namespace kvops {
+
 template <typename T>
 void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1) {
   const int64_t chunks = (f + kSiluChunk - 1) / kSiluChunk;
   for (int64_t item = i0; item < i1; ++item) {
-    const int64_t t = item / chunks, c0 = item % chunks * kSiluChunk, c1 = std::min(f, c0 + kSiluChunk);
-    const T* gate = gate_up + t * 2 * f;
-    const T* up = gate + f;
-    T* o = out + t * f;
-    int64_t i = c0;
-    for (; i + 16 <= c1; i += 16) {
-      const F16 g = F16::load(gate + i);
-      const F16 silu = vec::round_to<T>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g)));
-      (silu * F16::load(up + i)).store(o + i);
-    }
-    for (; i < c1; ++i) {
-      const float g = to_float(gate[i]);
-      const float silu = to_float(static_cast<T>(g / (1.f + std::exp(-g))));
-      store(o + i, silu * to_float(up[i]));
-    }
+    const int64_t t = item / chunks, c0 = item % chunks * kSiluChunk;
+    silu_span(gate_up + t * 2 * f, gate_up + t * 2 * f + f, out + t * f, c0, std::min(f, c0 + kSiluChunk));
   }
+}
+
+template <typename T>
+void silu_columns(const T* gate_up, int64_t f, T* out, int64_t rows, int64_t c0, int64_t c1) {
+  for (int64_t t = 0; t < rows; ++t) silu_span(gate_up + t * 2 * f, gate_up + t * 2 * f + f, out + t * f, c0, c1);
 }
 
 int64_t silu_work(int64_t rows, int64_t f) { return rows * ((f + kSiluChunk - 1) / kSiluChunk); }
@@ -144,6 +160,8 @@ template void norm_rows<float>(float*, const float*, const float*, float*, int64
 template void norm_rows<bf16>(bf16*, const bf16*, const bf16*, bf16*, int64_t, float, int64_t, int64_t);
 template void silu_items<float>(const float*, int64_t, float*, int64_t, int64_t);
 template void silu_items<bf16>(const bf16*, int64_t, bf16*, int64_t, int64_t);
+template void silu_columns<float>(const float*, int64_t, float*, int64_t, int64_t, int64_t);
+template void silu_columns<bf16>(const bf16*, int64_t, bf16*, int64_t, int64_t, int64_t);
 
 }  // namespace kvops
 

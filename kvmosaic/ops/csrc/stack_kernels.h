@@ -102,6 +102,9 @@ void norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t h, 
 int64_t silu_work(int64_t rows, int64_t f);
 template <typename T>
 void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1);
+// the same for columns [c0, c1) of every one of `rows` rows
+template <typename T>
+void silu_columns(const T* gate_up, int64_t f, T* out, int64_t rows, int64_t c0, int64_t c1);
 
 // ---- decode attention (decode_attention.cpp)
 // A work item is a sequence (all its KV heads; one KV head in the generic loop) over one of `splits`
@@ -109,10 +112,19 @@ void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1);
 // (partial_floats() floats) and merge_items(), after a barrier, writes the output: batch * hq items.
 struct AttentionWork {
   int64_t items, splits;
+  bool per_head = false;  // an item is one KV head of a sequence (the generic loop), not all of them
   int64_t partial_floats(int64_t batch, int64_t hq, int64_t head_dim) const {
     return splits > 1 ? batch * hq * splits * (head_dim + 2) : 0;
   }
   int64_t merge_items(int64_t batch, int64_t hq) const { return splits > 1 ? batch * hq : 0; }
+  // the tokens of each split of a context of ctx (the last split's maybe fewer, or none)
+  int64_t split_tokens(int64_t ctx) const { return (ctx + splits - 1) / splits; }
+  int64_t row_of(int64_t item, int64_t hk) const { return per_head ? item / hk : item / splits; }
+  // the item that reads the newest token (the last of lens[b]) of sequence b's KV head kh
+  int64_t newest_item(const int64_t* lens, int64_t b, int64_t hk, int64_t kh) const {
+    if (per_head) return b * hk + kh;
+    return b * splits + std::max<int64_t>(0, lens[b] - 1) / std::max<int64_t>(1, split_tokens(lens[b]));
+  }
 };
 AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads);
 template <typename T>
