@@ -76,7 +76,6 @@ class ModelRunner:
             self.kv_cache.write_blocks(list(load.block_ids), load.data)
         if not sched.scheduled:
             return ModelOutput()
-        multi = [s for s in sched.scheduled if s.num_steps > 1]
         out = ModelOutput()
         if all(map(greedy_decode_row, sched.scheduled)):
             self._decode_on(sched.scheduled, out, step=0)  # every pass, one or more, in one kernel call
@@ -84,7 +83,7 @@ class ModelRunner:
             requests, logits, scored = self._forward(sched.scheduled)
             out = self._sample(logits, requests)
             out.prompt_logprobs = scored
-            self._decode_on(multi, out)
+            self._decode_on([s for s in sched.scheduled if s.num_steps > 1], out)
         if self.drafter is not None:
             work = self.drafter.propose(sched.scheduled, out)
             out.proposals, out.draft_passes, out.draft_seconds = work.proposals, work.passes, work.seconds

@@ -42,8 +42,7 @@ void generic_items(const DecodeBatch<T>& db, float fscale, int64_t begin, int64_
       }
       // scores[g][t] = q_g . k_t, reading each K row from its block in place
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t block = tables[b * width + t / block_size];
-        load_row(kc + (block * block_size + t % block_size) * slot_stride + h * d, row.data(), d);
+        load_row(kc + slot_of(tables + b * width, t, block_size) * slot_stride + h * d, row.data(), d);
         for (int64_t g = 0; g < group; ++g) {
           const float* qv = qf.data() + g * d;
           float dot = 0.f;
@@ -68,8 +67,7 @@ void generic_items(const DecodeBatch<T>& db, float fscale, int64_t begin, int64_
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t block = tables[b * width + t / block_size];
-        load_row(vc + (block * block_size + t % block_size) * slot_stride + h * d, row.data(), d);
+        load_row(vc + slot_of(tables + b * width, t, block_size) * slot_stride + h * d, row.data(), d);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * ctx + t];
           float* a = acc.data() + g * d;
@@ -237,7 +235,7 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     auto chunk_slots = [&](const Piece& p, int64_t c, int64_t* out) {
       const int64_t* tb = tables + p.b * width;
       const int64_t from = p.t_begin + 16 * c, to = std::min(p.t_end, from + 16);
-      for (int64_t t = from; t < to; ++t) out[t - from] = tb[t / block_size] * block_size + t % block_size;
+      for (int64_t t = from; t < to; ++t) out[t - from] = slot_of(tb, t, block_size);
       return std::max<int64_t>(0, to - from);
     };
     for (int64_t item = begin; item < end; ++item) {

@@ -77,7 +77,7 @@ int64_t run_passes(const int64_t* first, at::Tensor residual, const kvops::Stack
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   auto place = [&] {  // each row's slot and context length at its position
     for (int64_t r = 0; r < n; ++r) {
-      sp[r] = tables[r * width + p[r] / bs] * bs + p[r] % bs;
+      sp[r] = kvops::slot_of(tables + r * width, p[r], bs);
       lp[r] = p[r] + 1;
     }
   };

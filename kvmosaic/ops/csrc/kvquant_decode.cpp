@@ -66,7 +66,7 @@ void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t*
     const int64_t n = std::min(kTile, ctx - t0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = t0 + j;
-      offsets[j] = (table[t / block_size] * block_size + t % block_size) * f.record;
+      offsets[j] = kvops::slot_of(table, t, block_size) * f.record;
       decode_head<D>(kp + offsets[j], h, f, kt, tile + j * d);
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -135,7 +135,7 @@ void dequant_impl(const at::Tensor& pool, const at::Tensor& ids, const Format& f
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(f.d);
     for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* rec = src + (id[r / bs] * bs + r % bs) * f.record;
+      const uint8_t* rec = src + kvops::slot_of(id, r, bs) * f.record;
       for (int64_t h = 0; h < f.hk; ++h) {
         decode_head(rec, h, f, t, buf.data());
         T* o = dst + (r * f.hk + h) * f.d;

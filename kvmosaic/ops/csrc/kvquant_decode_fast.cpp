@@ -275,7 +275,7 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_pool, const a
       const int64_t b = item / items_per_seq, kh0 = (item % items_per_seq) * heads_per_item;
       const int64_t ctx = ln[b];
       const int64_t* table = tb + b * width;
-      auto offset_of = [&](int64_t t) { return (table[t / bs] * bs + t % bs) * f.record; };
+      auto offset_of = [&](int64_t t) { return kvops::slot_of(table, t, bs) * f.record; };
       st.reset(qp + b * hq * D, hq, static_cast<float>(scale));
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);

@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "paged.h"
 #include "vec.h"
 #include <c10/util/Half.h>
 #if defined(__F16C__)

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "paged.h"
 #include "vec.h"
 
 #include <algorithm>

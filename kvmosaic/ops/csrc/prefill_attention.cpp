@@ -28,7 +28,7 @@ void for_each_context_row(const T* kc, const T* vc, const int64_t* table, int64_
     for (int64_t tile = begin; tile < end; ++tile) {
       for (int64_t j = 0; j < 16 && tile * 16 + j < context_len; ++j) {
         const int64_t t = tile * 16 + j;
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const int64_t slot = slot_of(table, t, block_size);
         for (int64_t h = 0; h < hk; ++h) pack(h, tile, j, kc + (slot * hk + h) * d, vc + (slot * hk + h) * d);
       }
     }
