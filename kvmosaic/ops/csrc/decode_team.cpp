@@ -1,7 +1,8 @@
 // A step of decode rows only runs every layer in one team of threads (team.h): the kernels of a
 // layer in their range form (stack_kernels.h) with barriers between them (five a layer for a few
-// rows: DecodeRun in layer_stack.h), and buffers allocated once per step. Each work item computes what the ATen path computes, so the results are bit for bit
-// those of the per-kernel calls. Also: the checks and plans of StackWeights and StackCaches.
+// rows: DecodeRun in layer_stack.h), and buffers allocated once per step. Each work item computes
+// what the ATen path computes, so the results are bit for bit those of the per-kernel calls. Also:
+// the checks and plans of StackWeights and StackCaches.
 #include "layer_stack.h"
 #include "team.h"
 
