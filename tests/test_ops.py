@@ -3,6 +3,8 @@ fused gate/up projection)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -45,12 +47,44 @@ def _packing_ops(ops, dtype):
     return ops
 
 
+def _tile_modes(ops, dtype) -> list[bool]:
+    """The bf16 product paths to check: the register micro-kernel, and the AMX tiles where this build
+    and CPU have them (the avx512_bf16 kernels on Sapphire Rapids and later); float32 has one path."""
+    return [False, True] if dtype == torch.bfloat16 and ops.amx_supported() else [False]
+
+
+@contextlib.contextmanager
+def _amx(ops, on: bool):
+    before = ops.amx_enabled()
+    assert ops.set_amx(on) == on
+    try:
+        yield
+    finally:
+        ops.set_amx(before)
+
+
+def test_amx_switch_turns_on_only_where_supported(ops):
+    before = ops.amx_enabled()
+    try:
+        assert ops.set_amx(True) == ops.amx_supported()
+        assert ops.set_amx(False) is False and not ops.amx_enabled()
+    finally:
+        ops.set_amx(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 64, 131, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 33, 64, 131, 300])
 def test_packed_linear_matches_dense_linear(ops, rows, dtype):
-    """Every row count (micro-kernel tails of 1-7 rows, several 128-row slabs) and a last panel of
-    fewer than 48 columns (1008 = 21 panels of 48) against a float64 product."""
+    """Every row count (micro-kernel tails of 1-7 rows, several 128-row slabs; the AMX tiles' 16- and
+    32-row blocks and a zero-padded tail) and a last panel of fewer than 48 columns (1008 = 21 panels
+    of 48) against a float64 product, on each bf16 product path."""
     ops = _packing_ops(ops, dtype)
+    for tiles in _tile_modes(ops, dtype):
+        with _amx(ops, tiles):
+            _check_packed_linear(ops, rows, dtype)
+
+
+def _check_packed_linear(ops, rows, dtype):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     w = torch.randn(1008 + 32, 576, generator=gen).to(dtype)
@@ -123,12 +157,19 @@ def test_silu_and_mul_matches_reference(ops, dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 130, 300])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16, 45, 130, 300])
 def test_packed_swiglu_equals_projection_then_silu(ops, dtype, rows):
     """The fused gate/up product with SwiGLU in its epilogue gives bit for bit what the packed
     projection followed by silu_and_mul gives (same sums, same roundings), for every row tail of the
-    6-row tile and several slabs; large gate values reach the exp overflow/underflow edges."""
+    6-row tile and several slabs; large gate values reach the exp overflow/underflow edges. On each
+    bf16 product path (the AMX tiles sum in the same order in both products)."""
     ops = _packing_ops(ops, dtype)
+    for tiles in _tile_modes(ops, dtype):
+        with _amx(ops, tiles):
+            _check_packed_swiglu(ops, dtype, rows)
+
+
+def _check_packed_swiglu(ops, dtype, rows):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     gate_up = (torch.randn(2 * 96, 96, generator=gen) * 2).to(dtype)  # F = 96: 3 panels of 32 outputs

@@ -9,6 +9,7 @@
 // halves of 32 outputs and only silu(gate) * up leaves the registers.
 #include "ops_common.h"
 #include "gemm_kernel.h"
+#include "amx_gemm.h"
 #include "stack_kernels.h"
 
 namespace {
@@ -60,10 +61,11 @@ int64_t pack_of(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
 
 namespace kvops {
 
-int64_t PackedWeight::panels() const {
-  const int64_t per_panel = swiglu ? kSwiGLUGroup : Tiles<float, false>::kPanel;  // the same for bf16
-  return (blocks + per_panel - 1) / per_panel;
+int64_t PackedWeight::blocks_per_panel() const {
+  return swiglu ? kSwiGLUGroup : Tiles<float, false>::kPanel;  // the same for bf16
 }
+
+int64_t PackedWeight::panels() const { return (blocks + blocks_per_panel() - 1) / blocks_per_panel(); }
 
 int64_t PackedWeight::width() const { return swiglu ? blocks * kBlock / 2 : blocks * kBlock; }
 
@@ -73,6 +75,9 @@ PackedWeight PackedWeight::of(const at::Tensor& packed, bool swiglu, const float
 
 template <typename T>
 void packed_panels(const PackedWeight& w, const T* x, int64_t m, T* out, int64_t p0, int64_t p1) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (amx::takes(w, m)) return amx::bf16_panels(w, x, m, out, p0, p1);
+  }
   if (w.swiglu) panels_of<T, true>(w, x, m, out, p0, p1);
   else panels_of<T, false>(w, x, m, out, p0, p1);
 }

@@ -3,6 +3,7 @@
 // Float32 and bfloat16; all arithmetic in float32.
 // This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
 // decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
+#include "amx_gemm.h"
 #include "bindings.h"
 #include "lane_client.h"
 #include "lane_server.h"
@@ -25,6 +26,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_supports", [](py::object dtype, int64_t out_features, int64_t in_features) {
     return packed_linear_supports(torch::python::detail::py_object_to_dtype(dtype), out_features, in_features);
   }, "whether a weight of this dtype and shape can be packed");
+  m.def("amx_supported", &kvops::amx::supported,
+        "whether this build and CPU run bfloat16 products on AMX tiles (avx512_bf16 kernels, AMX-BF16 CPU)");
+  m.def("amx_enabled", &kvops::amx::enabled, "whether bfloat16 products of 16 rows or more use the AMX tiles");
+  m.def("set_amx", &kvops::amx::set_enabled, py::arg("on"),
+        "switch the AMX tiles on (where supported) or off for bfloat16 products; returns the new state");
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] weight -> the packed layout of packed_linear");
   m.def("packed_linear", &packed_linear, no_gil, "x [M, K] times a packed weight (+ float32 bias)", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());

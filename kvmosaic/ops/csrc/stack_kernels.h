@@ -15,6 +15,7 @@ struct PackedWeight {
   bool swiglu;        // a packed gate/up pair: silu(gate) * up leaves the product
   const float* bias;  // [width] or null
   int64_t panels() const;
+  int64_t blocks_per_panel() const;
   int64_t width() const;  // output columns
   static PackedWeight of(const at::Tensor& packed, bool swiglu, const float* bias);
 };

@@ -1,0 +1,215 @@
+// bfloat16 packed products on AMX tiles (amx_gemm.h).
+//
+// Eight tile registers, one configuration: tmm0-3 hold a 32 x 32 block of float sums (two row
+// halves x two weight blocks), tmm4-5 two 16-row slices of activations (16 rows x 32 k), tmm6-7
+// two packed weight blocks at the same 32 k (16 pair rows x 16 columns x 2). A k step of 32 is four
+// loads and four TDPBF16PS. Sums go through a 4 KiB float buffer to the same epilogue as the
+// AVX-512 micro-kernel's (bias, or SwiGLU with the unfused path's bf16 roundings).
+//
+// The compiler does not know that tile loads read memory or that tile stores write it (gcc's tile
+// intrinsics are bare asm statements), so a compiler barrier follows every buffer a tile reads
+// after the code wrote it, and every tile store the code then reads.
+#include "amx_gemm.h"
+
+#include "gemm_kernel.h"
+
+#include <ATen/cpu/Utils.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(KVM_VEC_AVX512) && defined(__AVX512BF16__) && \
+    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define KVM_AMX 1
+#include <cpuid.h>
+#endif
+
+namespace kvops::amx {
+
+namespace {
+
+namespace vec = kvmosaic_vec;
+using gemm::kBlock;
+using vec::bf16;
+using vec::F16;
+
+constexpr int64_t kTileK = 32;          // k values per tile step (64 bytes of bf16 a row)
+constexpr int64_t kGroupRows = 32;      // rows of one sum block (two 16-row tiles)
+constexpr int64_t kSlabRows = 128;      // rows that share a weight pair while it stays in cache
+constexpr int64_t kStepElems = kTileK * kBlock;  // packed weight elements of one k step of a block
+
+bool detect() {
+#if defined(KVM_AMX)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = (d >> 24) & 1u, bf16_dots = (d >> 22) & 1u;
+  return tile && bf16_dots && at::cpu::init_amx();  // init_amx asks the kernel for the tile state
+#else
+  return false;
+#endif
+}
+
+bool env_allows() {
+  const char* value = std::getenv("KVMOSAIC_AMX");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
+std::atomic<bool>& switch_state() {
+  static std::atomic<bool> on{supported() && env_allows()};
+  return on;
+}
+
+// The rows of one sum block in the epilogue: float sums c[32][32] (columns 0-15 of the first
+// weight block, 16-31 of the second) -> bf16 outputs.
+void store_plain(const float* c, int64_t rows, int64_t blocks, bf16* out, int64_t ldo, const float* bias) {
+  for (int64_t j = 0; j < blocks; ++j) {
+    const F16 b = bias != nullptr ? F16::load(bias + j * kBlock) : F16::zero();
+    for (int64_t r = 0; r < rows; ++r) (F16::load(c + r * kGroupRows + j * kBlock) + b).store(out + r * ldo + j * kBlock);
+  }
+}
+
+void store_swiglu(const float* c, int64_t rows, bf16* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const F16 g = vec::round_to<bf16>(F16::load(c + r * kGroupRows));
+    const F16 silu = vec::round_to<bf16>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g)));
+    (silu * vec::round_to<bf16>(F16::load(c + r * kGroupRows + kBlock))).store(out + r * ldo);
+  }
+}
+
+#if defined(KVM_AMX)
+
+#define KVM_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TileConfig full_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  return config;
+}
+
+// RT 16-row activation tiles x BT weight blocks over all k: sums into c[32][32].
+template <int RT, int BT>
+KVM_AMX_TARGET void tile_block(const bf16* x, int64_t ldx, const bf16* w0, const bf16* w1, int64_t steps, float* c) {
+  const int64_t stride = ldx * static_cast<int64_t>(sizeof(bf16));
+  const bf16* x1 = x + 16 * ldx;
+  _tile_zero(0);
+  if constexpr (BT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && BT > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, x + s * kTileK, stride);
+    if constexpr (RT > 1) _tile_loadd(5, x1 + s * kTileK, stride);
+    _tile_loadd(6, w0 + s * kStepElems, 64);
+    if constexpr (BT > 1) _tile_loadd(7, w1 + s * kStepElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (BT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT > 1 && BT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t ldc = kGroupRows * sizeof(float);
+  _tile_stored(0, c, ldc);
+  if constexpr (BT > 1) _tile_stored(1, c + kBlock, ldc);
+  if constexpr (RT > 1) _tile_stored(2, c + 16 * kGroupRows, ldc);
+  if constexpr (RT > 1 && BT > 1) _tile_stored(3, c + 16 * kGroupRows + kBlock, ldc);
+  asm volatile("" ::: "memory");
+}
+
+template <int BT>
+KVM_AMX_TARGET void tile_rows(int64_t padded_rows, const bf16* x, int64_t ldx, const bf16* w0, const bf16* w1,
+                              int64_t steps, float* c) {
+  if (padded_rows > 16) tile_block<2, BT>(x, ldx, w0, w1, steps, c);
+  else tile_block<1, BT>(x, ldx, w0, w1, steps, c);
+}
+
+// One thread's share: pairs of weight blocks (a gate block and its up block for SwiGLU) against
+// the rows, 128 rows at a time. Rows past the last multiple of 16 run from a zero-padded copy.
+KVM_AMX_TARGET void run(const PackedWeight& w, const bf16* x, int64_t m, bf16* out, int64_t p0, int64_t p1) {
+  const TileConfig config = full_tiles();
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&config);
+  const int64_t k = w.k, steps = k / kTileK, block_stride = k * kBlock, n = w.width();
+  const bf16* wp = static_cast<const bf16*>(w.data);
+  const int64_t per_panel = w.blocks_per_panel();
+  const int64_t full = m - m % 16;
+  thread_local std::vector<bf16> tail;
+  if (full < m) {
+    tail.assign(16 * k, bf16());
+    std::memcpy(tail.data(), x + full * k, (m - full) * k * sizeof(bf16));
+    asm volatile("" ::: "memory");
+  }
+  alignas(64) float c[kGroupRows * kGroupRows];
+  // a unit: (first block, second block or -1, output column); SwiGLU groups give two units each
+  struct Unit {
+    int64_t b0, b1, col;
+  };
+  std::vector<Unit> units;
+  if (w.swiglu) {
+    for (int64_t g = p0; g < p1; ++g)
+      for (int64_t i = 0; i < 2; ++i) units.push_back({4 * g + i, 4 * g + 2 + i, 2 * kBlock * g + kBlock * i});
+  } else {
+    const int64_t b_end = std::min(p1 * per_panel, w.blocks);
+    for (int64_t b = p0 * per_panel; b < b_end; b += 2)
+      units.push_back({b, b + 1 < b_end ? b + 1 : -1, b * kBlock});
+  }
+  for (int64_t r0 = 0; r0 < m; r0 += kSlabRows) {
+    const int64_t r1 = std::min(m, r0 + kSlabRows);
+    for (const Unit& u : units) {
+      const bf16* w0 = wp + u.b0 * block_stride;
+      const bf16* w1 = u.b1 >= 0 ? wp + u.b1 * block_stride : nullptr;
+      for (int64_t r = r0; r < r1;) {  // r stays a multiple of 16
+        const bool in_tail = r >= full;  // fewer than 16 rows left: the padded copy
+        const int64_t rows = in_tail ? m - r : (std::min(r1, full) - r >= kGroupRows ? kGroupRows : 16);
+        const bf16* xr = in_tail ? tail.data() : x + r * k;
+        if (w1 != nullptr) tile_rows<2>(in_tail ? 16 : rows, xr, k, w0, w1, steps, c);
+        else tile_rows<1>(in_tail ? 16 : rows, xr, k, w0, w1, steps, c);
+        bf16* o = out + r * n + u.col;
+        if (w.swiglu) store_swiglu(c, rows, o, n);
+        else store_plain(c, rows, w1 != nullptr ? 2 : 1, o, n, w.bias != nullptr ? w.bias + u.col : nullptr);
+        r += rows;
+      }
+    }
+  }
+  _tile_release();
+}
+
+#endif  // KVM_AMX
+
+}  // namespace
+
+bool supported() {
+  static const bool yes = detect();
+  return yes;
+}
+
+bool enabled() { return switch_state().load(std::memory_order_relaxed); }
+
+bool set_enabled(bool on) {
+  switch_state().store(on && supported(), std::memory_order_relaxed);
+  return enabled();
+}
+
+bool takes(const PackedWeight& w, int64_t m) { return m >= kMinRows && w.k % kTileK == 0 && enabled(); }
+
+void bf16_panels(const PackedWeight& w, const bf16* x, int64_t m, bf16* out, int64_t p0, int64_t p1) {
+#if defined(KVM_AMX)
+  run(w, x, m, out, p0, p1);
+#else
+  (void)w, (void)x, (void)m, (void)out, (void)p0, (void)p1;
+  TORCH_CHECK(false, "AMX tiles are not compiled into the ", vec::kLevelName, " kernels");
+#endif
+}
+
+}  // namespace kvops::amx
