@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import mixed_batch_metadata
+from tile_modes import amx, tile_modes
 
 from kvmosaic.model.layers.attention import (
     AttentionMetadata,
@@ -172,8 +173,15 @@ def test_prefill_kernel_matches_naive(ops, dtype, hq, hk, dim, block_size, cache
     """The prefill kernel: causal chunk attention over a shuffled paged context, with cached tokens
     before the chunk, query-row blocks that straddle tokens, tiles and 64-key blocks cut by the
     causal edge, and (spread) scores wide enough that the softmax reference moves mid-row. The
-    result is written into the given rows of a larger output tensor."""
+    result is written into the given rows of a larger output tensor. bfloat16 also on the AMX tiles
+    where the kernels have them (head_dim 64: 32-key blocks, 16-row items)."""
     assert ops.prefill_attention_supports(dim)
+    for tiles in tile_modes(ops, dtype):
+        with amx(ops, tiles):
+            _check_prefill_kernel(ops, dtype, hq, hk, dim, block_size, cached, new, spread)
+
+
+def _check_prefill_kernel(ops, dtype, hq, hk, dim, block_size, cached, new, spread):
     gen = torch.Generator().manual_seed(2)
     ctx = cached + new
     blocks = (ctx + block_size - 1) // block_size

@@ -3,10 +3,9 @@ fused gate/up projection)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from tile_modes import amx, tile_modes
 
 from kvmosaic.model.layers import norm
 from kvmosaic.ops import Kernels
@@ -47,22 +46,6 @@ def _packing_ops(ops, dtype):
     return ops
 
 
-def _tile_modes(ops, dtype) -> list[bool]:
-    """The bf16 product paths to check: the register micro-kernel, and the AMX tiles where this build
-    and CPU have them (the avx512_bf16 kernels on Sapphire Rapids and later); float32 has one path."""
-    return [False, True] if dtype == torch.bfloat16 and ops.amx_supported() else [False]
-
-
-@contextlib.contextmanager
-def _amx(ops, on: bool):
-    before = ops.amx_enabled()
-    assert ops.set_amx(on) == on
-    try:
-        yield
-    finally:
-        ops.set_amx(before)
-
-
 def test_amx_switch_turns_on_only_where_supported(ops):
     before = ops.amx_enabled()
     try:
@@ -79,8 +62,8 @@ def test_packed_linear_matches_dense_linear(ops, rows, dtype):
     32-row blocks and a zero-padded tail) and a last panel of fewer than 48 columns (1008 = 21 panels
     of 48) against a float64 product, on each bf16 product path."""
     ops = _packing_ops(ops, dtype)
-    for tiles in _tile_modes(ops, dtype):
-        with _amx(ops, tiles):
+    for tiles in tile_modes(ops, dtype):
+        with amx(ops, tiles):
             _check_packed_linear(ops, rows, dtype)
 
 
@@ -164,8 +147,8 @@ def test_packed_swiglu_equals_projection_then_silu(ops, dtype, rows):
     6-row tile and several slabs; large gate values reach the exp overflow/underflow edges. On each
     bf16 product path (the AMX tiles sum in the same order in both products)."""
     ops = _packing_ops(ops, dtype)
-    for tiles in _tile_modes(ops, dtype):
-        with _amx(ops, tiles):
+    for tiles in tile_modes(ops, dtype):
+        with amx(ops, tiles):
             _check_packed_swiglu(ops, dtype, rows)
 
 

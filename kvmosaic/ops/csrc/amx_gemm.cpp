@@ -1,15 +1,12 @@
-// bfloat16 packed products on AMX tiles (amx_gemm.h).
+// bfloat16 packed products on AMX tiles (amx.h).
 //
 // Eight tile registers, one configuration: tmm0-3 hold a 32 x 32 block of float sums (two row
 // halves x two weight blocks), tmm4-5 two 16-row slices of activations (16 rows x 32 k), tmm6-7
 // two packed weight blocks at the same 32 k (16 pair rows x 16 columns x 2). A k step of 32 is four
 // loads and four TDPBF16PS. Sums go through a 4 KiB float buffer to the same epilogue as the
 // AVX-512 micro-kernel's (bias, or SwiGLU with the unfused path's bf16 roundings).
-//
-// The compiler does not know that tile loads read memory or that tile stores write it (gcc's tile
-// intrinsics are bare asm statements), so a compiler barrier follows every buffer a tile reads
-// after the code wrote it, and every tile store the code then reads.
-#include "amx_gemm.h"
+#include "amx.h"
+#include "amx_tiles.h"
 
 #include "gemm_kernel.h"
 
@@ -21,9 +18,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(KVM_VEC_AVX512) && defined(__AVX512BF16__) && \
-    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
-#define KVM_AMX 1
+#if defined(KVM_AMX)
 #include <cpuid.h>
 #endif
 
@@ -81,25 +76,6 @@ void store_swiglu(const float* c, int64_t rows, bf16* out, int64_t ldo) {
 
 #if defined(KVM_AMX)
 
-#define KVM_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-TileConfig full_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  return config;
-}
-
 // RT 16-row activation tiles x BT weight blocks over all k: sums into c[32][32].
 template <int RT, int BT>
 KVM_AMX_TARGET void tile_block(const bf16* x, int64_t ldx, const bf16* w0, const bf16* w1, int64_t steps, float* c) {
@@ -124,7 +100,7 @@ KVM_AMX_TARGET void tile_block(const bf16* x, int64_t ldx, const bf16* w0, const
   if constexpr (BT > 1) _tile_stored(1, c + kBlock, ldc);
   if constexpr (RT > 1) _tile_stored(2, c + 16 * kGroupRows, ldc);
   if constexpr (RT > 1 && BT > 1) _tile_stored(3, c + 16 * kGroupRows + kBlock, ldc);
-  asm volatile("" ::: "memory");
+  amx_fence();
 }
 
 template <int BT>
@@ -137,9 +113,7 @@ KVM_AMX_TARGET void tile_rows(int64_t padded_rows, const bf16* x, int64_t ldx, c
 // One thread's share: pairs of weight blocks (a gate block and its up block for SwiGLU) against
 // the rows, 128 rows at a time. Rows past the last multiple of 16 run from a zero-padded copy.
 KVM_AMX_TARGET void run(const PackedWeight& w, const bf16* x, int64_t m, bf16* out, int64_t p0, int64_t p1) {
-  const TileConfig config = full_tiles();
-  asm volatile("" ::: "memory");
-  _tile_loadconfig(&config);
+  const TileScope tiles;
   const int64_t k = w.k, steps = k / kTileK, block_stride = k * kBlock, n = w.width();
   const bf16* wp = static_cast<const bf16*>(w.data);
   const int64_t per_panel = w.blocks_per_panel();
@@ -148,7 +122,7 @@ KVM_AMX_TARGET void run(const PackedWeight& w, const bf16* x, int64_t m, bf16* o
   if (full < m) {
     tail.assign(16 * k, bf16());
     std::memcpy(tail.data(), x + full * k, (m - full) * k * sizeof(bf16));
-    asm volatile("" ::: "memory");
+    amx_fence();
   }
   alignas(64) float c[kGroupRows * kGroupRows];
   // a unit: (first block, second block or -1, output column); SwiGLU groups give two units each
@@ -182,7 +156,6 @@ KVM_AMX_TARGET void run(const PackedWeight& w, const bf16* x, int64_t m, bf16* o
       }
     }
   }
-  _tile_release();
 }
 
 #endif  // KVM_AMX

@@ -9,7 +9,7 @@
 // halves of 32 outputs and only silu(gate) * up leaves the registers.
 #include "ops_common.h"
 #include "gemm_kernel.h"
-#include "amx_gemm.h"
+#include "amx.h"
 #include "stack_kernels.h"
 
 namespace {

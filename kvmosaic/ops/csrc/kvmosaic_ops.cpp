@@ -3,7 +3,7 @@
 // Float32 and bfloat16; all arithmetic in float32.
 // This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
 // decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
-#include "amx_gemm.h"
+#include "amx.h"
 #include "bindings.h"
 #include "lane_client.h"
 #include "lane_server.h"

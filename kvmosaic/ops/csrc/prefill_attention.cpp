@@ -1,4 +1,5 @@
 // Causal attention of a prefill chunk over its paged float KV context.
+#include "amx.h"
 #include "ops_common.h"
 #include "vec.h"
 
@@ -230,6 +231,39 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
+// prefill_attention_bf16 on AMX tiles (head_dim 64): work items of 16 query rows of one KV head
+// (amx::attention_rows), over the K and V tiles it packed (head_elems values a head).
+void prefill_attention_tiles(const uint16_t* q_ptr, int64_t n, int64_t hq, int64_t hk, int64_t start,
+                             const uint16_t* kp, const uint16_t* vp, int64_t head_elems, float scale,
+                             c10::BFloat16* o_ptr) {
+  constexpr int64_t D = amx::kAttentionDim, kRows = 16;
+  const int64_t group = hq / hk, rows_per_head = n * group;
+  const int64_t row_blocks = (rows_per_head + kRows - 1) / kRows;
+  at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t qrows[kRows * D];
+    alignas(64) float out[kRows * D];
+    int64_t last[kRows];
+    for (int64_t item = begin; item < end; ++item) {
+      int64_t h, rb;
+      balanced_item(item, hk, row_blocks, &h, &rb);
+      const int64_t r0 = rb * kRows, rn = std::min<int64_t>(kRows, rows_per_head - r0);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t row = r0 + std::min<int64_t>(r, rn - 1);  // idle rows repeat the last real one
+        const int64_t tok = row / group, g = row % group;
+        last[r] = start + tok;
+        std::memcpy(qrows + r * D, q_ptr + (tok * hq + h * group + g) * D, D * sizeof(uint16_t));
+      }
+      amx::attention_rows(reinterpret_cast<const c10::BFloat16*>(qrows), last, kp + h * head_elems,
+                          vp + h * head_elems, scale, out);
+      for (int64_t r = 0; r < rn; ++r) {
+        const int64_t row = r0 + r, tok = row / group, g = row % group;
+        c10::BFloat16* dst = o_ptr + (tok * hq + h * group + g) * D;
+        for (int64_t c = 0; c < D; c += 16) vec::F16::load(out + r * D + c).store(dst + c);
+      }
+    }
+  });
+}
+
 // Prefill attention on AVX512-BF16 dot products, one 16-key tile at a time with RB query rows per
 // register block (prefill_attention_vec's 64-key blocks are not ported here): K tiles are packed as
 // dimension pairs [tile][dim / 2][16 keys][2] so one instruction adds 2 dims x 16 keys of q . k;
@@ -245,7 +279,8 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
   const int64_t group = hq / hk;
   const int64_t start = context_len - n;
-  const int64_t tiles = (context_len + 15) / 16;
+  const bool on_tiles = amx::attention_takes(D);
+  const int64_t tiles = (context_len + 15) / 16 + (on_tiles ? 1 : 0);  // the tiles read 32-key blocks
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
@@ -266,6 +301,11 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
 
   const int64_t rows_per_head = n * group;
+  if (on_tiles) {
+    prefill_attention_tiles(q_ptr, n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
+                            static_cast<float>(scale), o_ptr);
+    return;
+  }
   const int64_t row_blocks = (rows_per_head + RB - 1) / RB;
   at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint32_t qpairs[RB][D / 2];

@@ -1,0 +1,43 @@
+// bfloat16 prefill on Intel AMX tiles (Sapphire Rapids and later): the packed linear layers and the
+// causal attention. A bf16 packed weight block ([K/2][16][2], gemm_kernel.h) is already the B
+// operand of TDPBF16PS, so the same packed weights serve the AVX-512 micro-kernel (decode rows) and
+// the tiles (many rows); so are the K and V tiles the bf16 prefill attention packs. Compiled into
+// the avx512_bf16 level only; elsewhere supported() is false.
+#pragma once
+
+#include "stack_kernels.h"
+#include "vec.h"
+
+#include <cstdint>
+
+namespace kvops::amx {
+
+// Rows from which a bf16 product goes to the tiles (fewer rows read the weights more than they
+// compute on them: the AVX-512 micro-kernel streams them as fast).
+constexpr int64_t kMinRows = 16;
+
+// Compiled in, and the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use them.
+bool supported();
+// Whether bf16 products of kMinRows rows or more use the tiles (default: supported(), unless the
+// environment sets KVMOSAIC_AMX=0).
+bool enabled();
+// Switches the tiles on or off (on only where supported); returns the new state.
+bool set_enabled(bool on);
+// Whether a product of m rows on this weight runs on the tiles.
+bool takes(const PackedWeight& w, int64_t m);
+
+// packed_panels for bf16 on the tiles: rows [0, m), panels [p0, p1). Call only where takes().
+void bf16_panels(const PackedWeight& w, const kvmosaic_vec::bf16* x, int64_t m, kvmosaic_vec::bf16* out,
+                 int64_t p0, int64_t p1);
+
+// Causal attention of 16 query rows of one KV head, head_dim kAttentionDim, over a context packed as
+// prefill_attention.cpp's bf16 kernel packs it (16-key tiles, K [tile][dim / 2][16][2], V
+// [tile][key / 2][dim][2], zero past the context, one tile more than it needs). q: [16][64] rows (rows
+// past the real ones repeat one); last[r]: the last key row r sees (>= 0); out: [16][64] floats,
+// normalized. Call only where attention_takes().
+constexpr int64_t kAttentionDim = 64;
+bool attention_takes(int64_t head_dim);
+void attention_rows(const kvmosaic_vec::bf16* q, const int64_t* last, const uint16_t* k_tiles, const uint16_t* v_tiles,
+                    float scale, float* out);
+
+}  // namespace kvops::amx

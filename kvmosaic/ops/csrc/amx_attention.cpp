@@ -1,0 +1,143 @@
+// Causal prefill attention of 16 query rows on AMX tiles (amx.h), head_dim 64, keys 32 at a time.
+//
+// Per key block: the scores (16 rows x 32 keys) are two tiles of sums over two 32-dim steps (Q
+// tile x K tiles); the online softmax runs on them in AVX-512 registers, rounds the probabilities to
+// bf16 (as the AVX512-BF16 kernel does) and rescales a row's output sums when its reference moves;
+// P (one 16 x 32 tile) times V (four 32-key x 16-dim tiles) gives the block's share of the output,
+// added to the float sums. Tiles: tmm0-1 scores, tmm2 Q then P, tmm3-4 K, then tmm0, 1, 5, 6 the
+// output and tmm3, 4, 7 V.
+#include "amx.h"
+#include "amx_tiles.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+namespace kvops::amx {
+
+namespace {
+
+namespace vec = kvmosaic_vec;
+using vec::bf16;
+using vec::F16;
+
+constexpr int64_t kDim = kAttentionDim;
+constexpr int64_t kRows = 16;
+constexpr int64_t kKeys = 32;  // keys per block: two 16-key tiles
+constexpr int64_t kTileElems = 16 * kDim;  // bf16 values of one packed 16-key tile
+
+#if defined(KVM_AMX)
+
+// Scores of block k0 into sc [16][32]: two 32-dim steps of the Q tile against keys 0-15 and 16-31.
+KVM_AMX_TARGET void block_scores(const bf16* q, const uint16_t* k_tile, float* sc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t s = 0; s < kDim / 32; ++s) {
+    _tile_loadd(2, q + s * 32, kDim * sizeof(bf16));
+    _tile_loadd(3, k_tile + s * 16 * 32, 64);
+    _tile_loadd(4, k_tile + kTileElems + s * 16 * 32, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, sc, kKeys * sizeof(float));
+  _tile_stored(1, sc + 16, kKeys * sizeof(float));
+  amx_fence();
+}
+
+// probs [16][32] (bf16) times the block's V (16 key pairs x 64 dims) into pv [16][64].
+KVM_AMX_TARGET void block_values(const uint16_t* probs, const uint16_t* v_tile, float* pv) {
+  constexpr int64_t v_stride = 2 * kDim * sizeof(uint16_t);  // one key pair's row
+  constexpr int64_t pv_stride = kDim * sizeof(float);
+  amx_fence();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_loadd(2, probs, kKeys * sizeof(uint16_t));
+  _tile_loadd(3, v_tile, v_stride);
+  _tile_loadd(4, v_tile + 32, v_stride);
+  _tile_loadd(7, v_tile + 64, v_stride);
+  _tile_dpbf16ps(0, 2, 3);
+  _tile_dpbf16ps(1, 2, 4);
+  _tile_dpbf16ps(5, 2, 7);
+  _tile_loadd(3, v_tile + 96, v_stride);
+  _tile_dpbf16ps(6, 2, 3);
+  _tile_stored(0, pv, pv_stride);
+  _tile_stored(1, pv + 16, pv_stride);
+  _tile_stored(5, pv + 32, pv_stride);
+  _tile_stored(6, pv + 48, pv_stride);
+  amx_fence();
+}
+
+KVM_AMX_TARGET void attention(const bf16* q, const int64_t* last, const uint16_t* k_tiles, const uint16_t* v_tiles,
+                              float scale, float* out) {
+  const TileScope tiles;
+  alignas(64) float sc[kRows * kKeys];
+  alignas(64) uint16_t probs[kRows * kKeys];
+  alignas(64) float pv[kRows * kDim];
+  constexpr float kNoRef = -std::numeric_limits<float>::infinity();
+  float ref[kRows];
+  F16 sum[kRows];
+  int64_t max_last = 0;
+  for (int64_t r = 0; r < kRows; ++r) {
+    ref[r] = kNoRef;
+    sum[r] = F16::zero();
+    max_last = std::max(max_last, last[r]);
+  }
+  std::memset(out, 0, kRows * kDim * sizeof(float));
+  const F16 vscale = F16::set1(scale);
+  const F16 none = F16::set1(kNoRef);
+  for (int64_t k0 = 0; k0 <= max_last; k0 += kKeys) {
+    block_scores(q, k_tiles + (k0 / 16) * kTileElems, sc);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t visible = std::min<int64_t>(kKeys, last[r] - k0 + 1);
+      uint16_t* prow = probs + r * kKeys;
+      if (visible <= 0) {
+        std::memset(prow, 0, kKeys * sizeof(uint16_t));
+        continue;
+      }
+      const vec::Mask m0 = vec::first_lanes(static_cast<int>(std::min<int64_t>(16, visible)));
+      const vec::Mask m1 = visible > 16 ? vec::first_lanes(static_cast<int>(visible - 16)) : 0;
+      const F16 s0 = F16::load(sc + r * kKeys) * vscale;
+      const F16 s1 = F16::load(sc + r * kKeys + 16) * vscale;
+      const float block_max = vec::max(vec::select(m0, s0, none), vec::select(m1, s1, none)).reduce_max();
+      if (block_max > ref[r] + vec::OnlineSoftmax::kSlack) {
+        const float corr = ref[r] == kNoRef ? 0.f : vec::exp_nonpositive(ref[r] - block_max);
+        ref[r] = block_max;
+        const F16 vcorr = F16::set1(corr);
+        sum[r] = sum[r] * vcorr;
+        for (int64_t c = 0; c < kDim; c += 16) (F16::load(out + r * kDim + c) * vcorr).store(out + r * kDim + c);
+      }
+      const F16 vref = F16::set1(ref[r]);
+      const F16 p0 = vec::maskz(m0, vec::exp(s0 - vref));
+      const F16 p1 = vec::maskz(m1, vec::exp(s1 - vref));
+      sum[r] = sum[r] + p0 + p1;
+      p0.store(reinterpret_cast<bf16*>(prow));
+      p1.store(reinterpret_cast<bf16*>(prow + 16));
+    }
+    block_values(probs, v_tiles + (k0 / 16) * kTileElems, pv);
+    for (int64_t i = 0; i < kRows * kDim; i += 16) (F16::load(out + i) + F16::load(pv + i)).store(out + i);
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    const F16 inv = F16::set1(1.f / sum[r].reduce_add());
+    for (int64_t c = 0; c < kDim; c += 16) (F16::load(out + r * kDim + c) * inv).store(out + r * kDim + c);
+  }
+}
+
+#endif  // KVM_AMX
+
+}  // namespace
+
+bool attention_takes(int64_t head_dim) { return head_dim == kAttentionDim && enabled(); }
+
+void attention_rows(const bf16* q, const int64_t* last, const uint16_t* k_tiles, const uint16_t* v_tiles, float scale,
+                    float* out) {
+#if defined(KVM_AMX)
+  attention(q, last, k_tiles, v_tiles, scale, out);
+#else
+  (void)q, (void)last, (void)k_tiles, (void)v_tiles, (void)scale, (void)out;
+  TORCH_CHECK(false, "AMX tiles are not compiled into the ", vec::kLevelName, " kernels");
+#endif
+}
+
+}  // namespace kvops::amx
