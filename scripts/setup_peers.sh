@@ -61,13 +61,31 @@ llama_cpp_sdist() {  # [VENV] downloads (once) and unpacks the source package; p
     echo "$dir"
 }
 
+# GGML_NATIVE, except on a CPU with AMX: there this version's AMX path for quantized weights dies
+# with SIGILL (a tile instruction in an OpenMP worker that never loaded a tile configuration), so
+# the build names the CPU's other extensions and leaves AMX out, as a user of that CPU must.
+llamacpp_cpu_args() {
+    if ! grep -qw amx_tile /proc/cpuinfo; then
+        echo "-DGGML_NATIVE=ON"
+        return
+    fi
+    local args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    args+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    local flag option
+    for flag in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do
+        option=${flag#*:}
+        if grep -qw "${flag%%:*}" /proc/cpuinfo; then args+=" -DGGML_$option=ON"; else args+=" -DGGML_$option=OFF"; fi
+    done
+    echo "$args"
+}
+
 setup_llamacpp() {
     new_venv llamacpp || return 1
     local venv=$PEERS/llamacpp-venv src
     src=$(llama_cpp_sdist) || return 1
     if ! "$venv/bin/python" -c "import llama_cpp" 2> /dev/null; then
         # Built from source for this CPU (GGML_NATIVE: AVX-512 + bf16, or AVX2 + FMA); about 10 minutes on 2 cores.
-        CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+        CMAKE_ARGS="$(llamacpp_cpu_args) -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
             pip_in llamacpp -q "$PEERS/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" || return 1
     fi
     test -f "$src/vendor/llama.cpp/convert_hf_to_gguf.py" || { note "convert_hf_to_gguf.py missing in $src"; return 1; }

@@ -323,6 +323,10 @@ template <typename T>
 inline F16 round_to(F16 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
+#if defined(KVM_VEC_AVX512)
+  } else if constexpr (std::is_same_v<T, bf16>) {  // the same bits, without the trip through memory
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v.bf16_halves()), 16))};
+#endif
   } else {
     alignas(64) T tmp[16];
     v.store(tmp);
