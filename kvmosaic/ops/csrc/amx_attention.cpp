@@ -1,11 +1,11 @@
 // Causal prefill attention of 16 query rows on AMX tiles (amx.h), head_dim 64, keys 32 at a time.
 //
-// Per key block: the scores (16 rows x 32 keys) are two tiles of sums over two 32-dim steps (Q
-// tile x K tiles); the online softmax runs on them in AVX-512 registers, rounds the probabilities to
-// bf16 (as the AVX512-BF16 kernel does) and rescales a row's output sums when its reference moves;
-// P (one 16 x 32 tile) times V (four 32-key x 16-dim tiles) gives the block's share of the output,
-// added to the float sums. Tiles: tmm0-1 scores, tmm2 Q then P, tmm3-4 K, then tmm0, 1, 5, 6 the
-// output and tmm3, 4, 7 V.
+// The output sums stay in four tiles (tmm4-7, 16 rows x 64 dims) across key blocks. Per block of
+// 32 keys: the scores (16 x 32: tmm0-1) are Q (tmm2) times the two K tiles (tmm3) over two 32-dim
+// steps; the online softmax runs on them in AVX-512 registers and rounds the probabilities to bf16
+// (as the AVX512-BF16 kernel does); then P (tmm2) times four V tiles (tmm0, 1, 3) adds the block
+// to the sums. When a row's softmax reference moves (rarely after the first blocks) the sums go
+// through memory to be rescaled.
 #include "amx.h"
 #include "amx_tiles.h"
 
@@ -28,45 +28,53 @@ constexpr int64_t kTileElems = 16 * kDim;  // bf16 values of one packed 16-key t
 
 #if defined(KVM_AMX)
 
-// Scores of block k0 into sc [16][32]: two 32-dim steps of the Q tile against keys 0-15 and 16-31.
+// Scores of a block into sc [16][32]: two 32-dim steps of the Q tile against keys 0-15 and 16-31.
 KVM_AMX_TARGET void block_scores(const bf16* q, const uint16_t* k_tile, float* sc) {
   _tile_zero(0);
   _tile_zero(1);
   for (int64_t s = 0; s < kDim / 32; ++s) {
     _tile_loadd(2, q + s * 32, kDim * sizeof(bf16));
     _tile_loadd(3, k_tile + s * 16 * 32, 64);
-    _tile_loadd(4, k_tile + kTileElems + s * 16 * 32, 64);
     _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
+    _tile_loadd(3, k_tile + kTileElems + s * 16 * 32, 64);
+    _tile_dpbf16ps(1, 2, 3);
   }
   _tile_stored(0, sc, kKeys * sizeof(float));
   _tile_stored(1, sc + 16, kKeys * sizeof(float));
   amx_fence();
 }
 
-// probs [16][32] (bf16) times the block's V (16 key pairs x 64 dims) into pv [16][64].
-KVM_AMX_TARGET void block_values(const uint16_t* probs, const uint16_t* v_tile, float* pv) {
+// sums (tmm4-7) += probs [16][32] (bf16) times the block's V (16 key pairs x 64 dims).
+KVM_AMX_TARGET void block_values(const uint16_t* probs, const uint16_t* v_tile) {
   constexpr int64_t v_stride = 2 * kDim * sizeof(uint16_t);  // one key pair's row
-  constexpr int64_t pv_stride = kDim * sizeof(float);
   amx_fence();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(5);
-  _tile_zero(6);
   _tile_loadd(2, probs, kKeys * sizeof(uint16_t));
-  _tile_loadd(3, v_tile, v_stride);
-  _tile_loadd(4, v_tile + 32, v_stride);
-  _tile_loadd(7, v_tile + 64, v_stride);
-  _tile_dpbf16ps(0, 2, 3);
-  _tile_dpbf16ps(1, 2, 4);
-  _tile_dpbf16ps(5, 2, 7);
-  _tile_loadd(3, v_tile + 96, v_stride);
+  _tile_loadd(0, v_tile, v_stride);
+  _tile_loadd(1, v_tile + 32, v_stride);
+  _tile_loadd(3, v_tile + 64, v_stride);
+  _tile_dpbf16ps(4, 2, 0);
+  _tile_dpbf16ps(5, 2, 1);
   _tile_dpbf16ps(6, 2, 3);
-  _tile_stored(0, pv, pv_stride);
-  _tile_stored(1, pv + 16, pv_stride);
-  _tile_stored(5, pv + 32, pv_stride);
-  _tile_stored(6, pv + 48, pv_stride);
+  _tile_loadd(0, v_tile + 96, v_stride);
+  _tile_dpbf16ps(7, 2, 0);
+}
+
+KVM_AMX_TARGET void store_sums(float* out) {
+  constexpr int64_t stride = kDim * sizeof(float);
+  _tile_stored(4, out, stride);
+  _tile_stored(5, out + 16, stride);
+  _tile_stored(6, out + 32, stride);
+  _tile_stored(7, out + 48, stride);
   amx_fence();
+}
+
+KVM_AMX_TARGET void load_sums(const float* out) {
+  constexpr int64_t stride = kDim * sizeof(float);
+  amx_fence();
+  _tile_loadd(4, out, stride);
+  _tile_loadd(5, out + 16, stride);
+  _tile_loadd(6, out + 32, stride);
+  _tile_loadd(7, out + 48, stride);
 }
 
 KVM_AMX_TARGET void attention(const bf16* q, const int64_t* last, const uint16_t* k_tiles, const uint16_t* v_tiles,
@@ -74,9 +82,8 @@ KVM_AMX_TARGET void attention(const bf16* q, const int64_t* last, const uint16_t
   const TileScope tiles;
   alignas(64) float sc[kRows * kKeys];
   alignas(64) uint16_t probs[kRows * kKeys];
-  alignas(64) float pv[kRows * kDim];
   constexpr float kNoRef = -std::numeric_limits<float>::infinity();
-  float ref[kRows];
+  float ref[kRows], corr[kRows];
   F16 sum[kRows];
   int64_t max_last = 0;
   for (int64_t r = 0; r < kRows; ++r) {
@@ -84,14 +91,19 @@ KVM_AMX_TARGET void attention(const bf16* q, const int64_t* last, const uint16_t
     sum[r] = F16::zero();
     max_last = std::max(max_last, last[r]);
   }
-  std::memset(out, 0, kRows * kDim * sizeof(float));
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
   const F16 vscale = F16::set1(scale);
   const F16 none = F16::set1(kNoRef);
   for (int64_t k0 = 0; k0 <= max_last; k0 += kKeys) {
     block_scores(q, k_tiles + (k0 / 16) * kTileElems, sc);
+    bool moved = false;
     for (int64_t r = 0; r < kRows; ++r) {
       const int64_t visible = std::min<int64_t>(kKeys, last[r] - k0 + 1);
       uint16_t* prow = probs + r * kKeys;
+      corr[r] = 1.f;
       if (visible <= 0) {
         std::memset(prow, 0, kKeys * sizeof(uint16_t));
         continue;
@@ -100,13 +112,14 @@ KVM_AMX_TARGET void attention(const bf16* q, const int64_t* last, const uint16_t
       const vec::Mask m1 = visible > 16 ? vec::first_lanes(static_cast<int>(visible - 16)) : 0;
       const F16 s0 = F16::load(sc + r * kKeys) * vscale;
       const F16 s1 = F16::load(sc + r * kKeys + 16) * vscale;
-      const float block_max = vec::max(vec::select(m0, s0, none), vec::select(m1, s1, none)).reduce_max();
-      if (block_max > ref[r] + vec::OnlineSoftmax::kSlack) {
-        const float corr = ref[r] == kNoRef ? 0.f : vec::exp_nonpositive(ref[r] - block_max);
+      const F16 high = vec::max(vec::select(m0, s0, none), vec::select(m1, s1, none));
+      // the reference moves only when a score passes it by kSlack: most blocks skip the reduction
+      if (vec::greater(high, F16::set1(ref[r] + vec::OnlineSoftmax::kSlack))) {
+        const float block_max = high.reduce_max();
+        corr[r] = ref[r] == kNoRef ? 0.f : vec::exp_nonpositive(ref[r] - block_max);
         ref[r] = block_max;
-        const F16 vcorr = F16::set1(corr);
-        sum[r] = sum[r] * vcorr;
-        for (int64_t c = 0; c < kDim; c += 16) (F16::load(out + r * kDim + c) * vcorr).store(out + r * kDim + c);
+        sum[r] = sum[r] * F16::set1(corr[r]);
+        moved = true;
       }
       const F16 vref = F16::set1(ref[r]);
       const F16 p0 = vec::maskz(m0, vec::exp(s0 - vref));
@@ -115,9 +128,18 @@ KVM_AMX_TARGET void attention(const bf16* q, const int64_t* last, const uint16_t
       p0.store(reinterpret_cast<bf16*>(prow));
       p1.store(reinterpret_cast<bf16*>(prow + 16));
     }
-    block_values(probs, v_tiles + (k0 / 16) * kTileElems, pv);
-    for (int64_t i = 0; i < kRows * kDim; i += 16) (F16::load(out + i) + F16::load(pv + i)).store(out + i);
+    if (moved && k0 > 0) {  // before the first block the sums are zero
+      store_sums(out);
+      for (int64_t r = 0; r < kRows; ++r) {
+        if (corr[r] == 1.f) continue;
+        const F16 vcorr = F16::set1(corr[r]);
+        for (int64_t c = 0; c < kDim; c += 16) (F16::load(out + r * kDim + c) * vcorr).store(out + r * kDim + c);
+      }
+      load_sums(out);
+    }
+    block_values(probs, v_tiles + (k0 / 16) * kTileElems);
   }
+  store_sums(out);
   for (int64_t r = 0; r < kRows; ++r) {
     const F16 inv = F16::set1(1.f / sum[r].reduce_add());
     for (int64_t c = 0; c < kDim; c += 16) (F16::load(out + r * kDim + c) * inv).store(out + r * kDim + c);
