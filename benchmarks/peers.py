@@ -258,7 +258,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=",".join(e.key for e in ENGINES))
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--workloads", default="A,B,C")
+    parser.add_argument("--workloads", default="A,B,C",
+                        help="of A, B, C, L; S (kvmosaic's start-up) runs after the matrix unless --no-startup")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds per (engine, dtype, workload) run")
     parser.add_argument("--quiet-wait", type=float, default=120,
                         help="before each run, wait up to this many seconds for other processes to go quiet")
@@ -278,6 +279,13 @@ def main() -> None:
     keys, dtypes, workloads = (s.split(",") for s in (args.engines, args.dtypes, args.workloads))
     if unknown := set(dtypes) - set(DTYPES):
         raise SystemExit(f"unknown dtypes {sorted(unknown)}; choose from {', '.join(DTYPES)}")
+    if unknown := set(workloads) - set(WORKLOADS):
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    # S is not a matrix entry: it is the start-up measurement, which follows the matrix
+    only_startup = workloads == ["S"]
+    workloads = [w for w in workloads if w != "S"]
+    if only_startup and args.no_startup:
+        raise SystemExit("--workloads S asks for the start-up measurement, which --no-startup turns off")
     engines = [e for e in ENGINES if e.key in keys]
     if args.scheduler_steps > 1:
         engines = [with_scheduler_steps(e, args.scheduler_steps) for e in engines]
