@@ -86,8 +86,8 @@ KVM_AMX_TARGET void tile_block(const bf16* x, int64_t ldx, const bf16* w0, const
   if constexpr (RT > 1) _tile_zero(2);
   if constexpr (RT > 1 && BT > 1) _tile_zero(3);
   // Each load sits right before the first product that reads it, so the loads of a step overlap
-  // the products already issued, and the next step's first load (tmm4) only waits for the second
-  // product, the last to read it. Four loads first, then four products, ran 1-9% slower (2048 and
+  // the products already issued, and the next step's first load (tmm4) only waits for the products
+  // that read it, the first ones issued. Four loads first, then four products, ran 1-9% slower (2048 and
   // 512 rows, in-process alternation on the Intel AMX host); every sum gets the same products in
   // the same order either way.
   for (int64_t s = 0; s < steps; ++s) {
