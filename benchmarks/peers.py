@@ -37,7 +37,6 @@ import importlib.util
 import json
 import os
 import platform
-import resource
 import signal
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from peer_runners.common import DTYPES, FIRST_TOKENS, WEIGHT_FORMATS, WORKLOADS
+from peer_runners.machine_load import children_cpu_seconds, cpu_busy_seconds, wait_for_quiet
 from peer_runners.models import CT2_DIR, HF_DIR, PEERS, ROOT, THREADS, base_env, gguf_for, prepare_models
 from peer_runners.report import BUSY, CHECK_TOKENS, succeeded, table, token_check
 from peer_runners.roofline import read_bandwidth, roofline_lines, roofline_rows
@@ -130,29 +130,6 @@ ENGINES = [
 
 
 # ---- running one (engine, dtype, workload) ---------------------------------------------------------
-
-def cpu_busy_seconds() -> float:
-    """CPU seconds spent by every process on the machine since boot (from /proc/stat)."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-
-
-def children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def wait_for_quiet(max_wait: float, threshold: float = 0.1) -> float:
-    """Wait (up to ``max_wait`` s) until other processes use under ``threshold`` of the CPUs; returns their share."""
-    deadline = time.monotonic() + max_wait
-    while True:
-        before = cpu_busy_seconds()
-        time.sleep(2.0)
-        share = (cpu_busy_seconds() - before) / (2.0 * (os.cpu_count() or 1))
-        if share < threshold or time.monotonic() >= deadline:
-            return share
-        print(f"[machine busy: {100 * share:.0f}% CPU used by others, waiting]", end=" ", flush=True)
-
 
 def run_one(engine: Engine, dtype: str, workload: str, timeout: float) -> dict:
     """Run a runner in its own process group; returns its JSON result or {"error": ...}.
