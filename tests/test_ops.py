@@ -67,14 +67,24 @@ def test_packed_linear_matches_dense_linear(ops, rows, dtype):
             _check_packed_linear(ops, rows, dtype)
 
 
-def _check_packed_linear(ops, rows, dtype):
+@pytest.mark.parametrize("rows", [17, 131])
+def test_packed_linear_weights_past_one_cache_chunk(ops, rows):
+    """K = 2048: a thread's share of the weight (about 1 MiB of bf16) spans more than one of the AMX
+    product's L2 chunks of block pairs, and a 32-row group of activations is larger than L1."""
+    ops = _packing_ops(ops, torch.bfloat16)
+    for tiles in tile_modes(ops, torch.bfloat16):
+        with amx(ops, tiles):
+            _check_packed_linear(ops, rows, torch.bfloat16, k=2048)
+
+
+def _check_packed_linear(ops, rows, dtype, k=576):
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 576, generator=gen).to(dtype)
-    w = torch.randn(1008 + 32, 576, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(1008 + 32, k, generator=gen) * (576 / k) ** 0.5).to(dtype)
     bias = torch.randn(w.shape[0], generator=gen).to(dtype)
     exact = x.double() @ w.double().T + bias.double()
     packed = ops.pack_linear_weight(w)
-    assert packed.shape == (w.shape[0] // 16, 576 * 16) and packed.dtype == dtype
+    assert packed.shape == (w.shape[0] // 16, k * 16) and packed.dtype == dtype
     out = ops.packed_linear(x, packed, bias.float()).double()
     if dtype == torch.float32:
         torch.testing.assert_close(out, exact, atol=1e-4, rtol=1e-5)
@@ -152,13 +162,22 @@ def test_packed_swiglu_equals_projection_then_silu(ops, dtype, rows):
             _check_packed_swiglu(ops, dtype, rows)
 
 
-def _check_packed_swiglu(ops, dtype, rows):
+@pytest.mark.parametrize("rows", [33, 130])
+def test_packed_swiglu_weights_past_one_cache_chunk(ops, rows):
+    """F = 768 over K = 2048: each thread's gate/up blocks span two of the AMX product's L2 chunks."""
+    ops = _packing_ops(ops, torch.bfloat16)
+    for tiles in tile_modes(ops, torch.bfloat16):
+        with amx(ops, tiles):
+            _check_packed_swiglu(ops, torch.bfloat16, rows, f=768, k=2048)
+
+
+def _check_packed_swiglu(ops, dtype, rows, f=96, k=96):
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=gen).to(dtype)
-    gate_up = (torch.randn(2 * 96, 96, generator=gen) * 2).to(dtype)  # F = 96: 3 panels of 32 outputs
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    gate_up = (torch.randn(2 * f, k, generator=gen) * 2 * (96 / k) ** 0.5).to(dtype)  # F = 96: 3 panels of 32
     fused = ops.packed_swiglu(x, ops.pack_swiglu_weight(gate_up))
     unfused = ops.silu_and_mul(ops.packed_linear(x, ops.pack_linear_weight(gate_up)))
-    assert fused.shape == (rows, 96) and fused.dtype == dtype
+    assert fused.shape == (rows, f) and fused.dtype == dtype
     assert torch.equal(fused, unfused)
     g, u = (x.double() @ gate_up.double().T).chunk(2, dim=-1)
     torch.testing.assert_close(fused.double(), torch.nn.functional.silu(g) * u, atol=TOL[dtype] * 20,
