@@ -15,7 +15,7 @@ float model to Q8_0 at load (quantization="q8_0") and keeps the shipped file's Q
 Workloads (token-id prompts, greedy, EOS ignored, 2 threads everywhere):
   A  1 prompt x 128 tokens, 128 generated      -> decode tok/s
   B  64 prompts x 128 tokens, 128 generated    -> output tok/s and wall time
-  C  16 prompts x 512 tokens, 1 generated      -> prompt tok/s
+  C  16 prompts x 512 tokens, 1 generated      -> prompt tok/s (best of 3 timed runs on different prompts)
   L  1 prompt x 2048 tokens, 128 generated     -> decode tok/s at a long context (not in the default set)
   S  kvmosaic only: process start -> first token with the embedded default model
 
