@@ -75,9 +75,7 @@ struct Epilogue {
     const float* cr = c + r * kGroupRows;
     bf16* o = out + r * ldo;
     if (swiglu) {
-      const F16 g = vec::round_to<bf16>(F16::load(cr));
-      const F16 silu = vec::round_to<bf16>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g)));
-      (silu * vec::round_to<bf16>(F16::load(cr + kBlock))).store(o);
+      gemm::swiglu_rounded<bf16>(F16::load(cr), F16::load(cr + kBlock)).store(o);
       return;
     }
     for (int64_t j = 0; j < blocks; ++j) {

@@ -101,6 +101,14 @@ struct Tiles {
 // steps = K / kPack. With few rows (decode: the weight stream is the bottleneck) each block is
 // prefetched 2 KiB ahead where kDecodePrefetch says so; with more rows, the first rows of a slab
 // prefetch the same part of the next panel (next) while this panel computes.
+// SwiGLU of float gate and up sums: silu(gate) * up, each value rounded to T where the unfused path
+// (projection output, then silu_and_mul) rounds it, so the fused products equal it bit for bit.
+template <typename T>
+inline F16 swiglu_rounded(F16 gate, F16 up) {
+  const F16 g = vec::round_to<T>(gate);
+  return vec::round_to<T>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g))) * vec::round_to<T>(up);
+}
+
 template <typename T, int MR, int NB, bool kSwiGLU>
 inline void micro_kernel(const T* x, int64_t ldx, const T* w, int64_t block_stride, int64_t steps, T* out,
                          int64_t ldo, const float* bias, const T* next) {
@@ -132,17 +140,12 @@ inline void micro_kernel(const T* x, int64_t ldx, const T* w, int64_t block_stri
     }
   }
   if constexpr (kSwiGLU) {
-    // blocks [0, NB/2) are gate columns, [NB/2, NB) the matching up columns; each value is rounded
-    // to T where the unfused path (projection output, then silu_and_mul) rounds it
+    // blocks [0, NB/2) are gate columns, [NB/2, NB) the matching up columns
     static_assert(NB % 2 == 0, "a SwiGLU tile pairs gate and up blocks");
 #pragma GCC unroll 2
     for (int j = 0; j < NB / 2; ++j)
 #pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const F16 g = vec::round_to<T>(acc[m][j]);
-        const F16 silu = vec::round_to<T>(g / (F16::set1(1.f) + vec::exp(F16::zero() - g)));
-        (silu * vec::round_to<T>(acc[m][j + NB / 2])).store(out + m * ldo + j * kBlock);
-      }
+      for (int m = 0; m < MR; ++m) swiglu_rounded<T>(acc[m][j], acc[m][j + NB / 2]).store(out + m * ldo + j * kBlock);
   } else {
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
