@@ -30,14 +30,14 @@ bool takes(const PackedWeight& w, int64_t m);
 void bf16_panels(const PackedWeight& w, const kvmosaic_vec::bf16* x, int64_t m, kvmosaic_vec::bf16* out,
                  int64_t p0, int64_t p1);
 
-// Causal attention of 16 query rows of one KV head, head_dim kAttentionDim, over a context packed as
-// prefill_attention.cpp's bf16 kernel packs it (16-key tiles, K [tile][dim / 2][16][2], V
-// [tile][key / 2][dim][2], zero past the context, one tile more than it needs). q: [16][64] rows (rows
-// past the real ones repeat one); last[r]: the last key row r sees (>= 0); out: [16][64] floats,
-// normalized. Call only where attention_takes().
+// Causal attention of a prefill chunk on the tiles, head_dim kAttentionDim: n query tokens at
+// positions [start, start + n), q [n][hq][64], over a context packed as prefill_attention.cpp's bf16
+// kernel packs it (16-key tiles, K [tile][dim / 2][16][2], V [tile][key / 2][dim][2], zero past the
+// context, one tile more than it needs; head_elems values a KV head); out [n][hq][64]. Call only
+// where attention_takes().
 constexpr int64_t kAttentionDim = 64;
 bool attention_takes(int64_t head_dim);
-void attention_rows(const kvmosaic_vec::bf16* q, const int64_t* last, const uint16_t* k_tiles, const uint16_t* v_tiles,
-                    float scale, float* out);
+void prefill_attention(const uint16_t* q, int64_t n, int64_t hq, int64_t hk, int64_t start, const uint16_t* k_tiles,
+                       const uint16_t* v_tiles, int64_t head_elems, float scale, kvmosaic_vec::bf16* out);
 
 }  // namespace kvops::amx

@@ -29,6 +29,16 @@ inline void check_cache(const at::Tensor& cache, const at::Tensor& like) {
   TORCH_CHECK(cache.dim() == 4, "KV cache must be [num_blocks, block_size, kv_heads, head_dim]");
 }
 
+// Prefill attention work item -> (KV head, block of query rows). A causal row block costs in
+// proportion to its position and parallel_for gives each thread one contiguous range of items, so
+// consecutive items alternate between the cheapest and the dearest remaining row blocks: every range
+// gets a fair share (in head-major order the thread holding the last rows did ~1.4x the other's work).
+inline void balanced_item(int64_t item, int64_t hk, int64_t row_blocks, int64_t* h, int64_t* rb) {
+  const int64_t i = item / hk;
+  *h = item % hk;
+  *rb = i % 2 == 0 ? i / 2 : row_blocks - 1 - i / 2;
+}
+
 // One decode-attention call's tensors as sizes and raw pointers (both decode kernels unpack it).
 template <typename T>
 struct DecodeBatch {

@@ -8,16 +8,6 @@ namespace {
 using namespace kvops;
 namespace vec = kvmosaic_vec;
 
-// Work item -> (KV head, block of query rows). A causal row block costs in proportion to its
-// position and parallel_for gives each thread one contiguous range of items, so consecutive items
-// alternate between the cheapest and the dearest remaining row blocks: every range gets a fair
-// share (in head-major order the thread holding the last rows did ~1.4x the other's work).
-inline void balanced_item(int64_t item, int64_t hk, int64_t row_blocks, int64_t* h, int64_t* rb) {
-  const int64_t i = item / hk;
-  *h = item % hk;
-  *rb = i % 2 == 0 ? i / 2 : row_blocks - 1 - i / 2;
-}
-
 // The gather both prefill kernels start with: pack(h, tile, j, k_row, v_row) for every context
 // token t = 16 * tile + j and KV head h, the rows read in place from their paged slots, in
 // parallel over 16-token tiles.
@@ -105,8 +95,9 @@ inline void block_pv(const float* probs, const float* vp, int64_t keys, float* o
   }
 }
 
-// One row's scores of a key block (nt tiles, `visible` keys causal) turned into probabilities in
-// place against the row's online-softmax reference; rescales the row's sums when it moves.
+// One row's scores of a key block (nt tiles, `visible` keys causal; in log2 units: the query carries
+// scale * log2(e)) turned into probabilities in place against the row's online-softmax reference;
+// rescales the row's sums when it moves.
 template <int NC>
 inline void block_softmax(float* row, int64_t nt, int64_t visible, float* ref, vec::F16* sum, float* oacc) {
   constexpr int64_t D = NC * 16;
@@ -123,7 +114,7 @@ inline void block_softmax(float* row, int64_t nt, int64_t visible, float* ref, v
   // the reference moves (and the sums are rescaled) only when a score passes it by kSlack
   if (vec::greater(vmax, vec::F16::set1(*ref + vec::OnlineSoftmax::kSlack))) {
     const float block_max = vmax.reduce_max();
-    const float corr = *ref == -std::numeric_limits<float>::infinity() ? 0.f : vec::exp_nonpositive(*ref - block_max);
+    const float corr = *ref == -std::numeric_limits<float>::infinity() ? 0.f : std::exp2(*ref - block_max);
     *ref = block_max;
     const vec::F16 vcorr = vec::F16::set1(corr);
     *sum = *sum * vcorr;
@@ -131,7 +122,7 @@ inline void block_softmax(float* row, int64_t nt, int64_t visible, float* ref, v
   }
   const vec::F16 vref = vec::F16::set1(*ref);
   for (int64_t t = 0; t < nt; ++t) {
-    const vec::F16 p = vec::maskz(masks[t], vec::exp(vec::F16::load(row + t * 16) - vref));
+    const vec::F16 p = vec::maskz(masks[t], vec::exp2(vec::F16::load(row + t * 16) - vref));
     *sum = *sum + p;
     p.store(row + t * 16);
   }
@@ -153,7 +144,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
   const T* vc = v_cache.data_ptr<T>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale) * 1.44269504088896341f;  // scores in log2 units: exp2
 
   // K as [head][tile][dim][16], V as [head][token][dim]; zero past the context (masked keys must
   // still be finite: 0 * NaN is NaN)
@@ -231,39 +222,6 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
-// prefill_attention_bf16 on AMX tiles (head_dim 64): work items of 16 query rows of one KV head
-// (amx::attention_rows), over the K and V tiles it packed (head_elems values a head).
-void prefill_attention_tiles(const uint16_t* q_ptr, int64_t n, int64_t hq, int64_t hk, int64_t start,
-                             const uint16_t* kp, const uint16_t* vp, int64_t head_elems, float scale,
-                             c10::BFloat16* o_ptr) {
-  constexpr int64_t D = amx::kAttentionDim, kRows = 16;
-  const int64_t group = hq / hk, rows_per_head = n * group;
-  const int64_t row_blocks = (rows_per_head + kRows - 1) / kRows;
-  at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint16_t qrows[kRows * D];
-    alignas(64) float out[kRows * D];
-    int64_t last[kRows];
-    for (int64_t item = begin; item < end; ++item) {
-      int64_t h, rb;
-      balanced_item(item, hk, row_blocks, &h, &rb);
-      const int64_t r0 = rb * kRows, rn = std::min<int64_t>(kRows, rows_per_head - r0);
-      for (int64_t r = 0; r < kRows; ++r) {
-        const int64_t row = r0 + std::min<int64_t>(r, rn - 1);  // idle rows repeat the last real one
-        const int64_t tok = row / group, g = row % group;
-        last[r] = start + tok;
-        std::memcpy(qrows + r * D, q_ptr + (tok * hq + h * group + g) * D, D * sizeof(uint16_t));
-      }
-      amx::attention_rows(reinterpret_cast<const c10::BFloat16*>(qrows), last, kp + h * head_elems,
-                          vp + h * head_elems, scale, out);
-      for (int64_t r = 0; r < rn; ++r) {
-        const int64_t row = r0 + r, tok = row / group, g = row % group;
-        c10::BFloat16* dst = o_ptr + (tok * hq + h * group + g) * D;
-        for (int64_t c = 0; c < D; c += 16) vec::F16::load(out + r * D + c).store(dst + c);
-      }
-    }
-  });
-}
-
 // Prefill attention on AVX512-BF16 dot products, one 16-key tile at a time with RB query rows per
 // register block (prefill_attention_vec's 64-key blocks are not ported here): K tiles are packed as
 // dimension pairs [tile][dim / 2][16 keys][2] so one instruction adds 2 dims x 16 keys of q . k;
@@ -292,18 +250,28 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
   std::vector<uint16_t> kp(hk * tiles * tile_elems, 0), vp(hk * tiles * tile_elems, 0);
   for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
                        [&](int64_t h, int64_t tile, int64_t j, const uint16_t* krow, const uint16_t* vrow) {
-    uint16_t* kt = kp.data() + (h * tiles + tile) * tile_elems;
-    uint16_t* vt = vp.data() + (h * tiles + tile) * tile_elems + (j / 2) * D * 2 + (j % 2);
-    for (int64_t i = 0; i < D; ++i) {
-      kt[((i / 2) * 16 + j) * 2 + (i % 2)] = krow[i];
-      vt[i * 2] = vrow[i];
+    // K: the row's dimension pairs, one 32-bit word each, 16 words apart
+    uint32_t* kt = reinterpret_cast<uint32_t*>(kp.data() + (h * tiles + tile) * tile_elems) + j;
+    for (int64_t i = 0; i < D / 2; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, krow + 2 * i, sizeof(pair));
+      kt[i * 16] = pair;
+    }
+    // V: the row widened to 32-bit lanes, its values in the low (even key) or high (odd key) half, and
+    // stored into that half only: the pair's other key fills the other half
+    uint16_t* vt = vp.data() + (h * tiles + tile) * tile_elems + (j / 2) * D * 2;
+    const __mmask32 half = j % 2 == 0 ? 0x55555555u : 0xAAAAAAAAu;
+    for (int64_t i = 0; i < D; i += 16) {
+      __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + i)));
+      if (j % 2) wide = _mm512_slli_epi32(wide, 16);
+      _mm512_mask_storeu_epi16(vt + 2 * i, half, wide);
     }
   });
 
   const int64_t rows_per_head = n * group;
   if (on_tiles) {
-    prefill_attention_tiles(q_ptr, n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
-                            static_cast<float>(scale), o_ptr);
+    amx::prefill_attention(q_ptr, n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
+                           static_cast<float>(scale), o_ptr);
     return;
   }
   const int64_t row_blocks = (rows_per_head + RB - 1) / RB;
