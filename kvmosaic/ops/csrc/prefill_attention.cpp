@@ -8,6 +8,8 @@ namespace {
 using namespace kvops;
 namespace vec = kvmosaic_vec;
 
+constexpr float kLog2e = 1.44269504088896341f;  // scores in log2 units: a probability is exp2(score - ref)
+
 // The gather both prefill kernels start with: pack(h, tile, j, k_row, v_row) for every context
 // token t = 16 * tile + j and KV head h, the rows read in place from their paged slots, in
 // parallel over 16-token tiles.
@@ -26,11 +28,13 @@ void for_each_context_row(const T* kc, const T* vc, const int64_t* table, int64_
   });
 }
 
-// Register tiles of prefill_attention_vec, from the level's vector registers: RB query rows x NT
-// key tiles of scores (plus NT K vectors), and RB rows x CB vectors of the head dimension of output
-// sums (plus one V vector); G register blocks of RB rows share each key block.
-template <int NC>
+// Register tiles of the register prefill kernels (float, and AVX512-BF16 dot products), from the
+// level's vector registers: RB query rows x NT key tiles of scores (plus NT K vectors), and RB rows x
+// CB vectors of the head dimension of output sums (plus one V vector); G register blocks of RB rows
+// share each key block.
+template <int kNC>
 struct PrefillTiles {
+  static constexpr int NC = kNC;
   static constexpr bool kWide = vec::kVecRegisters >= 32;
   static constexpr int RB = kWide ? 24 / NC : 3;  // AVX2: 3 x 2 score F16s = 12 of the 16 ymm (1.5x 2 x 2, measured)
   static constexpr int NT = kWide ? 4 : 2;
@@ -38,13 +42,8 @@ struct PrefillTiles {
   static constexpr int G = kWide ? 2 : 3;
 };
 
-// Prefill attention for one sequence chunk in float arithmetic: n query tokens at positions
-// [start, start + n) over a context of start + n tokens held in paged blocks. The context's K is
-// first gathered per KV head into 16-key tiles transposed to [tile][dim][16] floats, and V into
-// [token][dim] floats. Keys then go in blocks of up to 64 (4 tiles): RB query rows x NT tiles of
-// scores stay in registers while the head dimension streams (NT K loads and RB broadcasts per
-// NT * RB FMAs), the online-softmax reference moves at most once per block, and the RB x D
-// output sums live in L1 between blocks (their load/store is small next to the block's FMAs).
+// scores[r][16 t + j] = q_r . k_j for RB query rows and `tiles` 16-key tiles: RB x NT scores stay in
+// registers while the head dimension streams (NT K loads and RB broadcasts per NT * RB FMAs).
 template <int NC, int RB, int NT>
 inline void block_scores(const float* qf, const float* kp, int64_t tiles, float* sc) {
   constexpr int64_t D = NC * 16;
@@ -128,46 +127,45 @@ inline void block_softmax(float* row, int64_t nt, int64_t visible, float* ref, v
   }
 }
 
+// The float block products of prefill_attention_vec: K packed [tile][dim][16] floats and V
+// [token][dim] floats; the query rows carry scale * log2(e), so the scores come out in log2 units.
 template <typename T, int NC>
-void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
-  constexpr int64_t D = NC * 16;
+struct FloatBlocks {
+  using Elem = float;  // packed K and V
+  using Q = float;     // a query row as the score products read it
   using Tiles = PrefillTiles<NC>;
+  float fscale;        // scale * log2(e)
+  void load_q(const T* src, float* dst) const {
+    for (int64_t i = 0; i < NC * 16; ++i) dst[i] = to_float(src[i]) * fscale;
+  }
+  template <int RB>
+  void scores(const float* q, const float* kp, int64_t tiles, float* sc) const {
+    block_scores_tiles<NC, RB, Tiles::NT>(q, kp, tiles, sc);
+  }
+  template <int RB>
+  void pv(const float* probs, const float* vp, int64_t keys, float* oacc) const {
+    block_pv<NC, RB, Tiles::CB>(probs, vp, keys, oacc);
+  }
+};
+
+// The block loop of the register prefill kernels over packed K/V (B: the layout's block products;
+// both layouts put a head's keys from k0 on at head + k0 * D, for K and for V). A work item is G
+// register blocks of RB rows: each key block of up to 64 keys is read from L2 once and used by all
+// G x RB rows from L1 (QK for each register block, the softmax of all rows, then PV for each).
+template <typename B, typename T>
+void register_prefill(const B& blocks, const T* q_ptr, int64_t n, int64_t hq, int64_t hk, int64_t start,
+                      const typename B::Elem* kp, const typename B::Elem* vp, int64_t head_elems, T* o_ptr) {
+  using Tiles = typename B::Tiles;
+  constexpr int NC = Tiles::NC;
+  constexpr int64_t D = NC * 16;
   constexpr int RB = Tiles::RB;
-  const int64_t n = q.size(0), hq = q.size(1);
-  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
-  const int64_t group = hq / hk;
-  const int64_t start = context_len - n;
-  const int64_t tiles = (context_len + 15) / 16;
-  const T* q_ptr = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  T* o_ptr = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale) * 1.44269504088896341f;  // scores in log2 units: exp2
-
-  // K as [head][tile][dim][16], V as [head][token][dim]; zero past the context (masked keys must
-  // still be finite: 0 * NaN is NaN)
-  const int64_t kt_head = tiles * D * 16, vf_head = tiles * 16 * D;
-  std::vector<float> kt(hk * kt_head, 0.f), vf(hk * vf_head, 0.f);
-  for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
-                       [&](int64_t h, int64_t tile, int64_t j, const T* krow, const T* vrow) {
-    float* kdst = kt.data() + h * kt_head + tile * D * 16 + j;
-    float* vdst = vf.data() + h * vf_head + (tile * 16 + j) * D;
-    for (int64_t i = 0; i < D; ++i) {
-      kdst[i * 16] = to_float(krow[i]);
-      vdst[i] = to_float(vrow[i]);
-    }
-  });
-
-  // A work item is G register blocks of RB rows: each key block is read from L2 once and used by all
-  // G x RB rows from L1 (QK for each register block, the softmax of all rows, then PV for each).
   constexpr int G = Tiles::G;
   constexpr int ROWS = G * RB;
+  const int64_t group = hq / hk;
   const int64_t rows_per_head = n * group;
   const int64_t row_blocks = (rows_per_head + ROWS - 1) / ROWS;
   at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float qf[ROWS * D];
+    alignas(64) typename B::Q qf[ROWS * D];
     alignas(64) float sc[ROWS * 64];
     alignas(64) float oacc[ROWS * D];
     for (int64_t item = begin; item < end; ++item) {
@@ -181,25 +179,21 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t row = r0 + std::min<int64_t>(r, rn - 1);  // idle rows repeat the last real one
         const int64_t tok = row / group, g = row % group;
         last[r] = start + tok;
-        const T* src = q_ptr + (tok * hq + h * group + g) * D;
-        for (int64_t i = 0; i < D; ++i) qf[r * D + i] = to_float(src[i]) * fscale;
+        blocks.load_q(q_ptr + (tok * hq + h * group + g) * D, qf + r * D);
         ref[r] = -std::numeric_limits<float>::infinity();
         sum[r] = vec::F16::zero();
       }
       std::memset(oacc, 0, sizeof(oacc));
       int64_t sub_last[G];  // rows are in token order: a register block's last row sees the most keys
       for (int b = 0; b < G; ++b) sub_last[b] = last[b * RB + RB - 1];
-      const float* khead = kt.data() + h * kt_head;
-      const float* vhead = vf.data() + h * vf_head;
+      const typename B::Elem* khead = kp + h * head_elems;
+      const typename B::Elem* vhead = vp + h * head_elems;
       for (int64_t k0 = 0; k0 <= sub_last[G - 1]; k0 += 64) {
-        const float* kp = khead + (k0 / 16) * D * 16;
         int64_t sub_keys[G];
         for (int b = 0; b < G; ++b) {
           sub_keys[b] = std::max<int64_t>(0, std::min<int64_t>(64, sub_last[b] - k0 + 1));
-          if (sub_keys[b] == 0) continue;
-          float* scb = sc + b * RB * 64;
-          const float* qb = qf + b * RB * D;
-          block_scores_tiles<NC, RB, Tiles::NT>(qb, kp, (sub_keys[b] + 15) / 16, scb);
+          if (sub_keys[b] > 0)
+            blocks.template scores<RB>(qf + b * RB * D, khead + k0 * D, (sub_keys[b] + 15) / 16, sc + b * RB * 64);
         }
         for (int r = 0; r < ROWS; ++r) {
           const int64_t nt = (sub_keys[r / RB] + 15) / 16;
@@ -209,7 +203,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
         }
         for (int b = 0; b < G; ++b)
           if (sub_keys[b] > 0)
-            block_pv<NC, RB, Tiles::CB>(sc + b * RB * 64, vhead + k0 * D, sub_keys[b], oacc + b * RB * D);
+            blocks.template pv<RB>(sc + b * RB * 64, vhead + k0 * D, sub_keys[b], oacc + b * RB * D);
       }
       for (int r = 0; r < rn; ++r) {
         const int64_t row = r0 + r, tok = row / group, g = row % group;
@@ -221,32 +215,138 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 }
 
+// Prefill attention for one sequence chunk in float arithmetic: n query tokens at positions
+// [start, start + n) over a context of start + n tokens held in paged blocks. The context's K is
+// first gathered per KV head into 16-key tiles transposed to [tile][dim][16] floats, and V into
+// [token][dim] floats. Keys then go in blocks of up to 64 (4 tiles): RB query rows x NT key tiles
+// of scores stay in registers while the head dimension streams (NT K loads and RB broadcasts per
+// NT * RB FMAs), the online-softmax reference moves at most once per block, and the RB x D output
+// sums live in L1 between blocks (their load/store is small next to the block's FMAs).
+template <typename T, int NC>
+void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
+  constexpr int64_t D = NC * 16;
+  const int64_t n = q.size(0), hq = q.size(1);
+  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t tiles = (context_len + 15) / 16;
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+
+  // K as [head][tile][dim][16], V as [head][token][dim]; zero past the context (masked keys must
+  // still be finite: 0 * NaN is NaN)
+  const int64_t head_elems = tiles * 16 * D;
+  std::vector<float> kt(hk * head_elems, 0.f), vf(hk * head_elems, 0.f);
+  for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
+                       [&](int64_t h, int64_t tile, int64_t j, const T* krow, const T* vrow) {
+    float* kdst = kt.data() + h * head_elems + tile * D * 16 + j;
+    float* vdst = vf.data() + h * head_elems + (tile * 16 + j) * D;
+    for (int64_t i = 0; i < D; ++i) {
+      kdst[i * 16] = to_float(krow[i]);
+      vdst[i] = to_float(vrow[i]);
+    }
+  });
+  const FloatBlocks<T, NC> blocks{static_cast<float>(scale) * kLog2e};
+  register_prefill(blocks, q.data_ptr<T>(), n, hq, hk, context_len - n, kt.data(), vf.data(), head_elems,
+                   out.data_ptr<T>());
+}
+
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
-// Prefill attention on AVX512-BF16 dot products, one 16-key tile at a time with RB query rows per
-// register block (prefill_attention_vec's 64-key blocks are not ported here): K tiles are packed as
-// dimension pairs [tile][dim / 2][16 keys][2] so one instruction adds 2 dims x 16 keys of q . k;
-// V as key pairs [tile][key / 2][dim][2] so one instruction adds 2 keys x 16 dims of p . v.
-// Probabilities are rounded to bfloat16 for the p . v products (as a bfloat16 matmul of softmax
-// weights and V does); scores, softmax and accumulation stay in float.
+// The block products on AVX512-BF16 dot products. K tiles are packed as dimension pairs
+// [tile][dim / 2][16 keys][2], so one instruction adds 2 dims x 16 keys of q . k; V as key pairs
+// [tile][key / 2][dim][2], so one instruction adds 2 keys x 16 dims of p . v (the AMX tiles read the
+// same layout). The query stays bfloat16 (its scale is applied to the float scores); probabilities
+// are rounded to bfloat16 for the p . v products, as a bfloat16 matmul of softmax weights and V does.
+template <int NC, int RB, int NT>
+inline void bf16_block_scores(const uint16_t* q, const uint16_t* kp, float scale2, float* sc) {
+  constexpr int64_t D = NC * 16;
+  __m512 s[RB][NT];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) s[r][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; ++p) {
+    __m512bh kv[NT];
+    for (int t = 0; t < NT; ++t)
+      kv[t] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(kp + t * 16 * D + p * 32));
+    for (int r = 0; r < RB; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, q + r * D + 2 * p, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < NT; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], kv[t], a);
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale2);
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(sc + r * 64 + t * 16, _mm512_mul_ps(s[r][t], vscale));
+}
+
+template <int NC, int RB, int NT>
+inline void bf16_block_scores_tiles(const uint16_t* q, const uint16_t* kp, int64_t tiles, float scale2, float* sc) {
+  if constexpr (NT > 1)
+    if (tiles < NT) return bf16_block_scores_tiles<NC, RB, NT - 1>(q, kp, tiles, scale2, sc);
+  bf16_block_scores<NC, RB, NT>(q, kp, scale2, sc);
+}
+
+template <int NC, int RB, int CB>
+inline void bf16_block_pv(const float* probs, const uint16_t* vp, int64_t keys, float* oacc) {
+  constexpr int64_t D = NC * 16;
+  alignas(64) uint16_t pb[RB][64];
+  for (int r = 0; r < RB; ++r)
+    for (int64_t j = 0; j < keys; j += 32)
+      _mm512_store_si512(pb[r] + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * 64 + j + 16),
+                                                                 _mm512_loadu_ps(probs + r * 64 + j)));
+  for (int c0 = 0; c0 < NC; c0 += CB) {
+    __m512 acc[RB][CB];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_loadu_ps(oacc + r * D + (c0 + c) * 16);
+    for (int64_t jp = 0; jp * 2 < keys; ++jp) {
+      __m512bh vv[CB];
+      for (int c = 0; c < CB; ++c)
+        vv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(vp + jp * D * 2 + (c0 + c) * 32));
+      for (int r = 0; r < RB; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, pb[r] + jp * 2, sizeof(pair));
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], p);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < CB; ++c) _mm512_storeu_ps(oacc + r * D + (c0 + c) * 16, acc[r][c]);
+  }
+}
+
+template <int NC>
+struct BF16Blocks {
+  using Elem = uint16_t;
+  using Q = uint16_t;
+  using Tiles = PrefillTiles<NC>;
+  float scale2;  // scale * log2(e), applied to the float scores
+  void load_q(const c10::BFloat16* src, uint16_t* dst) const { std::memcpy(dst, src, NC * 16 * sizeof(uint16_t)); }
+  template <int RB>
+  void scores(const uint16_t* q, const uint16_t* kp, int64_t tiles, float* sc) const {
+    bf16_block_scores_tiles<NC, RB, Tiles::NT>(q, kp, tiles, scale2, sc);
+  }
+  template <int RB>
+  void pv(const float* probs, const uint16_t* vp, int64_t keys, float* oacc) const {
+    bf16_block_pv<NC, RB, Tiles::CB>(probs, vp, keys, oacc);
+  }
+};
+
+// bfloat16 prefill attention where the level has AVX512-BF16: K/V packed as above from the paged
+// cache, then the AMX tiles (amx_attention.cpp) where the CPU has them, else the register kernel.
 template <int NC>
 void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
   constexpr int64_t D = NC * 16;
-  constexpr int RB = NC <= 4 ? 6 : 2;  // 6 x NC float sums + NC V vectors fit the 32 registers
   const int64_t n = q.size(0), hq = q.size(1);
   const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
-  const int64_t group = hq / hk;
   const int64_t start = context_len - n;
   const bool on_tiles = amx::attention_takes(D);
   const int64_t tiles = (context_len + 15) / 16 + (on_tiles ? 1 : 0);  // the tiles read 32-key blocks
-  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
   const int64_t* table = block_table.data_ptr<int64_t>();
   auto* o_ptr = out.data_ptr<c10::BFloat16>();
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
   const int64_t tile_elems = 16 * D;  // bf16 values per packed tile of K or V
-
   std::vector<uint16_t> kp(hk * tiles * tile_elems, 0), vp(hk * tiles * tile_elems, 0);
   for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
                        [&](int64_t h, int64_t tile, int64_t j, const uint16_t* krow, const uint16_t* vrow) {
@@ -268,84 +368,15 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
   });
 
-  const int64_t rows_per_head = n * group;
   if (on_tiles) {
-    amx::prefill_attention(q_ptr, n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
+    const auto* q_bits = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+    amx::prefill_attention(q_bits, n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
                            static_cast<float>(scale), o_ptr);
     return;
   }
-  const int64_t row_blocks = (rows_per_head + RB - 1) / RB;
-  at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint32_t qpairs[RB][D / 2];
-    alignas(64) uint16_t probs[RB][16];
-    for (int64_t item = begin; item < end; ++item) {
-      int64_t h, rb;
-      balanced_item(item, hk, row_blocks, &h, &rb);
-      const int64_t r0 = rb * RB, rn = std::min<int64_t>(RB, rows_per_head - r0);
-      int64_t last[RB];
-      __m512 acc[RB][NC];
-      vec::OnlineSoftmax softmax[RB];
-      for (int r = 0; r < RB; ++r) {
-        const int64_t row = r0 + std::min<int64_t>(r, rn - 1);
-        const int64_t tok = row / group, g = row % group;
-        last[r] = start + tok;
-        std::memcpy(qpairs[r], q_ptr + (tok * hq + h * group + g) * D, D * sizeof(uint16_t));
-        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-      }
-      int64_t max_last = 0;
-      for (int r = 0; r < RB; ++r) max_last = std::max(max_last, last[r]);
-      const uint16_t* khead = kp.data() + h * tiles * tile_elems;
-      const uint16_t* vhead = vp.data() + h * tiles * tile_elems;
-      for (int64_t tile = 0; tile * 16 <= max_last; ++tile) {
-        const uint16_t* kt = khead + tile * tile_elems;
-        // two accumulators per row (even / odd pairs): twice the independent dot-product chains
-        __m512 s[RB], s_odd[RB];
-        for (int r = 0; r < RB; ++r) s[r] = s_odd[r] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < D / 2; p += 2) {
-          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(kt + p * 32));
-          const __m512bh k1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(kt + (p + 1) * 32));
-          for (int r = 0; r < RB; ++r) {
-            s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[r][p])));
-            s_odd[r] = _mm512_dpbf16_ps(s_odd[r], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[r][p + 1])));
-          }
-        }
-        for (int r = 0; r < RB; ++r) s[r] = _mm512_add_ps(s[r], s_odd[r]);
-        int64_t tile_keys = 0;
-        for (int r = 0; r < RB; ++r) {
-          const int64_t visible = std::min<int64_t>(16, last[r] - tile * 16 + 1);
-          tile_keys = std::max(tile_keys, visible);
-          const vec::Mask valid = vec::first_lanes(static_cast<int>(visible));
-          __m512 p = _mm512_setzero_ps();
-          if (valid) {
-            const __m512 sc = _mm512_mul_ps(s[r], vscale);
-            float corr;
-            p = softmax[r].update(vec::F16{sc}, valid, &corr).v;
-            if (corr != 1.f)
-              for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(corr));
-          }
-          _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), (__m256i)_mm512_cvtneps_pbh(p));
-        }
-        const uint16_t* vt = vhead + tile * tile_elems;
-        for (int64_t jp = 0; jp * 2 < tile_keys; ++jp) {
-          __m512bh vv[NC];
-          for (int c = 0; c < NC; ++c)
-            vv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(vt + jp * D * 2 + c * 32));
-          for (int r = 0; r < RB; ++r) {
-            uint32_t pair;
-            std::memcpy(&pair, probs[r] + jp * 2, sizeof(pair));
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pb);
-          }
-        }
-      }
-      for (int r = 0; r < rn; ++r) {
-        const int64_t row = r0 + r, tok = row / group, g = row % group;
-        const __m512 inv = _mm512_set1_ps(1.f / softmax[r].total());
-        c10::BFloat16* dst = o_ptr + (tok * hq + h * group + g) * D;
-        for (int c = 0; c < NC; ++c) vec::F16{_mm512_mul_ps(acc[r][c], inv)}.store(dst + c * 16);
-      }
-    }
-  });
+  const BF16Blocks<NC> blocks{static_cast<float>(scale) * kLog2e};
+  register_prefill(blocks, q.data_ptr<c10::BFloat16>(), n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
+                   o_ptr);
 }
 #endif
 
