@@ -30,6 +30,18 @@ bool takes(const PackedWeight& w, int64_t m);
 void bf16_panels(const PackedWeight& w, const kvmosaic_vec::bf16* x, int64_t m, kvmosaic_vec::bf16* out,
                  int64_t p0, int64_t p1);
 
+// A q8 or q4 weight (stack_kernels.h) times bf16 rows on the tiles: each thread dequantizes its
+// groups to bf16 in the packed layout, one L2-sized chunk at a time, and runs every row against the
+// chunk, so the conversion is paid once per call and its cost fades with the rows. Fewer rows than
+// kMinQuantizedRows stay on the int8 dot products (qlinear.cpp); q6 weights always do.
+constexpr int64_t kMinQuantizedRows = 48;
+bool quantized_takes(const QuantizedWeight& w, int64_t m);
+// rows [0, m) x 16-column groups [g0, g1) into out [m, groups * 16] (bf16, or float32 for float32
+// rows, which the caller rounds to bf16 first). Call only where quantized_takes().
+template <typename Out>
+void quantized_bf16_groups(const QuantizedWeight& w, const kvmosaic_vec::bf16* x, int64_t m, Out* out, int64_t g0,
+                           int64_t g1);
+
 // Causal attention of a prefill chunk on the tiles, head_dim kAttentionDim: n query tokens at
 // positions [start, start + n), q [n][hq][64], over a context packed as prefill_attention.cpp's bf16
 // kernel packs it (16-key tiles, K [tile][dim / 2][16][2], V [tile][key / 2][dim][2], zero past the

@@ -19,6 +19,10 @@
 //   slower at every row count measured, 5 to 1024, on both levels (AVX-512 VNNI: 12.3 vs 6.9 ms at
 //   5 rows, 143 vs 63 ms at 128, 1071 vs 512 ms at 1024; AVX2: 14.5 vs 7.9, 161 vs 158, 1062 vs 793;
 //   bfloat16 rows: 258 vs 232 ms at 512 on AVX-512 BF16, 770 vs 405 ms on AVX2), so it was removed.
+// On AMX tiles (Intel) that trade turns: from amx::kMinQuantizedRows rows a q8 / q4 product
+// dequantizes its weights to bf16 chunk by chunk into the tiles' product (amx_gemm.cpp), with the
+// rows in bf16 (float32 rows rounded to it: closer to the float product than int8 rows are).
+#include "amx.h"
 #include "ops_common.h"
 #include "qdot.h"
 #include "stack_kernels.h"
@@ -331,6 +335,14 @@ namespace {
 template <typename T>
 void product(const at::Tensor& x, const QuantizedWeight& w, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1);
+  if (kvops::amx::quantized_takes(w, m)) {  // float32 rows go to the tiles rounded to bf16
+    const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+    const c10::BFloat16* xp = xb.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
+      kvops::amx::quantized_bf16_groups(w, xp, m, out.data_ptr<T>(), begin, end);
+    });
+    return;
+  }
   std::vector<int8_t> codes(m * k);
   std::vector<float> scales(m * QuantizedRows::floats_per_row(k));
   const QuantizedRows rows = QuantizedRows::over(codes.data(), scales.data(), m, k);
