@@ -3,6 +3,7 @@ reference, the layer formats the loader picks, and the model on them."""
 
 import pytest
 import torch
+from tile_modes import amx, tile_modes
 
 from kvmosaic.model.layers.linear import make_gated, make_linear
 from kvmosaic.model.layers.linear_methods import QuantizedKernel, QuantizedReference
@@ -22,21 +23,57 @@ def _weight(quantization: str, n: int = 48, k: int = 256, seed: int = 0) -> qw.Q
 @pytest.mark.parametrize("quantization", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference_every_row_tail(level_kernels, quantization, dtype):
-    """Every row count of the 4-row groups and beyond (a prefill's rows take the same int8 path), with a
-    bias, against the reference, which follows the same arithmetic: the same roundings in the same
-    order, so bit for bit, at every ISA level built."""
+    """Every row count of the 4-row groups and beyond on the int8 dot products (the AMX tiles, which
+    take many rows where the CPU has them, switched off), with a bias, against the reference, which
+    follows the same arithmetic: the same roundings in the same order, so bit for bit, at every ISA
+    level built."""
     ops = level_kernels.ops
     w = _weight(quantization)
     packed = qi.interleave(w)
     bias = torch.randn(48)
     gen = torch.Generator().manual_seed(1)
-    for rows in (*range(1, 10), 13, 37, 70):
-        x = torch.randn(rows, 256, generator=gen).to(dtype)
-        x[0, :32] = 0.0  # an all-zero activation block
-        out = ops.quantized_linear(x, packed.codes, packed.scale, packed.extra, bias)
-        ref = quantized_linear_reference(x, w, bias)
-        assert out.shape == (rows, 48) and out.dtype == dtype
-        assert torch.equal(out, ref), f"{rows} rows: max diff {(out.float() - ref.float()).abs().max()}"
+    with amx(ops, False):
+        for rows in (*range(1, 10), 13, 37, 70):
+            x = torch.randn(rows, 256, generator=gen).to(dtype)
+            x[0, :32] = 0.0  # an all-zero activation block
+            out = ops.quantized_linear(x, packed.codes, packed.scale, packed.extra, bias)
+            ref = quantized_linear_reference(x, w, bias)
+            assert out.shape == (rows, 48) and out.dtype == dtype
+            assert torch.equal(out, ref), f"{rows} rows: max diff {(out.float() - ref.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_on_tiles_is_the_bf16_product_of_the_dequantized_weight(level_kernels, quantization, dtype):
+    """With the AMX tiles on (where this level and CPU have them), a q8 / q4 product of AMX_MIN_ROWS
+    rows or more is the bf16 tile product of the weight dequantized to bf16 (ops.quantized_rows), bit
+    for bit (float32 rows: rounded to bf16 first, the float32 output equal after rounding to bf16), and
+    within bf16's error of the float64 product; fewer rows, and q6 weights, stay on the int8 path and
+    equal its reference. K = 2048 spans more than one of the tiles' L2 chunks of a thread's weights.
+    Without tiles every product is the int8 reference's."""
+    ops = level_kernels.ops
+    gen = torch.Generator().manual_seed(2)
+    for n, k, row_counts in ((48, 256, (1, 15, 16, 17, 33, 70)), (1008, 2048, (17, 131))):
+        w = _weight(quantization, n=n, k=k)
+        packed = qi.interleave(w)
+        bias = torch.randn(n, generator=gen)
+        bf16_weight = ops.quantized_rows(packed.codes, packed.scale, packed.extra, torch.arange(n), torch.bfloat16)
+        bf16_packed = ops.pack_linear_weight(bf16_weight)
+        dense = qw.dequantize(w).double()
+        for tiles in tile_modes(ops, torch.bfloat16):
+            with amx(ops, tiles):
+                for rows in row_counts:
+                    x = torch.randn(rows, k, generator=gen).to(dtype)
+                    out = ops.quantized_linear(x, packed.codes, packed.scale, packed.extra, bias)
+                    assert out.shape == (rows, n) and out.dtype == dtype
+                    on_tiles = tiles and rows >= ops.AMX_MIN_ROWS and quantization != "q6_k"
+                    if not on_tiles:
+                        assert torch.equal(out, quantized_linear_reference(x, w, bias)), f"{rows} rows, int8 path"
+                        continue
+                    tile_product = ops.packed_linear(x.bfloat16(), bf16_packed, bias)
+                    assert torch.equal(out.bfloat16(), tile_product), f"{rows} rows on the tiles"
+                    exact = x.double() @ dense.T + bias.double()
+                    assert (out.double() - exact).abs().max() < 0.02 * exact.abs().max(), f"{rows} rows"
 
 
 @pytest.mark.parametrize("quantization", FORMATS)

@@ -233,12 +233,15 @@ void packed_share(const PackedWeight& w, const bf16* x, int64_t m, bf16* out, in
   run(blocks, units, w.k, x, m, out, w.width(), w.bias, w.swiglu);
 }
 
-// Sixteen columns' weights at k (even) and k + 1 as one row of the packed layout: each column's
-// 32-bit word holds bf16(at_k) in its low half and bf16(at_k1) in its high half.
+// Where the 32 bf16 of cvtne2ps_pbh(at_k1, at_k) go in a row of the packed layout: column c's
+// 32-bit word holds at_k[c] (lane c of the pair) in its low half and at_k1[c] (lane 16 + c) above.
+alignas(64) constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// Sixteen columns' weights at k (even) and k + 1 as one row of the packed layout.
 inline void store_pair_row(bf16* dst, __m512 at_k, __m512 at_k1) {
-  const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(at_k));
-  const __m512i high = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(at_k1));
-  _mm512_storeu_si512(dst, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(at_k1, at_k);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kPairOrder), both));
 }
 
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
@@ -246,11 +249,15 @@ inline __m512 load_scales(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Byte t (0-3) of every 32-bit lane as a float.
+// Byte t (0-3) of every 32-bit lane as a float: signed (q8 codes), or unsigned (q4 nibbles, one
+// byte shuffle: byte t of each lane to its bottom, zeros above).
 template <int T, bool Signed>
 inline __m512 byte_of(__m512i v) {
   if constexpr (Signed) return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * T), 24));
-  else return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * T), _mm512_set1_epi32(0xFF)));
+  constexpr uint32_t pick = 0x80808000u | T;  // byte T of a lane, then zeros (plus the lane's offset below)
+  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(pick)),
+                                         _mm512_set_epi32(12, 8, 4, 0, 12, 8, 4, 0, 12, 8, 4, 0, 12, 8, 4, 0));
+  return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, index));
 }
 
 // Four consecutive k of 16 columns (byte t of each lane holds k + t) as w = code * scale (+ min),
@@ -294,7 +301,8 @@ template <typename S>
 void DequantizedBlocks<S>::load(const Unit* u0, const Unit* u1) {
   first = u0->b0;
   const int64_t last = std::max(u1[-1].b0, u1[-1].b1);
-  buffer.resize((last + 1 - first) * stride);
+  const size_t size = (last + 1 - first) * stride;
+  if (buffer.size() < size) buffer.resize(size);  // never shrunk: growing again would zero it
   for (int64_t b = first; b <= last; ++b) dequantize_group<S>(w, b, buffer.data() + (b - first) * stride);
   amx_fence();
 }
@@ -334,7 +342,7 @@ void bf16_panels(const PackedWeight& w, const bf16* x, int64_t m, bf16* out, int
 }
 
 bool quantized_takes(const QuantizedWeight& w, int64_t m) {
-  return m >= kMinQuantizedRows && w.super_scale == nullptr && w.k % kTileK == 0 && enabled();
+  return m >= kMinRows && w.super_scale == nullptr && w.k % kTileK == 0 && enabled();
 }
 
 template <typename Out>

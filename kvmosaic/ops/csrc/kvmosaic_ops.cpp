@@ -28,9 +28,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "whether a weight of this dtype and shape can be packed");
   m.def("amx_supported", &kvops::amx::supported,
         "whether this build and CPU run bfloat16 products on AMX tiles (avx512_bf16 kernels, AMX-BF16 CPU)");
-  m.def("amx_enabled", &kvops::amx::enabled, "whether bfloat16 products of 16 rows or more use the AMX tiles");
+  m.def("amx_enabled", &kvops::amx::enabled,
+        "whether bfloat16 and q8/q4 products of AMX_MIN_ROWS rows or more use the AMX tiles");
   m.def("set_amx", &kvops::amx::set_enabled, py::arg("on"),
-        "switch the AMX tiles on (where supported) or off for bfloat16 products; returns the new state");
+        "switch the AMX tiles on (where supported) or off for the products they take; returns the new state");
+  m.attr("AMX_MIN_ROWS") = kvops::amx::kMinRows;
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] weight -> the packed layout of packed_linear");
   m.def("packed_linear", &packed_linear, no_gil, "x [M, K] times a packed weight (+ float32 bias)", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());
