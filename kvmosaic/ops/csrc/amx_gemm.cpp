@@ -203,7 +203,7 @@ KVM_AMX_TARGET void run(Blocks& blocks, const std::vector<Unit>& units, int64_t 
           else tile_block<1, 1>(xr, k, w0, w1, steps, c[cur], prev);
         }
         prev = Epilogue<Out>{c[cur], rows, 0, w1 != nullptr ? 2 : 1, out + r * n + u.col, n,
-                        bias != nullptr ? bias + u.col : nullptr, swiglu};
+                             bias != nullptr ? bias + u.col : nullptr, swiglu};
         cur ^= 1;
       }
       r += rows;
@@ -263,7 +263,7 @@ inline __m512 byte_of(__m512i v) {
 // Four consecutive k of 16 columns (byte t of each lane holds k + t) as w = code * scale (+ min),
 // rounded as dequantize_rows rounds: a float product, then a float sum, then bf16.
 template <bool Signed, bool Mins>
-inline void four_k(bf16* dst, __m512i v, __m512 scale, __m512 mins) {
+inline void four_k(bf16* dst, __m512i v, __m512 scale, __m512 mins) {  // mins: q4 only
   __m512 w[4] = {_mm512_mul_ps(byte_of<0, Signed>(v), scale), _mm512_mul_ps(byte_of<1, Signed>(v), scale),
                  _mm512_mul_ps(byte_of<2, Signed>(v), scale), _mm512_mul_ps(byte_of<3, Signed>(v), scale)};
   if constexpr (Mins)
@@ -284,15 +284,16 @@ void dequantize_group(const QuantizedWeight& w, int64_t g, bf16* dst) {
     const __m512 scale = load_scales(scales + b * kBlock);
     if (mins == nullptr) {
       for (int64_t q = 0; q < kQuantBlock / 4; ++q, codes += 64)
-        four_k<true, false>(dst + q * 4 * kBlock, _mm512_loadu_si512(codes), scale, scale);
+        four_k<true, false>(dst + q * 4 * kBlock, _mm512_loadu_si512(codes), scale, _mm512_setzero_ps());
       continue;
     }
-    const __m512 min = load_scales(mins + b * kBlock);
+    const __m512 offset = load_scales(mins + b * kBlock);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t q = 0; q < kQuantBlock / 8; ++q, codes += 64) {
       const __m512i v = _mm512_loadu_si512(codes);
-      four_k<false, true>(dst + q * 8 * kBlock, _mm512_and_si512(v, nibble), scale, min);
-      four_k<false, true>(dst + (q * 8 + 4) * kBlock, _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble), scale, min);
+      four_k<false, true>(dst + q * 8 * kBlock, _mm512_and_si512(v, nibble), scale, offset);
+      four_k<false, true>(dst + (q * 8 + 4) * kBlock, _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble), scale,
+                          offset);
     }
   }
 }
