@@ -227,3 +227,46 @@ def test_layer_stack_equals_layer_loop(tmp_path, smollm_tokenizer_json, arch, dt
         assert ours.shape == ref.shape
         assert torch.equal(ours, ref), f"step {step}: max diff {(ours - ref).abs().max().item()}"
     assert len(calls) == 5 + len(steps)
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [(torch.float32, "q4_1"), (torch.bfloat16, "q8_0")])
+def test_layer_stack_decode_step_of_many_rows_on_quantized_weights(tmp_path, smollm_tokenizer_json, dtype,
+                                                                   quantization, level_kernels):
+    """A pure-decode step of AMX_MIN_ROWS rows or more (as B's 64-stream steps are) on quantized
+    weights, in one team of threads: where the kernels have AMX tiles the team's products run on
+    them (float32 rows rounded to bf16 by the team first), as quantized_linear runs a product of that
+    many rows, so the logits equal the layer loop's bit for bit; with the tiles switched off both take
+    the int8 dot products and are equal again. On every ISA level built."""
+    ops = level_kernels.ops
+    rows = ops.AMX_MIN_ROWS + 2
+    _write_random_checkpoint(tmp_path, "llama", smollm_tokenizer_json, head_dim=64)
+    loaded = load_model(str(tmp_path), dtype, quantization)
+    dtype_name = str(dtype).removeprefix("torch.")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [[int(t) for t in torch.randint(3, 49152, (3 + i % 4,), generator=gen)] for i in range(rows)]
+    was = ops.amx_enabled()
+    logits = {}
+    try:
+        for tiles in (True, False):
+            ops.set_amx(tiles)
+            worker = _worker(loaded, kernels=level_kernels, dtype=dtype_name, num_blocks=2 * rows + 1)
+            assert worker.model._packed_weights is not None and worker.attention.layer_stack() is not None
+            other = _worker(loaded, kernels=level_kernels, dtype=dtype_name, num_blocks=2 * rows + 1)
+            looped = ModelRunner(other.model, LayerByLayer(loaded.config, other.kv_cache, other.kernels.ops), ())
+            tables = [[2 * i + 1, 2 * i + 2] for i in range(rows)]
+            for runner in (worker.runner, looped):
+                for i, ids in enumerate(prompts):
+                    runner.compute_logits([ScheduledRequest(str(i), ids, 0, tables[i], GREEDY, sample_ids=[str(i)],
+                                                            sample_seeds=[None])])
+            for step in range(2):
+                reqs = [ScheduledRequest(str(i), [100 + 7 * i + step], len(ids) + step, tables[i], GREEDY,
+                                         sample_ids=[str(i)], sample_seeds=[None]) for i, ids in enumerate(prompts)]
+                _, ours = worker.runner.compute_logits(reqs)
+                _, ref = looped.compute_logits(reqs)
+                assert ours.shape == (rows, 49152)
+                assert torch.equal(ours, ref), f"tiles {tiles}, step {step}: max diff {(ours - ref).abs().max()}"
+            logits[tiles] = ours
+    finally:
+        ops.set_amx(was)
+    # the two settings really took two paths where the tiles exist (bf16 rows against int8 ones)
+    assert torch.equal(logits[True], logits[False]) != ops.amx_supported()

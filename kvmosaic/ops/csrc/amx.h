@@ -36,7 +36,8 @@ void bf16_panels(const PackedWeight& w, const kvmosaic_vec::bf16* x, int64_t m, 
 // products against the int8 dot products of qlinear.cpp, Intel AMX host, interleaved: Q4_1 1.0x at
 // 16-24 rows, 1.6x at 32, 2.2-2.4x from 512; Q8_0 1.2-1.3x at 16-24, 2.2x at 32, 2.6-3.1x from 512.)
 // q6 weights stay on the int8 dot products.
-bool quantized_takes(const QuantizedWeight& w, int64_t m);
+// `on`: enabled(), or that state as a caller read it once for a whole team of threads.
+bool quantized_takes(const QuantizedWeight& w, int64_t m, bool on = enabled());
 // rows [0, m) x 16-column groups [g0, g1) into out [m, groups * 16] (bf16, or float32 for float32
 // rows, which the caller rounds to bf16 first). Call only where quantized_takes().
 template <typename Out>

@@ -342,8 +342,8 @@ void bf16_panels(const PackedWeight& w, const bf16* x, int64_t m, bf16* out, int
 #endif
 }
 
-bool quantized_takes(const QuantizedWeight& w, int64_t m) {
-  return m >= kMinRows && w.super_scale == nullptr && w.k % kTileK == 0 && enabled();
+bool quantized_takes(const QuantizedWeight& w, int64_t m, bool on) {
+  return m >= kMinRows && w.super_scale == nullptr && w.k % kTileK == 0 && on;
 }
 
 template <typename Out>

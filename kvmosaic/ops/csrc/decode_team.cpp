@@ -3,6 +3,7 @@
 // rows: DecodeRun in layer_stack.h), and buffers allocated once per step. Each work item computes
 // what the ATen path computes, so the results are bit for bit those of the per-kernel calls. Also:
 // the checks and plans of StackWeights and StackCaches.
+#include "amx.h"
 #include "layer_stack.h"
 #include "team.h"
 
@@ -10,7 +11,9 @@ namespace kvops {
 
 QuantScratch::QuantScratch(int64_t rows, int64_t width, int copies)
     : rows_(rows), width_(width), codes_(copies * rows * width),
-      floats_(copies * rows * QuantizedRows::floats_per_row(width)) {}
+      floats_(copies * rows * QuantizedRows::floats_per_row(width)), tiles_(rows >= amx::kMinRows && amx::enabled()) {
+  if (tiles_) tile_rows_.reset(new c10::BFloat16[rows * width]);
+}
 
 QuantizedRows QuantScratch::rows_for(const Team& team, int64_t m, int64_t k, bool private_copy) {
   const int64_t copy = private_copy ? team.id() : 0;
@@ -40,10 +43,26 @@ void check_linear(const at::Tensor* w, at::ScalarType dtype) {
   QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, nullptr, "layer_stack");
 }
 
-// The int8 rows of x [m, in] for a quantized linear: each thread's own copy of a few rows, else one
-// copy the threads fill together (with a barrier).
+// The rows of x [m, in] as a quantized linear's product takes them: bf16 rows for the AMX tiles
+// (float32 ones rounded by the threads together, with a barrier), or int8 rows (each thread's own
+// copy of a few rows, else one copy the threads fill together, with a barrier).
+struct QuantizedInput {
+  const c10::BFloat16* tile_rows;  // not null: the product runs on the tiles
+  QuantizedRows int8_rows;
+};
+
 template <typename T>
-QuantizedRows team_quantize(const Team& team, const StackLinear& l, const T* x, int64_t m, QuantScratch& scratch) {
+QuantizedInput team_input(const Team& team, const StackLinear& l, const T* x, int64_t m, QuantScratch& scratch) {
+  if (amx::quantized_takes(l.quant, m, scratch.tiles())) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      return {x, {}};
+    } else {
+      const Share s = team.share(m);
+      bf16_rows(x, l.in, scratch.tile_rows(), s.begin, s.end);
+      team.sync();
+      return {scratch.tile_rows(), {}};
+    }
+  }
   const bool private_copy = m <= kPrivateRows;
   const QuantizedRows rows = scratch.rows_for(team, m, l.in, private_copy);
   if (private_copy) {
@@ -53,7 +72,14 @@ QuantizedRows team_quantize(const Team& team, const StackLinear& l, const T* x, 
     quantize_rows(x, l.in, rows, s.begin, s.end);
     team.sync();
   }
-  return rows;
+  return {nullptr, rows};
+}
+
+// rows [0, m) of the input times groups [g0, g1) of a quantized linear into out [m, out]
+template <typename T>
+void input_groups(const StackLinear& l, const QuantizedInput& in, int64_t m, T* out, int64_t g0, int64_t g1) {
+  if (in.tile_rows != nullptr) amx::quantized_bf16_groups(l.quant, in.tile_rows, m, out, g0, g1);
+  else quantized_groups(l.quant, in.int8_rows, m, out, l.out, g0, g1);
 }
 
 // x [m, in] times the linear into out [m, out]; the caller syncs before reading out.
@@ -64,9 +90,9 @@ void team_linear(const Team& team, const StackLinear& l, const T* x, int64_t m, 
     packed_panels(l.packed, x, m, out, s.begin, s.end);
     return;
   }
-  const QuantizedRows rows = team_quantize(team, l, x, m, scratch);
+  const QuantizedInput in = team_input(team, l, x, m, scratch);
   const Share s = team.share(l.quant.groups);
-  quantized_groups(l.quant, rows, m, out, l.out, s.begin, s.end);
+  input_groups(l, in, m, out, s.begin, s.end);
 }
 
 // The groups of a quantized gate/up pair [gate; up] that a thread computes: the same share of the
@@ -79,17 +105,17 @@ bool paired_gate_up(const StackLinear& l) { return l.quantized && l.quant.groups
 template <typename T>
 void team_gate_up(const Team& team, const StackLinear& l, const T* x, int64_t m, T* gate_up, T* act, int64_t f,
                   QuantScratch& scratch) {
-  const QuantizedRows rows = team_quantize(team, l, x, m, scratch);
+  const QuantizedInput in = team_input(team, l, x, m, scratch);
   if (paired_gate_up(l)) {
     const int64_t half = l.quant.groups / 2;
     const Share s = team.share(half);
-    quantized_groups(l.quant, rows, m, gate_up, l.out, s.begin, s.end);
-    quantized_groups(l.quant, rows, m, gate_up, l.out, half + s.begin, half + s.end);
+    input_groups(l, in, m, gate_up, s.begin, s.end);
+    input_groups(l, in, m, gate_up, half + s.begin, half + s.end);
     silu_columns(gate_up, f, act, m, 16 * s.begin, 16 * s.end);
     return;
   }
   Share s = team.share(l.quant.groups);
-  quantized_groups(l.quant, rows, m, gate_up, l.out, s.begin, s.end);
+  input_groups(l, in, m, gate_up, s.begin, s.end);
   team.sync();
   s = team.share(silu_work(m, f));
   silu_items(gate_up, f, act, s.begin, s.end);

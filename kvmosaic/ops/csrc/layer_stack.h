@@ -3,6 +3,7 @@
 // step pays neither the conversion of ~450 tensors from a Python list nor their checks.
 #pragma once
 
+#include <memory>
 #include <optional>
 
 #include "ops_common.h"
@@ -81,17 +82,25 @@ at::Tensor empty_logits(const StackWeights& weights, const at::Tensor& like);
 
 class Team;
 
-// The int8 activations of a quantized linear: one copy per thread when every thread quantizes the
-// (few) rows itself, else one shared copy that the threads fill row by row.
+// The activations of a quantized linear as its product takes them. For the int8 dot products: one
+// copy per thread when every thread quantizes the (few) rows itself, else one shared copy that the
+// threads fill row by row. For the AMX tiles (amx.h): bf16 rows, float32 ones rounded into one
+// shared copy (made only for a step of enough rows on a CPU with tiles).
 class QuantScratch {
  public:
   QuantScratch(int64_t rows, int64_t width, int copies);
   QuantizedRows rows_for(const Team& team, int64_t m, int64_t k, bool private_copy);
+  // whether the tiles take this step's quantized products (amx::enabled() when the scratch was made:
+  // one answer for every thread of the team)
+  bool tiles() const { return tiles_; }
+  c10::BFloat16* tile_rows() { return tile_rows_.get(); }
 
  private:
   int64_t rows_, width_;
   std::vector<int8_t> codes_;
   std::vector<float> floats_;
+  bool tiles_;
+  std::unique_ptr<c10::BFloat16[]> tile_rows_;  // [rows, width] when tiles_, not zeroed
 };
 
 // A step of decode rows (decode_team.cpp): its buffers and plans, built once, and run() (every

@@ -269,6 +269,10 @@ void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, 
     quantize_row(x + r * k, k, out.codes + r * k, out.scale + r * blocks, out.sum + r * blocks);
 }
 
+void bf16_rows(const float* x, int64_t k, c10::BFloat16* out, int64_t r0, int64_t r1) {
+  for (int64_t i = r0 * k; i < r1 * k; i += kCols) F16::load(x + i).store(out + i);
+}
+
 template <typename T>
 void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
                       int64_t g1) {
@@ -336,7 +340,13 @@ template <typename T>
 void product(const at::Tensor& x, const QuantizedWeight& w, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1);
   if (kvops::amx::quantized_takes(w, m)) {  // float32 rows go to the tiles rounded to bf16
-    const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+    at::Tensor xb = x;
+    if (x.scalar_type() == at::kFloat) {
+      xb = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+      at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+        kvops::bf16_rows(x.data_ptr<float>(), k, xb.data_ptr<c10::BFloat16>(), begin, end);
+      });
+    }
     const c10::BFloat16* xp = xb.data_ptr<c10::BFloat16>();
     at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
       kvops::amx::quantized_bf16_groups(w, xp, m, out.data_ptr<T>(), begin, end);
