@@ -49,6 +49,25 @@ def weight_bytes_per_param(dtype: str, num_params: int) -> float:
     return sum(t.n_bytes for t in GGUFFile(path).tensors) / num_params
 
 
+def quantized_on_tiles() -> bool:
+    """Whether kvmosaic's kernels here run products of many rows on q8_0 / q4_1 weights on AMX tiles
+    (the weights dequantized to bf16 chunk by chunk, kvmosaic/ops/csrc/amx.h), so that their rate is
+    the bf16 matmul's; elsewhere float32 rows take int8 dot products, counted at the fp32 rate."""
+    try:
+        from kvmosaic.ops import get_ops
+    except ImportError:
+        return False
+    ops = get_ops()
+    return ops is not None and hasattr(ops, "amx_enabled") and bool(ops.amx_enabled())
+
+
+def compute_dtype(dtype: str) -> str:
+    """The planner's matmul precision for a run of ``dtype``."""
+    if dtype == "bfloat16" or (dtype in WEIGHT_FORMATS and quantized_on_tiles()):
+        return "bf16"
+    return "fp32"
+
+
 def roofline_rows(results: list[dict]) -> list[dict] | None:
     """kvmosaic against this machine's roofline, from the planner (kvmosaic/planner).
 
@@ -58,7 +77,8 @@ def roofline_rows(results: list[dict]) -> list[dict] | None:
     B: prefill matmul FLOPs / measured matmul FLOP/s plus 128 decode steps of 64 sequences, each the
        larger of its FLOP and weight-read times (plus KV reads), against the measured wall time.
     q8_0 / q4_1 weights count their GGUF files' bytes (scales included, tensors in the formats the file
-    stores them), with float32 KV and fp32 matmuls.
+    stores them), with float32 KV, and the matmul rate of the path their many-row products take
+    (compute_dtype: bf16 on AMX tiles, else fp32).
     Attention FLOPs and activations are ignored. Returns None when the planner is not there.
     """
     try:
@@ -77,7 +97,7 @@ def roofline_rows(results: list[dict]) -> list[dict] | None:
     rows = []
     for res in ours:
         dtype, work = res["dtype"], WORKLOADS[res["workload"]]
-        compute = "bf16" if dtype == "bfloat16" else "fp32"
+        compute = compute_dtype(dtype)
         rate = getattr(measured_host, compute)
         if rate.flops is None:
             rows.append({"workload": work.name, "dtype": dtype, "missing": f"no {compute} matmul figure: {rate.path}"})
