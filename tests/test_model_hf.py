@@ -237,7 +237,7 @@ def test_layer_stack_decode_step_of_many_rows_on_quantized_weights(tmp_path, smo
     them (float32 rows rounded to bf16 by the team first), as quantized_linear runs a product of that
     many rows, so the logits equal the layer loop's bit for bit; with the tiles switched off both take
     the int8 dot products and are equal again. On every ISA level built (levels without tiles: the
-int8 path only)."""
+    int8 path only)."""
     ops = level_kernels.ops
     rows = ops.AMX_MIN_ROWS + 2
     _write_random_checkpoint(tmp_path, "llama", smollm_tokenizer_json, head_dim=64)
