@@ -239,6 +239,24 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How a lost worker (a Ray actor) is replaced: after a back-off that doubles from ``backoff`` up to
+    ``max_backoff`` seconds, at most ``max_restarts`` times per worker slot within ``window`` seconds."""
+
+    max_restarts: int = 3
+    window: float = 600.0
+    backoff: float = 0.5
+    max_backoff: float = 10.0
+    start_timeout: float = 300.0  # seconds a new worker may take to load its model and answer
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError("max_restarts must be >= 0")
+        if min(self.window, self.start_timeout) <= 0 or self.backoff < 0 or self.max_backoff < self.backoff:
+            raise ValueError("restart window and start_timeout must be > 0, 0 <= backoff <= max_backoff")
+
+
+@dataclass(frozen=True, slots=True)
 class DistributedConfig:
     """The distributed KV cache (``kvmosaic.distributed``): instances on Ray that lend each other blocks."""
 
@@ -264,6 +282,7 @@ class DistributedConfig:
     # between instances of one machine, the lane's calls go through rings in shared memory, not the socket
     lane_shared_memory: bool = True
     instance_nodes: tuple[str, ...] = ()
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # how a dead or hung instance is replaced
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
@@ -314,6 +333,7 @@ class DisaggConfig:
     prefill_timeout: float = 600.0  # seconds one prefill may take
     transfer_timeout: float = 30.0  # seconds a decode worker waits for a prefix's K/V before recomputing it
     kv_transfer_dtype: str = "auto"  # "auto": the cache's own format; "int8": a float cache's K/V as int8 records
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # how a dead or hung worker is replaced
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:

@@ -90,6 +90,9 @@ _DISAGG_SERIES: dict[str, tuple[str, str, str]] = {
     "disagg_failed_transfers": ("disagg_failed_transfers", "Prompt K/V fetches that failed or timed out",
                                 "counter"),
 }
+# supervised workers (instances, prefill and decode workers), labelled by role
+_ROLE_SERIES = {"workers_live": ("workers_live", "Live workers of each role", "gauge"),
+                "worker_restarts": ("worker_restarts", "Workers replaced after they died or hung", "counter")}
 # per worker, labelled by role and index
 _WORKER_SERIES = {"kv_blocks_used": ("disagg_worker_kv_blocks_used", "KV blocks used in one worker's pool"),
                   "num_running": ("disagg_worker_requests_running", "Sequences running in one worker")}
@@ -110,6 +113,13 @@ class EngineStatsCollector(Collector):
             if key in snapshot:
                 family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                 yield family(f"{PREFIX}_{name}", doc, value=float(snapshot[key]))
+        for key, (name, doc, kind) in _ROLE_SERIES.items():
+            if key in snapshot:
+                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                by_role = family(f"{PREFIX}_{name}", doc, labels=["role"])
+                for role, value in sorted(snapshot[key].items()):
+                    by_role.add_metric([role], float(value))
+                yield by_role
         workers = snapshot.get("workers")
         if workers:
             for key, (name, doc) in _WORKER_SERIES.items():

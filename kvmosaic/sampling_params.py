@@ -38,6 +38,9 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # The caller reads only the finished output (no streaming), so after a lost worker the request may
+    # run again from the start on another one without anyone seeing the restart.
+    final_only: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvmosaic.engine.errors import EngineUnavailableError
 from kvmosaic.engine.output_sink import (
     EngineDeadError,
     OutputSink,
@@ -33,6 +34,7 @@ from kvmosaic.engine.output_sink import (
     RequestFailedError,
     ServerDrainingError,
 )
+from kvmosaic.engine.protocol import ServingState
 from kvmosaic.metrics import ServerMetrics
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
@@ -54,6 +56,8 @@ class EngineCore(Protocol):
 
     def stats(self) -> dict: ...
 
+    def serving_state(self) -> ServingState: ...
+
 
 @dataclass(slots=True)
 class _Add:
@@ -74,6 +78,7 @@ class _Abort:
 @dataclass(slots=True)
 class _Tracked:
     sink: OutputSink
+    final_only: bool = False  # the caller reads only the finished output (the engine may rerun it unseen)
     started: bool = False  # produced an output, so no longer counts as waiting
 
 
@@ -126,6 +131,12 @@ class AsyncEngine:
     @property
     def draining(self) -> bool:
         return self._drain.requested
+
+    def serving_state(self) -> ServingState:
+        """Whether the engine can serve a new request now (the loop runs and a worker of every role lives)."""
+        if not self.alive:
+            return ServingState(False, "the engine is not running")
+        return self.engine.serving_state()
 
     @property
     def stats(self) -> Mapping[str, float]:
@@ -219,13 +230,14 @@ class AsyncEngine:
             self._release_queued()
             self._call(_resolve, command.accepted, self._refusal(command.request_id, exc))
             return
-        self._requests[command.request_id] = _Tracked(command.sink)
+        self._requests[command.request_id] = _Tracked(command.sink, command.params.final_only)
         self._call(_resolve, command.accepted, None)
 
     def _refusal(self, request_id: str, exc: Exception) -> Exception:
         """ValueError: the request is bad, as is. Anything else is a bug: logged, and the request withdrawn
         in case the engine took part of it."""
-        if isinstance(exc, ValueError | QueueFullError):  # a bad request, or a full engine-side queue (503)
+        # a bad request (400), a full engine-side queue or no live worker (503)
+        if isinstance(exc, ValueError | QueueFullError | EngineUnavailableError):
             return exc
         logger.error("the engine raised while adding request %s", request_id, exc_info=exc)
         try:
@@ -266,6 +278,8 @@ class AsyncEngine:
                 del self._requests[output.request_id]
                 if self.metrics is not None:
                     self.metrics.observe_finished(output)
+            elif tracked.final_only:
+                continue  # nobody reads it, and a rerun after a lost worker starts over
             failure = failure_reason(output)
             item = output if failure is None else RequestFailedError(failure)
             self._call(tracked.sink.push, output.request_id, item)

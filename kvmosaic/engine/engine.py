@@ -16,6 +16,7 @@ from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.core.scheduler import Scheduler
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.engine.output_processor import OutputProcessor
+from kvmosaic.engine.protocol import SERVING, ServingState
 from kvmosaic.engine.request_checks import check_logit_bias, fit_max_tokens, tokenize_prompt
 from kvmosaic.executor.base import Executor
 from kvmosaic.outputs import ModelOutput, RequestOutput, SampledToken, SchedulerOutput
@@ -244,6 +245,9 @@ class Engine:
             "prefix_cache_hit_rate": cache["hit_rate"],
             **self._spec_stats(),
         }
+
+    def serving_state(self) -> ServingState:
+        return SERVING  # one process: serving as long as it runs
 
     def _spec_stats(self) -> dict:
         if self.speculator is None:

@@ -3,12 +3,24 @@ distributed ``Cluster`` both implement it; ``kvmosaic.engine.factory.build_engin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvmosaic.config import EngineConfig, ModelConfig
 from kvmosaic.model.tokenizer import Tokenizer
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ServingState:
+    """Whether the engine can serve a new request now; ``reason`` says why not."""
+
+    ready: bool
+    reason: str = ""
+
+
+SERVING = ServingState(True)
 
 
 @runtime_checkable
@@ -34,5 +46,9 @@ class EngineClient(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def stats(self) -> dict: ...
+
+    def serving_state(self) -> ServingState:
+        """Whether a live worker of every role a request needs exists (an in-process engine: always);
+        cheap, and safe to call from any thread (the server's /health asks it)."""
 
     def shutdown(self) -> None: ...

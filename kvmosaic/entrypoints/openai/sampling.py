@@ -51,6 +51,7 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens:
             logit_bias=logit_bias, guided_decoding=guided, use_beam_search=req.use_beam_search,
             length_penalty=req.length_penalty, early_stopping=req.early_stopping,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
+            final_only=not req.stream,  # a JSON body at the end: a lost worker's rerun goes unseen
             **{name: getattr(req, name) for name in _FLOAT_FIELDS if getattr(req, name) is not None},
         )
     except ValueError as exc:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvmosaic.engine.async_engine import AsyncEngine
+from kvmosaic.engine.errors import EngineUnavailableError
 from kvmosaic.engine.output_sink import (
     EngineDeadError,
     OutputSink,
@@ -185,7 +186,7 @@ def _api_error(exc: BaseException) -> BaseException:
         return bad_request(str(exc), param_named_in(str(exc)) or "prompt")
     if isinstance(exc, QueueFullError):
         return ApiError(503, f"the server is overloaded: {exc}", code="queue_full")
-    if isinstance(exc, ServerDrainingError | EngineDeadError):
+    if isinstance(exc, ServerDrainingError | EngineDeadError | EngineUnavailableError):  # a server fault
         return ApiError(503, str(exc), code="unavailable")
     if isinstance(exc, RequestFailedError):
         return ApiError(500, str(exc), code="engine_error")
