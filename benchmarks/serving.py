@@ -10,6 +10,7 @@ request streams; TTFT is the first content chunk, ITL the gaps between chunks, T
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 2 --num-prompts 60 \\
         --dataset azure-conv --scale 0.1
     python benchmarks/serving.py --launch "--dtype float32" --request-rate 1 --soak 10
+    python benchmarks/serving.py --launch --request-rate 2 --soak 30 --mix plain,stream,structured,tools,beam,disconnect
 
 --soak MINUTES keeps the load on for that long and samples the server's RSS and KV blocks
 (from /metrics, or psutil with --server-pid) to report their growth and the blocks left after
@@ -28,11 +29,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
+import serving_mix
 
 RESULTS = Path(__file__).parent / "results"
 AZURE_CONV = {"input": (1020, 1155), "output": (129, 211)}  # (median, mean) tokens
@@ -57,6 +60,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    kind: str = "stream"
 
 
 # ---------------------------------------------------------------- workload
@@ -98,6 +102,27 @@ def request_body(args: argparse.Namespace, spec: RequestSpec) -> dict:
 
 
 # ---------------------------------------------------------------- one request
+async def run_mixed(client: httpx.AsyncClient, args: argparse.Namespace, spec: RequestSpec,
+                    kind: str) -> RequestResult:
+    """One request of a --mix kind other than "stream"; its latency counts as its time to first token."""
+    if kind == "stream":
+        return await run_request(client, args, spec)
+    path, body = serving_mix.request(kind, args.model, spec.prompt, spec.output_len)
+    result = RequestResult(ok=False, prompt_len=spec.prompt_len, kind=kind)
+    start = time.perf_counter()
+    try:
+        if kind == "disconnect":
+            result.ttft, result.error = await serving_mix.run_disconnect(client, path, body)
+        else:
+            result.output_len, result.error = await serving_mix.run_unstreamed(client, kind, path, body)
+            result.ttft = time.perf_counter() - start
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        result.error = f"{kind}: {type(exc).__name__}: {exc}"[:200]
+    result.e2e = time.perf_counter() - start
+    result.ok = result.error is None
+    return result
+
+
 async def run_request(client: httpx.AsyncClient, args: argparse.Namespace, spec: RequestSpec) -> RequestResult:
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     result = RequestResult(ok=False, prompt_len=spec.prompt_len)
@@ -141,23 +166,29 @@ async def run_load(args: argparse.Namespace, specs: list[RequestSpec], deadline:
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     # idle connections expire before the server's keep-alive (5 s) closes them under a new request
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits,
+                                 headers=auth_headers(args)) as client:
 
-        async def one(spec: RequestSpec) -> RequestResult:
+        async def one(spec: RequestSpec, kind: str) -> RequestResult:
             if limit is None:
-                return await run_request(client, args, spec)
+                return await run_mixed(client, args, spec, kind)
             async with limit:
-                return await run_request(client, args, spec)
+                return await run_mixed(client, args, spec, kind)
 
         tasks = []
         for i in range(len(specs) if deadline is None else sys.maxsize):
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            tasks.append(asyncio.create_task(one(specs[i % len(specs)])))
+            kind = str(rng.choice(args.mix)) if args.mix else "stream"
+            tasks.append(asyncio.create_task(one(specs[i % len(specs)], kind)))
             if math.isfinite(args.request_rate):
                 shape = args.burstiness
                 await asyncio.sleep(rng.gamma(shape, 1.0 / (args.request_rate * shape)))
         return list(await asyncio.gather(*tasks))
+
+
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
@@ -176,6 +207,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     errors = [r.error for r in results if not r.ok]
     return {
         "duration_s": duration, "completed": len(ok), "errors": len(errors), "error_samples": errors[:5],
+        "completed_by_kind": dict(sorted(Counter(r.kind for r in ok).items())),
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "mean_input_len": in_tokens / max(len(ok), 1), "mean_output_len": out_tokens / max(len(ok), 1),
@@ -185,11 +217,11 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 
 # ---------------------------------------------------------------- soak sampling
-def scrape(base_url: str, server_pid: int | None) -> dict[str, float | None]:
+def scrape(base_url: str, server_pid: int | None, headers: dict[str, str]) -> dict[str, float | None]:
     sample: dict[str, float | None] = {"time": time.monotonic(), "rss_bytes": None, "kv_blocks_used": None,
                                        "running": None}
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        text = httpx.get(f"{base_url}/metrics", timeout=10, headers=headers).text
     except httpx.HTTPError:
         text = ""
     names = {"process_resident_memory_bytes": "rss_bytes", "kvmosaic_kv_blocks_used": "kv_blocks_used",
@@ -207,7 +239,7 @@ def scrape(base_url: str, server_pid: int | None) -> dict[str, float | None]:
 
 async def sample_until(stop: asyncio.Event, args: argparse.Namespace, samples: list[dict]) -> None:
     while not stop.is_set():
-        samples.append(await asyncio.to_thread(scrape, args.base_url, args.server_pid))
+        samples.append(await asyncio.to_thread(scrape, args.base_url, args.server_pid, auth_headers(args)))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), args.sample_interval)
 
@@ -227,6 +259,7 @@ def soak_report(samples: list[dict], after_drain: dict) -> dict:
         report.update(rss_first_mib=rss[0][1] / 2**20, rss_after_warmup_mib=warm[0][1] / 2**20,
                       rss_max_mib=max(v for _, v in rss) / 2**20, rss_after_drain_mib=after_drain["rss_bytes"] / 2**20,
                       rss_growth_after_warmup_mib=(after_drain["rss_bytes"] - warm[0][1]) / 2**20,
+                      rss_growth_after_warmup_pct=100 * (after_drain["rss_bytes"] / warm[0][1] - 1),
                       rss_slope_mib_per_min=float(slope))
     return report
 
@@ -235,7 +268,8 @@ def soak_report(samples: list[dict], after_drain: dict) -> dict:
 async def benchmark(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     specs = make_requests(args, rng, args.num_prompts)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout) as client:  # warm-up
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout,
+                                 headers=auth_headers(args)) as client:  # warm-up
         await asyncio.gather(*[run_request(client, args, RequestSpec(s.prompt, s.prompt_len, 4)) for s in specs[:2]])
     samples: list[dict] = []
     stop = asyncio.Event()
@@ -249,7 +283,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
         stop.set()
         await sampler
         await asyncio.sleep(1.0)
-        report["soak"] = soak_report(samples, scrape(args.base_url, args.server_pid))
+        report["soak"] = soak_report(samples, scrape(args.base_url, args.server_pid, auth_headers(args)))
     return report
 
 
@@ -313,6 +347,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-id-low", type=int, default=1000)
     p.add_argument("--token-id-high", type=int, default=30000)
     p.add_argument("--soak", type=float, default=0.0, metavar="MINUTES")
+    p.add_argument("--mix", type=serving_mix.parse_kinds, default=None, metavar="KINDS",
+                   help=f"comma-separated request kinds drawn at random ({','.join(serving_mix.KINDS)}); "
+                        "default: streamed requests only")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>'")
     p.add_argument("--sample-interval", type=float, default=5.0, help="seconds between soak samples")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)

@@ -6,14 +6,18 @@ import argparse
 import logging
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from kvmosaic.config import WEIGHT_QUANTIZATIONS
+from kvmosaic.config import WEIGHT_QUANTIZATIONS, parse_memory_size
 from kvmosaic.entrypoints.llm import LLM
 from kvmosaic.eval import cli as eval_cli
 from kvmosaic.planner import cli as plan_cli
 from kvmosaic.quant.format import KV_CACHE_DTYPES
 from kvmosaic.sampling_params import SamplingParams
 from kvmosaic.spec.config import SpeculativeConfig, SpeculativeConfigError
+
+if TYPE_CHECKING:
+    from kvmosaic.entrypoints.openai.api_server import ServerConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -139,12 +143,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvmosaic.entrypoints.openai.api_server import ServerConfig, run_server  # fastapi only when serving
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          max_waiting=args.max_waiting, max_n=args.max_n, shutdown_grace=args.shutdown_grace,
-                          log_level=args.log_level, access_log=args.access_log)
+    from kvmosaic.entrypoints.openai.api_server import run_server  # fastapi only when serving
+
+    config = server_config(args)  # bad server options fail before the model loads
     llm = _make_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     instances=args.instances, ray_address=args.ray_address, enable_borrowing=not args.no_borrowing,
                     prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
@@ -153,6 +155,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(llm.engine, config)
     finally:
         llm.shutdown()
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    from kvmosaic.entrypoints.openai.api_keys import collect_api_keys
+    from kvmosaic.entrypoints.openai.api_server import ServerConfig
+    from kvmosaic.entrypoints.openai.http_limits import HttpLimits
+
+    limits = HttpLimits(max_body_bytes=parse_memory_size(args.max_body_size), body_timeout=args.body_timeout,
+                        header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                        max_connections_per_client=args.max_connections_per_client)
+    return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                        max_waiting=args.max_waiting, max_n=args.max_n, shutdown_grace=args.shutdown_grace,
+                        log_level=args.log_level, access_log=args.access_log,
+                        api_keys=collect_api_keys(args.api_key, args.api_key_file), metrics_public=args.metrics_public,
+                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, limits=limits)
+
+
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[],
+                   help="a key clients must send as 'Authorization: Bearer <key>' (repeatable; also read from "
+                        "KVMOSAIC_API_KEY); /health stays open")
+    p.add_argument("--api-key-file", default=None, help="a file of API keys, one a line")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without an API key")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM); with --ssl-certfile: HTTPS")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    p.add_argument("--max-body-size", default="4MiB", help="largest request body (413 beyond it)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive (408 beyond it)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's head before it is closed")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle connection stays open")
+    p.add_argument("--max-connections-per-client", type=int, default=256,
+                   help="open connections one client address may hold (0: no cap)")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -197,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
     _add_engine_args(serve)
     _add_serve_args(serve)
+    _add_security_args(serve)
     serve.set_defaults(func=cmd_serve)
     plan = sub.add_parser("plan", help="roofline capacity planner: memory, step time and tokens/s per batch size")
     plan_cli.add_arguments(plan)

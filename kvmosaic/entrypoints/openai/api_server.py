@@ -11,6 +11,7 @@ supervisor restarts the server instead of it answering 503 forever.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import socket
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -27,8 +28,15 @@ from fastapi.responses import JSONResponse, Response
 
 from kvmosaic.engine.async_engine import AsyncEngine
 from kvmosaic.engine.protocol import EngineClient
+from kvmosaic.entrypoints.openai.api_keys import ApiKeyMiddleware
 from kvmosaic.entrypoints.openai.chat_prompt import ChatPromptEncoder
 from kvmosaic.entrypoints.openai.errors import ApiError, install_error_handlers
+from kvmosaic.entrypoints.openai.http_limits import (
+    BodyLimitMiddleware,
+    ConnectionCounter,
+    GuardedH11Protocol,
+    HttpLimits,
+)
 from kvmosaic.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,6 +70,11 @@ class ServerConfig:
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
     log_level: str = "info"
     access_log: bool = False
+    api_keys: tuple[str, ...] = ()  # with any, every route but /health (and public /metrics) needs one
+    metrics_public: bool = False  # /metrics without a key even when keys are set
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None  # with a key file: serve HTTPS
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -70,6 +83,18 @@ class ServerConfig:
             raise ValueError("max_n must be >= 1")
         if self.shutdown_grace < 0:
             raise ValueError("shutdown_grace must be >= 0")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together")
+        self.api_keys = tuple(self.api_keys)
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.ssl_certfile is None else "https"
+
+    @property
+    def open_paths(self) -> frozenset[str]:
+        """Routes served without an API key."""
+        return frozenset({"/health", "/metrics"} if self.metrics_public else {"/health"})
 
 
 def model_names(engine: EngineClient, served_name: str | None) -> tuple[str, ...]:
@@ -94,7 +119,8 @@ def build_app(engine: EngineClient, config: ServerConfig,
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        logger.info("serving %s on http://%s:%d", ctx.model_name, config.host, config.port)
+        logger.info("serving %s on %s://%s:%d%s", ctx.model_name, config.scheme, config.host, config.port,
+                    " (API keys required)" if config.api_keys else "")
         yield
         async_engine.shutdown()
 
@@ -103,6 +129,9 @@ def build_app(engine: EngineClient, config: ServerConfig,
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(_routes(ctx, async_engine, metrics))
+    app.add_middleware(BodyLimitMiddleware, limits=config.limits)
+    if config.api_keys:  # added last, so it runs first: no body is read for a request without a key
+        app.add_middleware(ApiKeyMiddleware, keys=config.api_keys, open_paths=config.open_paths)
     return app
 
 
@@ -164,9 +193,13 @@ class _Server(uvicorn.Server):
 def make_server(engine: EngineClient, config: ServerConfig,
                 on_fatal: Callable[[BaseException], None] | None = None) -> _Server:
     app = build_app(engine, config, on_fatal)
+    protocol = functools.partial(GuardedH11Protocol, limits=config.limits,
+                                 counter=ConnectionCounter(config.limits.max_connections_per_client))
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
         timeout_graceful_shutdown=config.shutdown_grace + 5.0,  # backstop after the engine's own deadline
+        http=protocol, timeout_keep_alive=config.limits.keep_alive_timeout,
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
     )
     return _Server(uv_config, app.state.async_engine, config.shutdown_grace)
 
@@ -178,7 +211,7 @@ class BackgroundServer:
     def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self._socket = socket.create_server((config.host, config.port))
         host, port = self._socket.getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"{config.scheme}://{host}:{port}"
         self.server = make_server(engine, config)
         self._grace = config.shutdown_grace
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},

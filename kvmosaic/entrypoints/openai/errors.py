@@ -1,8 +1,9 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
 
-Status codes: 400 bad values, text that is not valid Unicode, or malformed JSON; 404 unknown model
-or route; 422 a request that does not match the schema; 503 queue full / shutting down / engine
-down. A 500 means a bug or a failure inside the engine, and is logged with its traceback.
+Status codes: 400 bad values, text that is not valid Unicode, or malformed JSON; 401 no valid API
+key; 404 unknown model or route; 408 a body that did not arrive in time; 413 a body over the
+limit; 422 a request that does not match the schema; 503 queue full / shutting down / engine down.
+A 500 means a bug or a failure inside the engine, and is logged with its traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from kvmosaic.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
           422: "invalid_request_error", 503: "service_unavailable_error"}
 
 
