@@ -167,6 +167,9 @@ def _routes(ctx: ServingContext, async_engine: AsyncEngine, metrics: ServerMetri
             return ApiError(503, "the server is shutting down", code="unavailable").response()
         if not async_engine.alive:
             return ApiError(503, "the engine is not running", code="unavailable").response()
+        state = async_engine.serving_state()  # e.g. no live worker of a role while one restarts
+        if not state.ready:
+            return ApiError(503, state.reason, code="unavailable").response()
         return JSONResponse({"status": "ok"})
 
     @router.get("/metrics")
