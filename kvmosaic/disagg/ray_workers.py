@@ -6,7 +6,7 @@ Ray moves it over TCP) and returns a small ``KVHandle``; the decode actor fetche
 ``insert``, with a timeout. The object is owned by the prefill actor, so when that actor dies the
 fetch fails at once; a failed or late fetch makes the decode worker recompute the prompt. Every
 call from the orchestrator has a timeout, and an actor that died or did not answer in time is a
-``WorkerLost``.
+``WorkerLost``; ``RaySpawner`` starts its replacement.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,11 @@ def get_kv(handle: KVHandle, timeout: float) -> PrefixKV:
     return PrefixKV(data, handle.num_tokens, handle.block_size, handle.kv_cache_dtype, handle.wire)
 
 
+def _process() -> tuple[str, int]:
+    """(Ray node id, pid) of the calling actor: the front end kills a hung one by pid on its own node."""
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
 class PrefillActor:
     def __init__(self, config: EngineConfig, transfer_dtype: str = "auto") -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -81,6 +87,9 @@ class PrefillActor:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def process(self) -> tuple[str, int]:
+        return _process()
 
 
 class DecodeActor:
@@ -120,10 +129,14 @@ class DecodeActor:
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.transfer}
 
+    def process(self) -> tuple[str, int]:
+        return _process()
+
 
 class _Proxy:
-    def __init__(self, handle, timeout: float) -> None:
-        self.handle, self.timeout = handle, timeout
+    def __init__(self, handle, timeout: float, process: tuple[str, int] | None = None) -> None:
+        """``process``: the actor's (Ray node id, pid)."""
+        self.handle, self.timeout, self.process = handle, timeout, process
 
     def _call(self, method: str, *args, timeout: float | None = None):
         try:
@@ -137,11 +150,16 @@ class _Proxy:
 
     def shutdown(self) -> None:
         ray.kill(self.handle, no_restart=True)
+        if self.process is not None and self.process[0] == ray.get_runtime_context().get_node_id():
+            try:  # a stopped (hung) process cannot take Ray's kill call
+                os.kill(self.process[1], signal.SIGKILL)
+            except OSError:  # gone already
+                pass
 
 
 class RayPrefillWorker(_Proxy):
-    def __init__(self, handle, timeout: float, prefill_timeout: float) -> None:
-        super().__init__(handle, timeout)
+    def __init__(self, handle, timeout: float, prefill_timeout: float, process: tuple[str, int] | None = None) -> None:
+        super().__init__(handle, timeout, process)
         self.prefill_timeout = prefill_timeout
 
     def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -167,28 +185,53 @@ class RayDecodeWorker(_Proxy):
         ray.kill(self.handle, no_restart=True)
 
 
+class RaySpawner:
+    """Starts prefill and decode actors and hands back their proxies once they answer (model loaded)."""
+
+    def __init__(self, config: EngineConfig, disagg: DisaggConfig) -> None:
+        self.config, self.disagg = config, disagg
+        self._actors = {"prefill": ray.remote(PrefillActor).options(num_cpus=0),
+                        "decode": ray.remote(DecodeActor).options(num_cpus=0)}
+
+    def create(self, role: str):
+        extra = self.disagg.kv_transfer_dtype if role == "prefill" else self.disagg.transfer_timeout
+        return self._actors[role].remote(self.config, extra)
+
+    def ready(self, role: str, handle) -> RayPrefillWorker | RayDecodeWorker:
+        """The proxy of a created actor once it answers; raises (the actor killed) if it does not in time."""
+        try:
+            process = ray.get(handle.process.remote(), timeout=self.disagg.restart.start_timeout)
+        except Exception:
+            ray.kill(handle, no_restart=True)
+            raise
+        if role == "prefill":
+            return RayPrefillWorker(handle, self.disagg.rpc_timeout, self.disagg.prefill_timeout, process)
+        return RayDecodeWorker(handle, self.disagg.rpc_timeout, process)
+
+    def spawn(self, role: str, index: int) -> RayPrefillWorker | RayDecodeWorker:
+        return self.ready(role, self.create(role))
+
+
 def build_disaggregated(config: EngineConfig, disagg: DisaggConfig) -> DisaggregatedEngine:
     """Prefill and decode actors on Ray (a local runtime unless ``disagg.ray_address``), each loading
-    the model itself, behind a ``DisaggregatedEngine``."""
+    the model itself, behind a ``DisaggregatedEngine`` that replaces the lost ones."""
     from kvmosaic.distributed.cluster import ensure_ray
 
     owns_ray = ensure_ray(disagg.ray_address)
     if config.num_threads is None:  # the workers share the cores
         workers = disagg.prefill_workers + disagg.decode_workers
         config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // workers))
-    prefill_actor = ray.remote(PrefillActor).options(num_cpus=0)
-    decode_actor = ray.remote(DecodeActor).options(num_cpus=0)
-    prefills = [prefill_actor.remote(config, disagg.kv_transfer_dtype) for _ in range(disagg.prefill_workers)]
-    decodes = [decode_actor.remote(config, disagg.transfer_timeout) for _ in range(disagg.decode_workers)]
-    info = ray.get(decodes[0].info.remote(), timeout=disagg.prefill_timeout)  # waits for the model to load
-    ray.get([h.stats.remote() for h in [*prefills, *decodes]], timeout=disagg.prefill_timeout)
+    spawner = RaySpawner(config, disagg)
+    prefills = [spawner.create("prefill") for _ in range(disagg.prefill_workers)]  # all load at once
+    decodes = [spawner.create("decode") for _ in range(disagg.decode_workers)]
+    prefills = [spawner.ready("prefill", h) for h in prefills]
+    decodes = [spawner.ready("decode", h) for h in decodes]
+    info = ray.get(decodes[0].handle.info.remote(), timeout=disagg.rpc_timeout)
 
     def stop_ray() -> None:
         if owns_ray:
             ray.shutdown()
 
     return DisaggregatedEngine(
-        [RayPrefillWorker(h, disagg.rpc_timeout, disagg.prefill_timeout) for h in prefills],
-        [RayDecodeWorker(h, disagg.rpc_timeout) for h in decodes],
-        config=info["config"], model_config=info["model_config"], tokenizer=info["tokenizer"], disagg=disagg,
-        on_shutdown=stop_ray)
+        prefills, decodes, config=info["config"], model_config=info["model_config"], tokenizer=info["tokenizer"],
+        disagg=disagg, on_shutdown=stop_ray, spawner=spawner)

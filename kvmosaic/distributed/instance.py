@@ -25,6 +25,7 @@ import torch
 
 from kvmosaic.config import DistributedConfig, EngineConfig
 from kvmosaic.distributed.channel import ChannelClient, ChannelServer
+from kvmosaic.distributed.data_plane import DataPlaneAccess, bind_host, message_limit
 from kvmosaic.distributed.decode_lane import DecodeLane
 from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, RemoteKVAttention
 from kvmosaic.distributed.rmanager import BorrowingAllocator, RManager
@@ -52,9 +53,10 @@ class Instance:
         self._stop = threading.Event()
         self.fenced = threading.Event()  # the gManager declared us dead: our loans are gone, stop serving
         node = ray.get_runtime_context().get_node_id()
-        host = ray.util.get_node_ip_address()
-        self.channel = ChannelServer(self._serve_channel, host=host)
-        lane = self.attention.open_decode_lane(host, config.lane_spin_us) if config.decode_lane else None
+        host, access = bind_host(config), self._access(self.rmanager.num_local_blocks)
+        self.channel = ChannelServer(self._serve_channel, access.secret, host, access.max_message_bytes,
+                                     access.handshake_timeout)
+        lane = self.attention.open_decode_lane(host, config.lane_spin_us, access) if config.decode_lane else None
         self.decode_server, self.decode_lane = lane if lane is not None else (None, None)
         ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
@@ -80,26 +82,50 @@ class Instance:
         self.attention = RemoteKVAttention(local, dist)
         return self.attention
 
+    def _access(self, num_blocks: int) -> DataPlaneAccess:
+        """What a data-plane server of ``num_blocks`` blocks admits (ours, or a peer's for our clients)."""
+        if self.config.cluster_secret is None:
+            raise ValueError("an instance needs the cluster secret (kvmosaic.distributed.data_plane.secure)")
+        model, cache = self.engine.model_config, self.kv_cache
+        limit = message_limit(num_blocks, cache.block_size, model.num_attention_heads, model.num_key_value_heads,
+                              model.head_dim, self.engine.config.scheduler.max_num_batched_tokens)
+        return DataPlaneAccess(self.config.cluster_secret, self.config.handshake_timeout, limit)
+
     # ------------------------------------------------------------------ wiring
     def connect(self, peers: dict[int, object], capacities: dict[int, int],
                 channels: dict[int, tuple[str, int]], lanes: dict[int, DecodeLane | None]) -> None:
-        self.rmanager.peers = {i: h for i, h in peers.items() if i != self.instance_id}
-        self.rmanager.peer_capacity = {i: n for i, n in capacities.items() if i != self.instance_id}
-        self.rmanager.channels = {i: ChannelClient(address, self.config.rpc_timeout)
-                                  for i, address in channels.items() if i != self.instance_id}
-        clients = {i: self.attention.decode_lane_client(lane, self.config.rpc_timeout, self.config.lane_spin_us,
-                                                        self.config.lane_shared_memory)
-                   for i, lane in lanes.items() if i != self.instance_id and lane is not None}
-        self.rmanager.decode_lanes = {i: client for i, client in clients.items() if client is not None}
+        for i, handle in peers.items():
+            if i != self.instance_id:
+                self.join_peer(i, handle, capacities[i], channels[i], lanes.get(i))
+
+    def join_peer(self, peer_id: int, handle, capacity: int, channel: tuple[str, int],
+                  lane: DecodeLane | None) -> None:
+        """Wire one peer (at start, or a replacement of a dead instance joining later): its control
+        plane, its data plane and its decode lane."""
+        client = ChannelClient(channel, self.config.rpc_timeout, secret=self.config.cluster_secret,
+                               max_message_bytes=self._access(capacity).max_message_bytes)
+        lane_client = None if lane is None else self.attention.decode_lane_client(
+            lane, self.config.rpc_timeout, self.config.lane_spin_us, self.config.lane_shared_memory,
+            self.config.cluster_secret)
+        with self.lock:  # the scheduler reads these maps (lendable blocks) under the lock
+            self.rmanager.peers[peer_id] = handle
+            self.rmanager.peer_capacity[peer_id] = capacity
+            self.rmanager.channels[peer_id] = client
+            if lane_client is not None:
+                self.rmanager.decode_lanes[peer_id] = lane_client
 
     def info(self) -> dict:
         engine = self.engine
         return {"tokenizer": engine.tokenizer, "model_config": engine.model_config, "config": engine.config,
                 "num_blocks": self.rmanager.num_local_blocks, "channel": self.channel.address,
-                "decode_lane": self.decode_lane}
+                "decode_lane": self.decode_lane, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     def ping(self) -> int:
         return self.instance_id
+
+    def pid(self) -> int:
+        """The actor's process id (fault injection: kill -9, SIGSTOP)."""
+        return os.getpid()
 
     # ------------------------------------------------------------ engine surface
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
