@@ -120,7 +120,7 @@ class Engine:
         return request.request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
+        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt, self.max_model_len)
 
     def _fit_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         params = fit_max_tokens(params, prompt_len, self.max_model_len)

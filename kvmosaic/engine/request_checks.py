@@ -8,11 +8,16 @@ from kvmosaic.model.tokenizer import Tokenizer
 from kvmosaic.sampling_params import SamplingParams
 
 
-def tokenize_prompt(tokenizer: Tokenizer, vocab_size: int, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-    """(the prompt's text or None, its token ids); ValueError for an empty or invalid prompt."""
+def tokenize_prompt(tokenizer: Tokenizer, vocab_size: int, prompt: str | list[int],
+                    max_len: int | None = None) -> tuple[str | None, list[int]]:
+    """(the prompt's text or None, its token ids); ValueError for an empty or invalid prompt, or for a
+    text too long to fit ``max_len`` tokens whatever its tokenization (refused without tokenizing it)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if max_len is not None and len(prompt) > max_len * tokenizer.max_token_chars:
+            raise ValueError(f"prompt has more than {max_len} tokens ({len(prompt)} characters, at most "
+                             f"{tokenizer.max_token_chars} a token); the context length is {max_len}")
         try:
             prompt.encode("utf-8")
             return prompt, tokenizer.encode(prompt)
