@@ -33,8 +33,8 @@ from kvmosaic.disagg.workers import DecodeWorker, PrefillWorker, StatsBoard, Wor
 from kvmosaic.engine.errors import EngineUnavailableError
 from kvmosaic.engine.output_sink import QueueFullError
 from kvmosaic.engine.protocol import SERVING, ServingState
-from kvmosaic.engine.supervision import may_rerun
 from kvmosaic.engine.request_checks import fit_max_tokens, tokenize_prompt
+from kvmosaic.engine.supervision import may_rerun
 from kvmosaic.model.tokenizer import Tokenizer
 from kvmosaic.outputs import RequestOutput, ended_output
 from kvmosaic.sampling_params import SamplingParams

@@ -11,6 +11,7 @@ call from the orchestrator has a timeout, and an actor that died or did not answ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -151,10 +152,8 @@ class _Proxy:
     def shutdown(self) -> None:
         ray.kill(self.handle, no_restart=True)
         if self.process is not None and self.process[0] == ray.get_runtime_context().get_node_id():
-            try:  # a stopped (hung) process cannot take Ray's kill call
+            with contextlib.suppress(OSError):  # a stopped (hung) process cannot take Ray's kill call
                 os.kill(self.process[1], signal.SIGKILL)
-            except OSError:  # gone already
-                pass
 
 
 class RayPrefillWorker(_Proxy):

@@ -10,6 +10,7 @@ ready, and the front end keeps serving on the survivors meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -184,10 +185,8 @@ class InstancePool:
 
 
 def _kill_process(pid: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already gone
         os.kill(pid, signal.SIGKILL)
-    except OSError:  # already gone
-        pass
 
 
 def _kill(handle) -> None:
