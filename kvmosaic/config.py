@@ -7,6 +7,7 @@ is created, not deep inside a forward pass.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -282,6 +283,14 @@ class DistributedConfig:
     # between instances of one machine, the lane's calls go through rings in shared memory, not the socket
     lane_shared_memory: bool = True
     instance_nodes: tuple[str, ...] = ()
+    # a file of the data plane's shared secret (hex or text), for front ends or instances started
+    # apart; else KVMOSAIC_CLUSTER_SECRET; neither: the front end makes one (docs/security.md)
+    cluster_secret_file: str | None = None
+    cluster_secret: bytes | None = field(default=None, repr=False)  # resolved by the front end (data_plane.secure)
+    # where instances' data-plane servers listen; None: the front end picks loopback for a one-machine
+    # cluster, else each node's IP. Never every interface.
+    data_plane_host: str | None = None
+    handshake_timeout: float = 10.0  # seconds a data-plane connection has to prove it holds the secret
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # how a dead or hung instance is replaced
 
     def __post_init__(self) -> None:
@@ -302,6 +311,14 @@ class DistributedConfig:
             raise ValueError("lane_spin_us must be in [0, 100000]")
         if self.instance_concurrency < 2:
             raise ValueError("instance_concurrency must be >= 2 (step and remote attention run side by side)")
+        if self.handshake_timeout <= 0:
+            raise ValueError("handshake_timeout must be > 0")
+        if self.data_plane_host in ("", "0.0.0.0", "::"):
+            raise ValueError("data_plane_host must name one address, not every interface")
+        if self.cluster_secret is not None and len(self.cluster_secret) < 16:
+            raise ValueError("cluster_secret must hold at least 16 bytes")
+        if self.cluster_secret_file is not None and not os.path.isfile(self.cluster_secret_file):
+            raise ValueError(f"cluster_secret_file {self.cluster_secret_file!r} is not a file")
 
     @property
     def dead_after(self) -> float:
