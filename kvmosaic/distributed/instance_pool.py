@@ -106,6 +106,8 @@ class InstancePool:
                 start.info, start.deadline = start.handle.info.remote(), now + self.config.restart.start_timeout
         loading = {s.info: s for s in self._starting.values() if s.info is not None}
         if not loading:
+            if self._starting:
+                time.sleep(wait)  # only back-offs run: nothing to wait on, and the caller must not spin
             return []
         ready, _ = ray.wait(list(loading), num_returns=len(loading), timeout=wait)
         joined = []
