@@ -1,79 +1,186 @@
+import time
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmosaic.sample.stop import find_stop, trim_for_streaming
+from kvmosaic.sample.stop import StopStrings
 
 
-def _stream(chunks: list[str], stops: list[str]) -> list[tuple[int, str] | None]:
-    text, hits = "", []
-    for chunk in chunks:
-        text += chunk
-        hits.append(find_stop(text, len(chunk), stops))
-    return hits
+def _feed_all(chunks: list[str], stops: list[str]) -> list[tuple[tuple[int, str] | None, int]]:
+    """(hit, held back) after each chunk, fed to one matcher."""
+    matcher = StopStrings(stops).matcher()
+    return [(matcher.feed(chunk), matcher.held_back) for chunk in chunks]
+
+
+def _hit(text: str, new_text_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """The match the last ``new_text_len`` characters of ``text`` complete (the old text fed first)."""
+    matcher = StopStrings(stops).matcher()
+    matcher.feed(text[: len(text) - new_text_len])
+    return matcher.feed(text[len(text) - new_text_len :])
+
+
+def _held(text: str, stops: list[str]) -> int:
+    matcher = StopStrings(stops).matcher()
+    matcher.feed(text)
+    return matcher.held_back
+
+
+# ---------------------------------------------------------------- the old quadratic functions, as the reference
+def _reference_find(text: str, new_text_len: int, stops: list[str]) -> tuple[int, str] | None:
+    tail_start = len(text) - new_text_len
+    best = None
+    for stop in stops:
+        pos = text.find(stop, max(0, tail_start - len(stop) + 1))
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
+
+
+def _reference_held(text: str, stops: list[str]) -> int:
+    held = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:length]):
+                held = length
+                break
+    return held
 
 
 def test_stop_spanning_token_boundaries():
-    assert _stream(["Hel", "lo wor", "ld"], ["lo w"]) == [None, (3, "lo w"), None]
+    assert [hit for hit, _ in _feed_all(["Hel", "lo wor", "ld"], ["lo w"])] == [None, (3, "lo w"), None]
 
 
 def test_stop_starting_in_old_text():
-    assert find_stop("Hello", 2, ["ello"]) == (1, "ello")
+    assert _hit("Hello", 2, ["ello"]) == (1, "ello")
 
 
 def test_stop_entirely_in_new_text():
-    assert find_stop("abc", 3, ["b"]) == (1, "b")
+    assert _hit("abc", 3, ["b"]) == (1, "b")
 
 
 def test_earliest_stop_wins_over_list_order():
-    assert find_stop("abc STOP def END", 16, ["END", "STOP"]) == (4, "STOP")
+    assert _hit("abc STOP def END", 16, ["END", "STOP"]) == (4, "STOP")
+
+
+def test_a_longer_stop_starting_earlier_wins_over_one_ending_earlier():
+    assert _hit("xabcd", 4, ["bc", "abcd"]) == (1, "abcd")
 
 
 def test_equal_positions_pick_the_first_listed():
-    assert find_stop("xabc", 3, ["abc", "ab"]) == (1, "abc")
-    assert find_stop("xabc", 3, ["ab", "abc"]) == (1, "ab")
+    assert _hit("xabc", 3, ["abc", "ab"]) == (1, "abc")
+    assert _hit("xabc", 3, ["ab", "abc"]) == (1, "ab")
 
 
-def test_old_matches_are_outside_the_search_window():
-    # A match that ends before the new tail was reported on an earlier step.
-    assert find_stop("STOP" + "x" * 100, 1, ["STOP"]) is None
-    assert find_stop("STOP" + "x" * 100, 101, ["STOP"]) == (0, "STOP")
+def test_old_matches_are_not_reported_again():
+    assert _hit("STOP" + "x" * 100, 1, ["STOP"]) is None
+    assert _hit("STOP" + "x" * 100, 100, ["STOP"]) is None  # it ended in the text fed before
+    assert _hit("STOP" + "x" * 100, 101, ["STOP"]) == (0, "STOP")  # it ends in the new text
+
+
+def test_overlapping_and_repeated_prefixes():
+    assert _hit("aaab", 1, ["aab"]) == (1, "aab")
+    assert _hit("abababc", 1, ["ababc"]) == (2, "ababc")
+    assert [hit for hit, _ in _feed_all(["a", "b", "a", "b", "a", "c"], ["ababac"])][-1] == (0, "ababac")
 
 
 def test_no_stops_or_no_match():
-    assert find_stop("hello", 5, []) is None
-    assert find_stop("hello", 5, ["xyz"]) is None
-    assert find_stop("", 0, ["a"]) is None
+    assert _hit("hello", 5, []) is None
+    assert _hit("hello", 5, ["xyz"]) is None
+    assert _hit("", 0, ["a"]) is None
 
 
 def test_held_back_length_for_partial_matches():
-    assert trim_for_streaming("Hello wo", ["wor"]) == 2
-    assert trim_for_streaming("Hello w", ["wor"]) == 1
-    assert trim_for_streaming("Hello", ["lo w"]) == 2
-    assert trim_for_streaming("xab", ["abc", "bcd"]) == 2
-    assert trim_for_streaming("xab", ["bcd", "abx"]) == 2
+    assert _held("Hello wo", ["wor"]) == 2
+    assert _held("Hello w", ["wor"]) == 1
+    assert _held("Hello", ["lo w"]) == 2
+    assert _held("xab", ["abc", "bcd"]) == 2
+    assert _held("xab", ["bcd", "abx"]) == 2
+    assert _held("aaab", ["aaaab"]) == 0
+    assert _held("aaaa", ["aaaab"]) == 4
+
+
+def test_held_back_text_is_exact_as_text_arrives():
+    # "Hello wo" + "r" + "k": "wor" is held while it may become "world", then released.
+    steps = _feed_all(["Hello wo", "r", "k"], ["world"])
+    assert [held for _, held in steps] == [2, 3, 0]
+    assert all(hit is None for hit, _ in steps)
 
 
 def test_nothing_held_back_without_a_partial_match():
-    assert trim_for_streaming("Hello", ["xyz"]) == 0
-    assert trim_for_streaming("", ["abc"]) == 0
-    assert trim_for_streaming("Hello", []) == 0
-    assert trim_for_streaming("aaa", ["a"]) == 0  # one-char stops are never partial
+    assert _held("Hello", ["xyz"]) == 0
+    assert _held("", ["abc"]) == 0
+    assert _held("Hello", []) == 0
+    assert _held("aaa", ["a"]) == 0  # one-char stops are never partial
 
 
 def test_held_back_is_bounded_by_the_text():
-    assert trim_for_streaming("ab", ["abcdef"]) == 2
+    assert _held("ab", ["abcdef"]) == 2
 
 
+def test_empty_stop_strings_are_refused():
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStrings(["a", ""])
+
+
+def test_long_stop_strings_cost_linear_time():
+    # 16 stop strings of 40,000 characters, 16 sequences, 64 one-character steps: the old hold-back
+    # compared each stop's prefixes one by one (seconds per step); this is a few ms for all of it.
+    stops = [chr(ord("a") + i) * 39_999 + "!" for i in range(16)]
+    strings = StopStrings(stops)
+    matchers = [strings.matcher() for _ in range(16)]
+    started = time.perf_counter()
+    for step in range(64):
+        for matcher in matchers:
+            assert matcher.feed("a") is None
+            assert matcher.held_back == step + 1
+    assert time.perf_counter() - started < 1.0
+
+
+# ---------------------------------------------------------------- the same answers as the old functions
 _chunks = st.lists(st.text(alphabet="abc", max_size=5), max_size=12)
 _stops = st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3)
 
 
 @given(chunks=_chunks, stops=_stops)
+def test_same_hits_and_held_back_as_the_quadratic_reference(chunks, stops):
+    matcher = StopStrings(stops).matcher()
+    text = ""
+    for chunk in chunks:
+        text += chunk
+        hit = matcher.feed(chunk)
+        assert hit == _reference_find(text, len(chunk), stops)
+        if hit is not None:
+            return
+        assert matcher.held_back == _reference_held(text, stops)
+
+
+@given(chunks=st.lists(st.text(max_size=6), max_size=10),
+       stops=st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=4))
+def test_same_streamed_text_as_the_reference_on_any_unicode(chunks, stops):
+    """What a client would see streamed (text less the held-back tail), then the final text."""
+    matcher = StopStrings(stops).matcher()
+    text, ours, theirs = "", [], []
+    for chunk in chunks:
+        text += chunk
+        hit, old_hit = matcher.feed(chunk), _reference_find(text, len(chunk), stops)
+        assert hit == old_hit
+        if hit is not None:
+            ours.append(text[: hit[0]])
+            theirs.append(text[: old_hit[0]])
+            break
+        ours.append(text[: len(text) - matcher.held_back])
+        theirs.append(text[: len(text) - _reference_held(text, stops)])
+    assert ours == theirs
+
+
+@given(chunks=_chunks, stops=_stops)
 def test_streaming_finds_the_first_stop_and_never_leaks_it(chunks, stops):
+    matcher = StopStrings(stops).matcher()
     text, emitted = "", 0
     for chunk in chunks:
         text += chunk
-        hit = find_stop(text, len(chunk), stops)
+        hit = matcher.feed(chunk)
         found = [(text.find(s), s) for s in stops if s in text]
         if hit is not None:
             # First detection: the earliest match anywhere in the text, and nothing streamed past it.
@@ -82,4 +189,4 @@ def test_streaming_finds_the_first_stop_and_never_leaks_it(chunks, stops):
             assert emitted <= hit[0]
             return
         assert not found
-        emitted = max(emitted, len(text) - trim_for_streaming(text, stops))
+        emitted = max(emitted, len(text) - matcher.held_back)

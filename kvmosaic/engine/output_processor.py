@@ -11,7 +11,7 @@ from kvmosaic.core.beam_search import BeamHypothesis
 from kvmosaic.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvmosaic.outputs import CompletionOutput, ModelOutput, RequestMetrics, RequestOutput, SampledToken
 from kvmosaic.request import Request
-from kvmosaic.sample.stop import find_stop, trim_for_streaming
+from kvmosaic.sample.stop import StopMatcher, StopStrings
 from kvmosaic.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ class SequenceState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    stop_matcher: StopMatcher | None = None  # None: the request has no stop strings
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class GroupState:
     metrics: RequestMetrics
     sequences: dict[str, SequenceState] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt's chunks run
+    stop_strings: StopStrings | None = None  # failure tables built once for all of the group's sequences
 
     @property
     def finished(self) -> bool:
@@ -54,7 +56,8 @@ class OutputProcessor:
     def add_group(self, request: Request, prompt: str | None) -> None:
         params = request.sampling_params
         group = GroupState(request.group_id, prompt, request.prompt_token_ids, params,
-                           RequestMetrics(arrival_time=request.arrival_time))
+                           RequestMetrics(arrival_time=request.arrival_time),
+                           stop_strings=StopStrings(params.stop) if params.stop else None)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self.groups[group.request_id] = group
@@ -62,7 +65,8 @@ class OutputProcessor:
 
     def _add_sequence(self, group: GroupState, seq_id: str, index: int) -> SequenceState:
         detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params.skip_special_tokens)
-        state = SequenceState(index, detok, logprobs=[] if group.params.logprobs is not None else None)
+        state = SequenceState(index, detok, logprobs=[] if group.params.logprobs is not None else None,
+                              stop_matcher=group.stop_strings.matcher() if group.stop_strings else None)
         group.sequences[seq_id] = state
         self.seq_to_group[seq_id] = group.request_id
         return state
@@ -116,7 +120,7 @@ class OutputProcessor:
             seq.text += delta
             if i == len(new_tokens) - 1 and req.status.finished:
                 break
-            hit = find_stop(seq.text, len(delta), params.stop) if params.stop else None
+            hit = seq.stop_matcher.feed(delta) if seq.stop_matcher is not None else None
             if hit is not None:
                 pos, stop = hit
                 seq.text = seq.text[: pos + len(stop)] if params.include_stop_str_in_output else seq.text[:pos]
@@ -197,8 +201,8 @@ class OutputProcessor:
     @staticmethod
     def _completion(index: int, seq: SequenceState, params: SamplingParams, finished: bool) -> CompletionOutput:
         text = seq.text
-        if seq.finish_reason is None and params.stop:
-            held = trim_for_streaming(text, params.stop)
+        if seq.finish_reason is None and seq.stop_matcher is not None:
+            held = seq.stop_matcher.held_back
             text = text[: len(text) - held] if held else text
         return CompletionOutput(
             index=index if (params.best_of or 1) > params.n else seq.index,
