@@ -152,25 +152,26 @@ def wait_http(predicate, what: str, seconds: float = 30.0) -> float:
     return time.monotonic() - start
 
 
+@pytest.fixture(scope="class")
+def served(ray_runtime):
+    httpx = pytest.importorskip("httpx")
+    from test_disagg_model import config
+
+    from kvmosaic.disagg.ray_workers import build_disaggregated
+    from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
+
+    disagg = DisaggConfig(rpc_timeout=20.0, restart=dataclasses.replace(QUICK, backoff=0.2, max_backoff=0.2))
+    engine = build_disaggregated(config("auto"), disagg)
+    try:
+        with (BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as server,
+              httpx.Client(base_url=server.url, timeout=120) as http):
+            yield engine, http
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.slow
 class TestDisaggregatedOnRay:
-    @pytest.fixture(scope="class")
-    def served(self, ray_runtime):
-        httpx = pytest.importorskip("httpx")
-        from test_disagg_model import config
-
-        from kvmosaic.disagg.ray_workers import build_disaggregated
-        from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
-
-        disagg = DisaggConfig(rpc_timeout=20.0, restart=dataclasses.replace(QUICK, backoff=0.2, max_backoff=0.2))
-        engine = build_disaggregated(config("auto"), disagg)
-        try:
-            with (BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as server,
-                  httpx.Client(base_url=server.url, timeout=120) as http):
-                yield engine, http
-        finally:
-            engine.shutdown()
-
     def test_killed_decode_worker(self, served):
         from test_disagg_server import Stream, body
 
@@ -219,41 +220,42 @@ class TestDisaggregatedOnRay:
         assert answer.status_code == 503, answer.text
 
 
+@pytest.fixture(scope="class")
+def cluster(ray_runtime):
+    from test_distributed_cluster import BLOCKS, engine_config
+
+    from kvmosaic.distributed.cluster import Cluster
+
+    dist = DistributedConfig(num_instances=2, heartbeat_interval=0.2, missed_heartbeats=25, dgfm_interval=0,
+                             rpc_timeout=8.0, restart=dataclasses.replace(QUICK, max_restarts=2, backoff=0.2,
+                                                                          max_backoff=0.2))
+    cl = Cluster(engine_config(BLOCKS), dist)
+    yield cl
+    cl.shutdown()
+
+@pytest.fixture(scope="class")
+def reference(cached_loader):
+    """Greedy token ids of one in-process engine with a large pool."""
+    from test_distributed_cluster import engine_config
+
+    from kvmosaic.engine.engine import Engine
+    from kvmosaic.executor.local import LocalExecutor
+
+    engine = Engine(engine_config(256), LocalExecutor(engine_config(256), cached_loader))
+
+    def run(tokens: list[int], max_tokens: int) -> list[int]:
+        engine.add_request("ref", tokens, greedy(max_tokens))
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    result = out.outputs[0].token_ids
+        return result
+
+    return run
+
+
 @pytest.mark.slow
 class TestClusterOnRay:
-    @pytest.fixture(scope="class")
-    def cluster(self, ray_runtime):
-        from test_distributed_cluster import BLOCKS, engine_config
-
-        from kvmosaic.distributed.cluster import Cluster
-
-        dist = DistributedConfig(num_instances=2, heartbeat_interval=0.2, missed_heartbeats=25, dgfm_interval=0,
-                                 rpc_timeout=8.0, restart=dataclasses.replace(QUICK, max_restarts=2, backoff=0.2,
-                                                                              max_backoff=0.2))
-        cl = Cluster(engine_config(BLOCKS), dist)
-        yield cl
-        cl.shutdown()
-
-    @pytest.fixture(scope="class")
-    def reference(self, cached_loader):
-        """Greedy token ids of one in-process engine with a large pool."""
-        from test_distributed_cluster import engine_config
-
-        from kvmosaic.engine.engine import Engine
-        from kvmosaic.executor.local import LocalExecutor
-
-        engine = Engine(engine_config(256), LocalExecutor(engine_config(256), cached_loader))
-
-        def run(tokens: list[int], max_tokens: int) -> list[int]:
-            engine.add_request("ref", tokens, greedy(max_tokens))
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.finished:
-                        result = out.outputs[0].token_ids
-            return result
-
-        return run
-
     def test_killed_instance(self, cluster, reference):
         from test_distributed_cluster import drive, prompt
 
