@@ -117,7 +117,8 @@ def drive(cluster: Cluster, args: argparse.Namespace, instances: int, borrowing:
 
 def empty_call_ms(cluster: Cluster, calls: int = 50) -> float:
     """Round trip of a micro-attention call carrying no work: the fixed cost of the data plane per layer."""
-    channel = ChannelClient(ray.get(cluster.instances[1].info.remote())["channel"], timeout=30.0)
+    channel = ChannelClient(ray.get(cluster.instances[1].info.remote())["channel"], timeout=30.0,
+                            secret=cluster.dist_config.cluster_secret)
     channel.call("attention", 0, [], 1.0)
     start = time.perf_counter()
     for _ in range(calls):

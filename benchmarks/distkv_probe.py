@@ -38,8 +38,9 @@ def lane_vs_local(cluster: Cluster, config, spin_us: int, shared_memory: bool = 
     def local() -> None:
         kernels.ops.paged_decode_attention_partial(q, caches[0], caches[1], table, context, lane.head_dim**-0.5)
 
-    client = DecodeLaneClient(lane, 30.0, kernels.ops, spin_us, shared_memory)
-    socket_client = DecodeLaneClient(lane, 30.0, kernels.ops, spin_us, shared_memory=False)
+    secret = cluster.dist_config.cluster_secret
+    client = DecodeLaneClient(lane, 30.0, kernels.ops, spin_us, shared_memory, secret=secret)
+    socket_client = DecodeLaneClient(lane, 30.0, kernels.ops, spin_us, shared_memory=False, secret=secret)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -10,6 +10,8 @@ import torch
 
 from kvmosaic.distributed.channel import ChannelClient, ChannelError, ChannelServer
 
+SECRET = b"the cluster secret of these tests"
+
 
 def echo(method: str, args: tuple):
     if method == "fail":
@@ -21,7 +23,7 @@ def echo(method: str, args: tuple):
 
 @pytest.fixture
 def server():
-    srv = ChannelServer(echo)
+    srv = ChannelServer(echo, SECRET)
     yield srv
     srv.close()
 
@@ -36,7 +38,7 @@ def test_tensors_of_every_kind_arrive_bit_exact_in_nested_arguments(server):
               "strided": torch.randn(4, 6, generator=gen).t(),
               # more than a socket takes in one write: the gather write goes on where it stopped
               "large": torch.randn(3_000_001, generator=gen)}]
-    client = ChannelClient(server.address, timeout=10.0)
+    client = ChannelClient(server.address, timeout=10.0, secret=SECRET)
     method, (layer, back, scale) = client.call("attention", 4, items, 0.125)
     assert (method, layer, scale) == ("attention", 4, 0.125)
     assert back[0]["blocks"] == [3, 5] and back[0]["slots"] == [] and back[0]["v_new"] is None
@@ -49,7 +51,7 @@ def test_tensors_of_every_kind_arrive_bit_exact_in_nested_arguments(server):
 
 
 def test_answers_come_back_in_call_order(server):
-    client = ChannelClient(server.address, timeout=10.0)
+    client = ChannelClient(server.address, timeout=10.0, secret=SECRET)
     for i in range(3):
         client.send("n", torch.full((4,), float(i)))
     assert [float(client.receive()[1][0][0]) for _ in range(3)] == [0.0, 1.0, 2.0]
@@ -58,17 +60,17 @@ def test_answers_come_back_in_call_order(server):
 
 
 def test_a_failing_handler_is_an_error_and_the_channel_stays_usable(server):
-    client = ChannelClient(server.address, timeout=10.0)
+    client = ChannelClient(server.address, timeout=10.0, secret=SECRET)
     with pytest.raises(ChannelError, match="ValueError: the handler refused"):
         client.call("fail")
     assert client.call("ok", 1) == ("ok", (1,))
 
 
 def test_a_silent_or_vanished_peer_is_an_error_not_a_hang(server):
-    client = ChannelClient(server.address, timeout=0.3)
+    client = ChannelClient(server.address, timeout=0.3, secret=SECRET)
     with pytest.raises(ChannelError, match="no answer"):
         client.call("hang", 5.0)
     server.close()
-    gone = ChannelClient(server.address, timeout=1.0)
+    gone = ChannelClient(server.address, timeout=1.0, secret=SECRET)
     with pytest.raises(ChannelError):
         gone.call("ok")

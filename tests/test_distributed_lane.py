@@ -17,7 +17,9 @@ import torch
 from quant_pools import BLOCKS, BS, HK, HQ, LAYERS, quantized_rows
 
 from kvmosaic.config import DistributedConfig
+from kvmosaic.distributed.auth import LANE_LABEL, server_handshake
 from kvmosaic.distributed.channel import ChannelError
+from kvmosaic.distributed.data_plane import DataPlaneAccess
 from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient, open_lane
 from kvmosaic.distributed.dist_attention import (
     DistAttention,
@@ -26,6 +28,9 @@ from kvmosaic.distributed.dist_attention import (
     creditor_micro_attention,
 )
 from kvmosaic.distributed.pool_rows import FloatPoolRows
+
+SECRET = b"the cluster secret of these tests"
+ACCESS = DataPlaneAccess(SECRET)
 
 
 def _caches(dtype: torch.dtype, head_dim: int, seed: int) -> list[torch.Tensor]:
@@ -53,11 +58,11 @@ def lane_pair(level_kernels, request):
     requested transport; both ends poll for the requested microseconds before they sleep."""
     dtype, head_dim, spin_us, transport = request.param
     caches = _caches(dtype, head_dim, head_dim)
-    server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1", spin_us)
+    server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1", spin_us, ACCESS)
     assert lane.local_name == server.local_name != ""
     if transport == TCP:  # as a debtor on another machine: the name does not reach the server, TCP does
         lane = dataclasses.replace(lane, local_name="kvmosaic-lane-nobody")
-    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, spin_us, shared_memory=transport == SHM)
+    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, spin_us, shared_memory=transport == SHM, secret=SECRET)
     client.call("attention", 0, [_item(torch.Generator(), dtype, head_dim, [0], [1], 3, None)], 0.125)
     assert client.over_local_socket == (transport != TCP) and client.transport == transport
     yield caches, client, server
@@ -153,8 +158,8 @@ _ANSWER = struct.Struct("=Iid")
 
 
 def _fake_creditor(consent: int) -> tuple[socket.socket, str, list[socket.socket]]:
-    """A creditor on this machine that takes the debtor's hello (consenting or not) and then never
-    answers: (its listener, its abstract socket's name, its accepted connections)."""
+    """A creditor on this machine that passes the handshake, takes the debtor's hello (consenting or
+    not) and then never answers: (its listener, its abstract socket's name, its accepted connections)."""
     name = f"kvmosaic-lane-test-{time.monotonic_ns()}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)
@@ -164,6 +169,7 @@ def _fake_creditor(consent: int) -> tuple[socket.socket, str, list[socket.socket
     def take() -> None:
         conn = listener.accept()[0]
         accepted.append(conn)
+        server_handshake(conn, SECRET, LANE_LABEL, 5.0)
         hello, fds, _, _ = socket.recv_fds(conn, 24, 1)
         for fd in fds:
             os.close(fd)
@@ -190,12 +196,12 @@ def test_a_silent_creditor_on_this_machine_times_out_and_a_gone_one_fails(level_
     answers fails the call after the client's timeout; one whose connection closes fails it at once."""
     listener, name, accepted = _fake_creditor(consent)
     lane = DecodeLane(("127.0.0.1", 1), torch.float32, HQ, HK, 64, local_name=name)
-    client = DecodeLaneClient(lane, 0.3, level_kernels.ops, 100)
+    client = DecodeLaneClient(lane, 0.3, level_kernels.ops, 100, secret=SECRET)
     item = _fails_after_the_timeout(client)
     assert client.transport is None  # a failed call drops the connection
 
     listener2, name2, accepted2 = _fake_creditor(consent)
-    client = DecodeLaneClient(dataclasses.replace(lane, local_name=name2), 30.0, level_kernels.ops, 100)
+    client = DecodeLaneClient(dataclasses.replace(lane, local_name=name2), 30.0, level_kernels.ops, 100, secret=SECRET)
     client.send("attention", 0, [item], 0.125)
     assert client.transport == (SHM if consent == 0 else UNIX)
     threading.Timer(0.2, lambda: accepted2[0].close()).start()
@@ -207,28 +213,34 @@ def test_a_silent_creditor_on_this_machine_times_out_and_a_gone_one_fails(level_
         sock.close()
 
 
+def _take_silently(listener: socket.socket, accepted: list[socket.socket]) -> None:
+    conn = listener.accept()[0]
+    accepted.append(conn)
+    server_handshake(conn, SECRET, LANE_LABEL, 5.0)
+
+
 def test_a_silent_creditor_times_out_instead_of_hanging(level_kernels) -> None:
-    """A creditor that takes the connection and never answers: the call fails after the client's
-    timeout (polling first, then sleeping), and so does a port nobody listens on."""
+    """A creditor that takes the connection, passes the handshake and never answers: the call fails
+    after the client's timeout (polling first, then sleeping), and so does a port nobody listens on."""
     listener = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
-    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    threading.Thread(target=_take_silently, args=(listener, accepted), daemon=True).start()
     lane = DecodeLane(listener.getsockname()[:2], torch.float32, HQ, HK, 64)
-    client = DecodeLaneClient(lane, 0.3, level_kernels.ops, 100)
+    client = DecodeLaneClient(lane, 0.3, level_kernels.ops, 100, secret=SECRET)
     item = _fails_after_the_timeout(client)
     client.close()
     listener.close()
     for conn in accepted:
         conn.close()
     with pytest.raises(ChannelError, match="cannot reach"):
-        DecodeLaneClient(lane, 0.3, level_kernels.ops).call("attention", 0, [item], 0.125)
+        DecodeLaneClient(lane, 0.3, level_kernels.ops, secret=SECRET).call("attention", 0, [item], 0.125)
 
 
 def test_the_lane_takes_decode_rows_only(level_kernels) -> None:
     caches = _caches(torch.float32, 64, 0)
-    server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1")
+    server, lane = open_lane(caches, HQ, level_kernels.ops, "127.0.0.1", 0, ACCESS)
     try:
-        client = DecodeLaneClient(lane, 10.0, level_kernels.ops)
+        client = DecodeLaneClient(lane, 10.0, level_kernels.ops, secret=SECRET)
         item = _item(torch.Generator().manual_seed(3), torch.float32, 64, [0], [1], 5, 16)
         assert client.takes([item])
         assert not client.takes([item, dict(item, q=torch.zeros(2, HQ, 64))])  # a prefill chunk's rows
@@ -240,8 +252,8 @@ def test_the_lane_takes_decode_rows_only(level_kernels) -> None:
             client.send("read", 0)
     finally:
         server.close()
-    assert open_lane(caches, HQ, None, "127.0.0.1") is None  # no kernels: every call takes the channel
-    assert open_lane([c.float().half() for c in caches], HQ, level_kernels.ops, "127.0.0.1") is None
+    assert open_lane(caches, HQ, None, "127.0.0.1", 0, ACCESS) is None  # no kernels: every call takes the channel
+    assert open_lane([c.float().half() for c in caches], HQ, level_kernels.ops, "127.0.0.1", 0, ACCESS) is None
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
@@ -255,8 +267,8 @@ def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(
     rows, cache = quantized_rows(level_kernels, mode, dtype, head_dim)
     twin, twin_cache = quantized_rows(level_kernels, mode, dtype, head_dim)
     assert torch.equal(cache.device_pool, twin_cache.device_pool)
-    server, lane = rows.open_decode_lane("127.0.0.1", 100)
-    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, 100)
+    server, lane = rows.open_decode_lane("127.0.0.1", 100, ACCESS)
+    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, 100, secret=SECRET)
     try:
         gen = torch.Generator().manual_seed(11)
         items = [_item(gen, dtype, head_dim, [1, 4, 5], [7, 2, 10], 5 * BS + 6, 10 * BS + 6),
@@ -286,8 +298,8 @@ def test_oaken_outliers_folded_by_lane_writes_are_counted(level_kernels) -> None
     twin, _ = quantized_rows(level_kernels, "oaken", torch.float32, 64)
     backend = RemoteKVAttention(rows.local, DistAttention(None, BS, BLOCKS))
     own = backend.folded_outliers
-    server, lane = backend.open_decode_lane("127.0.0.1", 0)
-    client = DecodeLaneClient(lane, 10.0, level_kernels.ops)
+    server, lane = backend.open_decode_lane("127.0.0.1", 0, ACCESS)
+    client = DecodeLaneClient(lane, 10.0, level_kernels.ops, secret=SECRET)
     try:
         gen = torch.Generator().manual_seed(13)
         items = [_item(gen, torch.float32, 64, [0, 1], [3, 8], BS + 4, 8 * BS + 4 + i) for i in range(3)]
@@ -307,7 +319,7 @@ def test_oaken_outliers_folded_by_lane_writes_are_counted(level_kernels) -> None
 
 def test_pools_of_head_sub_vectors_have_no_lane(level_kernels) -> None:
     rows, _ = quantized_rows(level_kernels, "int8", torch.float32, 64, group=32)
-    assert rows.open_decode_lane("127.0.0.1", 0) is None  # records of 32-value groups: the channel serves them
+    assert rows.open_decode_lane("127.0.0.1", 0, ACCESS) is None  # records of 32-value groups: the channel serves them
 
 
 def test_lane_spin_is_a_checked_setting() -> None:
@@ -335,7 +347,7 @@ def test_a_connection_that_is_never_taken_fails_after_the_timeout(level_kernels)
     item = _item(torch.Generator().manual_seed(2), torch.float32, 64, [0], [1], 5, None)
     started = time.monotonic()
     with pytest.raises(ChannelError, match="cannot reach.*within the timeout"):
-        DecodeLaneClient(lane, 0.3, level_kernels.ops).call("attention", 0, [item], 0.125)
+        DecodeLaneClient(lane, 0.3, level_kernels.ops, secret=SECRET).call("attention", 0, [item], 0.125)
     assert 0.25 < time.monotonic() - started < 5
     for sock in (*queued, listener):
         sock.close()

@@ -4,22 +4,24 @@ one persistent TCP connection per (caller, callee) pair.
 Ray stays the control plane (loans, ledger, heartbeats). A remote micro-attention call carries a
 layer's queries and new K/V rows and returns partial outputs; through a Ray actor call that cost
 4-7 ms, most of it pickling tensors into and out of the object store. Here a message is a small
-pickled skeleton, in which every tensor is replaced by a reference, followed by the tensors' raw
-bytes, written from and read into their own memory. Answers come back in the order of the calls.
+typed control part (wire.py), in which every tensor is replaced by a reference, followed by the
+tensors' raw bytes, written from and read into their own memory. Answers come back in the order
+of the calls.
+
+Every connection starts with the cluster's handshake (auth.py) before any message is read, and
+every message's length is checked against ``max_message_bytes`` before anything is allocated: a
+peer without the cluster secret is closed, and an authenticated one can only send data.
 
 ``ChannelServer`` runs in the callee: one thread accepts connections, one thread per connection
 reads calls, runs ``handler(method, args)`` and writes the answer (or the error it raised).
 ``ChannelClient`` is the caller's end: ``send`` writes a call without waiting, ``receive`` reads
-the next answer, and both raise ``ChannelError`` when the peer is gone or does not answer within
-the timeout. Peers are trusted engine instances of one cluster (pickle is not safe against others).
+the next answer, and both raise ``ChannelError`` when the peer is gone, refuses the handshake or
+does not answer within the timeout.
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import math
-import pickle
 import socket
 import struct
 import threading
@@ -28,73 +30,34 @@ from typing import Any
 
 import torch
 
+from kvmosaic.distributed.auth import CHANNEL_LABEL, HandshakeError, client_handshake, server_handshake
+from kvmosaic.distributed.data_plane import DEFAULT_MAX_MESSAGE_BYTES
+from kvmosaic.distributed.wire import ALIGN, Encoder, WireError, decode, padded
+
 logger = logging.getLogger(__name__)
-_HEADER = struct.Struct("<QQ")  # skeleton bytes, tensor bytes
-_ALIGN = 16
+_HEADER = struct.Struct("<QQ")  # control bytes, tensor bytes
+MAX_CONNECTIONS = 256  # a server's open connections: beyond it new ones are closed at once
 
 
 class ChannelError(ConnectionError):
-    """The peer closed the connection, failed, or did not answer in time."""
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles a message with each tensor as a reference (dtype, shape), collecting the tensors."""
-
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors = tensors
-
-    def persistent_id(self, obj: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        self.tensors.append(obj.detach().contiguous())
-        return obj.dtype, tuple(obj.shape)
-
-
-class _Unpickler(pickle.Unpickler):
-    """Rebuilds the tensors of a message, in pickling order, as views of its data bytes."""
-
-    def __init__(self, skeleton: memoryview, data: memoryview) -> None:
-        super().__init__(io.BytesIO(skeleton))
-        self.data, self.offset = data, 0
-
-    def persistent_load(self, pid: tuple[torch.dtype, tuple[int, ...]]) -> torch.Tensor:
-        dtype, shape = pid
-        count = math.prod(shape)
-        if count == 0:
-            return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(self.data, dtype=dtype, count=count, offset=self.offset)
-        self.offset += _padded(count * dtype.itemsize)
-        return flat.reshape(shape)
-
-
-def _padded(nbytes: int) -> int:
-    """Every tensor starts at a multiple of _ALIGN in the data, so it can be viewed in its dtype."""
-    return -(-nbytes // _ALIGN) * _ALIGN
+    """The peer closed the connection, failed, sent a malformed message, or did not answer in time."""
 
 
 def send_message(sock: socket.socket, obj: Any) -> None:
-    """One message in one gather write: header, skeleton, then each tensor's bytes padded to _ALIGN.
-    (A write per tensor cost a system call and a wake-up of the reader each.)"""
-    tensors: list[torch.Tensor] = []
-    buffer = io.BytesIO()
-    _Pickler(buffer, tensors).dump(obj)
-    skeleton = buffer.getbuffer()
-    parts: list[bytes | memoryview] = [b"", skeleton]
-    data_len = 0
-    for t in tensors:
-        if not t.numel():
-            continue
+    """One message in one gather write: header, control part, then each tensor's bytes padded to
+    ALIGN. (A write per tensor cost a system call and a wake-up of the reader each.)"""
+    encoder = Encoder()
+    control = encoder.encode(obj)
+    parts: list[bytes | memoryview] = [_HEADER.pack(len(control), encoder.data_bytes), control]
+    for t in encoder.tensors:
         view = memoryview((t if t.dim() else t.reshape(1)).view(torch.uint8).numpy()).cast("B")
         parts.append(view)
-        data_len += _padded(view.nbytes)
-        if _padded(view.nbytes) != view.nbytes:
-            parts.append(_ZEROS[: _padded(view.nbytes) - view.nbytes])
-    parts[0] = _HEADER.pack(len(skeleton), data_len)
+        if padded(view.nbytes) != view.nbytes:
+            parts.append(_ZEROS[: padded(view.nbytes) - view.nbytes])
     _send_all(sock, parts)
 
 
-_ZEROS = bytes(_ALIGN)
+_ZEROS = bytes(ALIGN)
 _MAX_BUFFERS = 512  # per sendmsg: the system's limit is 1024 or more
 
 
@@ -122,46 +85,82 @@ def recv_bytes(sock: socket.socket, nbytes: int) -> bytearray:
     return buffer
 
 
-def recv_message(sock: socket.socket) -> Any:
-    skeleton_len, data_len = _HEADER.unpack(recv_bytes(sock, _HEADER.size))
-    body = recv_bytes(sock, skeleton_len + data_len)  # one read loop for both: usually one system call
-    skeleton = memoryview(body)[:skeleton_len]
-    data = memoryview(body)[skeleton_len:]
-    return _Unpickler(skeleton, data).load()
+def recv_message(sock: socket.socket, max_message_bytes: int) -> Any:
+    """The next message; ChannelError (before anything is allocated) when it announces more than
+    ``max_message_bytes``, or when it is malformed."""
+    control_len, data_len = _HEADER.unpack(recv_bytes(sock, _HEADER.size))
+    if control_len + data_len > max_message_bytes:
+        raise ChannelError(f"a message of {control_len + data_len} bytes exceeds the limit of {max_message_bytes}")
+    body = recv_bytes(sock, control_len + data_len)  # one read loop for both: usually one system call
+    try:
+        return decode(memoryview(body)[:control_len], memoryview(body)[control_len:])
+    except WireError as exc:
+        raise ChannelError(str(exc)) from exc
 
 
 class ChannelServer:
-    def __init__(self, handler: Callable[[str, tuple], Any], host: str = "127.0.0.1") -> None:
+    """Listens on ``host`` (any port) for peers holding ``secret``; each must finish the handshake
+    within ``handshake_timeout`` seconds, and no message may exceed ``max_message_bytes``."""
+
+    def __init__(self, handler: Callable[[str, tuple], Any], secret: bytes, host: str = "127.0.0.1",
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, handshake_timeout: float = 10.0) -> None:
+        if not secret or max_message_bytes <= 0 or handshake_timeout <= 0:
+            raise ValueError("a ChannelServer needs a secret, a positive message limit and handshake timeout")
         self.handler = handler
+        self.secret, self.max_message_bytes, self.handshake_timeout = secret, max_message_bytes, handshake_timeout
         self._listener = socket.create_server((host, 0))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._closed = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept_loop, name="kvmosaic-channel-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
+            if not self._slots.acquire(blocking=False):
+                logger.warning("data-plane channel: refused %s: %d connections are open", peer, MAX_CONNECTIONS)
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="kvmosaic-channel", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name="kvmosaic-channel", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while not self._closed.is_set():
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            with conn:
                 try:
-                    method, args = recv_message(conn)
-                except (ChannelError, OSError):
-                    return  # the caller went away
-                try:
-                    answer = ("ok", self.handler(method, args))
-                except Exception as exc:  # noqa: BLE001  (the caller gets the error, the channel stays up)
-                    answer = ("error", f"{type(exc).__name__}: {exc}")
-                try:
-                    send_message(conn, answer)
-                except OSError:
+                    server_handshake(conn, self.secret, CHANNEL_LABEL, self.handshake_timeout)
+                except (HandshakeError, OSError) as exc:
+                    logger.warning("data-plane channel: closed a connection from %s: %s", peer, exc)
                     return
+                self._serve_calls(conn, peer)
+        finally:
+            self._slots.release()
+
+    def _serve_calls(self, conn: socket.socket, peer: tuple) -> None:
+        while not self._closed.is_set():
+            try:
+                call = recv_message(conn, self.max_message_bytes)
+            except ChannelError as exc:
+                if "closed the connection" not in str(exc):
+                    logger.warning("data-plane channel: closed the connection from %s: %s", peer, exc)
+                return
+            except OSError:
+                return  # the caller went away
+            try:
+                if not (isinstance(call, tuple) and len(call) == 2 and isinstance(call[0], str)
+                        and isinstance(call[1], tuple)):
+                    raise ValueError("a call is (method, arguments)")
+                answer = ("ok", self.handler(*call))
+            except Exception as exc:  # noqa: BLE001  (the caller gets the error, the channel stays up)
+                answer = ("error", f"{type(exc).__name__}: {exc}")
+            try:
+                send_message(conn, answer)
+            except (OSError, WireError) as exc:
+                logger.warning("data-plane channel: cannot answer %s: %s", peer, exc)
+                return
 
     def close(self) -> None:
         self._closed.set()
@@ -169,8 +168,13 @@ class ChannelServer:
 
 
 class ChannelClient:
-    def __init__(self, address: tuple[str, int], timeout: float) -> None:
+    """Connects to ``address`` on first use, proving it holds ``secret``; waits up to ``timeout``
+    seconds for the handshake and each answer, and takes no answer larger than ``max_message_bytes``."""
+
+    def __init__(self, address: tuple[str, int], timeout: float, *, secret: bytes,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.address, self.timeout = tuple(address), timeout
+        self.secret, self.max_message_bytes = secret, max_message_bytes
         self._sock: Any = None  # the connection (_open)
         self._lock = threading.Lock()
         self._outstanding = 0
@@ -186,7 +190,13 @@ class ChannelClient:
             sock = socket.create_connection(self.address, timeout=self.timeout)
         except OSError as exc:
             raise ChannelError(f"cannot reach {self.address}: {exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, self.secret, CHANNEL_LABEL, self.timeout)
+            sock.settimeout(self.timeout)
+        except (HandshakeError, OSError) as exc:
+            sock.close()
+            raise ChannelError(f"no authenticated connection to {self.address}: {exc}") from exc
         return sock
 
     def _write(self, sock: socket.socket, method: str, args: tuple) -> None:
@@ -194,7 +204,10 @@ class ChannelClient:
 
     def _read(self, sock: socket.socket) -> tuple[str, Any]:
         """("ok", answer) or ("error", message)."""
-        return recv_message(sock)
+        answer = recv_message(sock, self.max_message_bytes)
+        if not (isinstance(answer, tuple) and len(answer) == 2 and answer[0] in ("ok", "error")):
+            raise ChannelError("a malformed answer")
+        return answer
 
     def send(self, method: str, *args: Any) -> None:
         """Write one call; its answer is read by a later ``receive`` (answers come in call order)."""

@@ -13,7 +13,10 @@ server), or int8 / int4 / Oaken records that it quantizes new rows into and atte
 quantized kernels (the quantized-KV kernels' server). Both ends poll for a while before they sleep
 (``spin_us``): a thread woken from sleep costs tens of microseconds, more than the attention.
 Calls the lane does not take (prefill rows, K/V pulls) keep the general channel (channel.py). The
-wire format is documented in the server's source.
+wire format is documented in the server's source. Each connection, over TCP or the Unix socket,
+starts with the cluster's handshake (auth.py, in C++: lane_auth.cpp) before the shared memory is
+offered or any call is read, and the server checks every count and size in a call against its
+pool's shapes and ``max_message_bytes``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvmosaic.distributed.channel import ChannelClient, ChannelError
+from kvmosaic.distributed.data_plane import DataPlaneAccess
 
 if TYPE_CHECKING:
     from kvmosaic.model.layers.quant_attention import QuantizedKVLayer
@@ -47,20 +51,21 @@ class DecodeLane:
     local_name: str = ""  # the server's abstract Unix socket: debtors on its machine connect there
 
 
-def open_lane(layers: list[torch.Tensor], num_heads: int, ops: Any, host: str,
-              spin_us: int = 0) -> tuple[Any, DecodeLane] | None:
+def open_lane(layers: list[torch.Tensor], num_heads: int, ops: Any, host: str, spin_us: int,
+              access: DataPlaneAccess) -> tuple[Any, DecodeLane] | None:
     """A server over these float KV caches (one [2, blocks, block_size, kv_heads, head_dim] tensor a
-    layer), or None when the kernels or the cache cannot serve one."""
+    layer) admitting peers that pass ``access``, or None when the kernels or the cache cannot serve one."""
     server_type = getattr(ops, "AttentionServer", None)
     cache = layers[0]
     if server_type is None or cache.dtype not in (torch.float32, torch.bfloat16) or cache.shape[-1] not in (64, 128):
         return None
     lane = DecodeLane(("", 0), cache.dtype, num_heads, cache.shape[3], cache.shape[4])
-    return _start(lambda: server_type(list(layers), num_heads, host, spin_us), lane, host)
+    return _start(lambda: server_type(list(layers), num_heads, host, spin_us, *_server_access(access)), lane, host)
 
 
 def open_quantized_lane(layers: list[QuantizedKVLayer], num_heads: int, head_dim: int, dtype: torch.dtype,
-                        quant_ops: Any, host: str, spin_us: int = 0) -> tuple[Any, DecodeLane] | None:
+                        quant_ops: Any, host: str, spin_us: int,
+                        access: DataPlaneAccess) -> tuple[Any, DecodeLane] | None:
     """A server over these layers' int8 / int4 / Oaken records, taking and answering rows in ``dtype``
     (the compute dtype), or None when the quantized kernels cannot serve one (none built, or records
     of head sub-vectors: int groups smaller than a head)."""
@@ -72,8 +77,12 @@ def open_quantized_lane(layers: list[QuantizedKVLayer], num_heads: int, head_dim
     pools = [[layer.k_pool, layer.v_pool, layer.k_thresholds, layer.v_thresholds, layer.k_center] for layer in layers]
     mode, kv_heads, _, capacity = layers[0].args()
     lane = DecodeLane(("", 0), dtype, num_heads, kv_heads, head_dim)
-    return _start(lambda: server_type(pools, mode, kv_heads, head_dim, capacity, dtype, num_heads, host, spin_us),
-                  lane, host)
+    return _start(lambda: server_type(pools, mode, kv_heads, head_dim, capacity, dtype, num_heads, host, spin_us,
+                                      *_server_access(access)), lane, host)
+
+
+def _server_access(access: DataPlaneAccess) -> tuple[bytes, float, int]:
+    return access.secret, access.handshake_timeout, access.max_message_bytes
 
 
 def _start(start: Callable[[], Any], lane: DecodeLane, host: str) -> tuple[Any, DecodeLane] | None:
@@ -90,8 +99,8 @@ class DecodeLaneClient(ChannelClient):
     float kernels' ``AttentionClient`` (``ops``)."""
 
     def __init__(self, lane: DecodeLane, timeout: float, ops: Any, spin_us: int = 0,
-                 shared_memory: bool = True) -> None:
-        super().__init__(lane.address, timeout)
+                 shared_memory: bool = True, *, secret: bytes) -> None:
+        super().__init__(lane.address, timeout, secret=secret)
         self.lane = lane
         self.ops = ops
         self.spin_us = spin_us
@@ -124,7 +133,7 @@ class DecodeLaneClient(ChannelClient):
         host, port = self.address
         try:
             return self.ops.AttentionClient(host, port, self.lane.local_name, self.timeout, self.spin_us,
-                                            self.shared_memory)
+                                            self.shared_memory, self.secret)
         except RuntimeError as exc:
             raise ChannelError(f"cannot reach {self.address}: {exc}") from exc
 

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from kvmosaic.distributed.data_plane import DataPlaneAccess
 from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient
 from kvmosaic.distributed.merge import PartialAttention, merge_on, partial_attention
 from kvmosaic.distributed.pool_rows import PoolRows, pool_rows
@@ -180,8 +181,8 @@ class RemoteKVAttention(AttentionBackend):
             return self.local
         return self.dist.bind(batch, meta, self.local, self.rows, self.merge)
 
-    def open_decode_lane(self, host: str, spin_us: int) -> tuple[object, DecodeLane] | None:
-        lane = self.rows.open_decode_lane(host, spin_us)
+    def open_decode_lane(self, host: str, spin_us: int, access: DataPlaneAccess) -> tuple[object, DecodeLane] | None:
+        lane = self.rows.open_decode_lane(host, spin_us, access)
         self._lane_server = None if lane is None else lane[0]
         return lane
 
@@ -192,13 +193,13 @@ class RemoteKVAttention(AttentionBackend):
         lane = getattr(self._lane_server, "folded_outliers", 0)
         return self.local.folded_outliers + lane
 
-    def decode_lane_client(self, lane: DecodeLane, timeout: float, spin_us: int,
-                           shared_memory: bool = True) -> DecodeLaneClient | None:
+    def decode_lane_client(self, lane: DecodeLane, timeout: float, spin_us: int, shared_memory: bool,
+                           secret: bytes) -> DecodeLaneClient | None:
         """A client for another instance's decode lane, or None when this instance's kernels have none."""
         ops = self.rows.float_ops
         if not DecodeLaneClient.available(ops):
             return None
-        return DecodeLaneClient(lane, timeout, ops, spin_us, shared_memory)
+        return DecodeLaneClient(lane, timeout, ops, spin_us, shared_memory, secret=secret)
 
     def serve_micro_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
         """Creditor side: a debtor's queries over the blocks it borrowed from us, for one layer."""

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from kvmosaic.distributed.data_plane import DataPlaneAccess
 from kvmosaic.distributed.decode_lane import DecodeLane, open_lane, open_quantized_lane
 from kvmosaic.distributed.merge import PartialAttention, partial_attention
 from kvmosaic.model.layers.attention import ReferenceAttention
@@ -49,9 +50,10 @@ class PoolRows(Protocol):
         """Queries ``q`` [N, Hq, D] at ``q_pos`` over the keys of these blocks (at ``k_pos``, every
         slot of each block in order), as a partial to merge with the other holders'."""
 
-    def open_decode_lane(self, host: str, spin_us: int) -> tuple[object, DecodeLane] | None:
+    def open_decode_lane(self, host: str, spin_us: int, access: DataPlaneAccess) -> tuple[object, DecodeLane] | None:
         """A C++ server answering debtors' decode rows over this pool (its handle, where it listens),
-        or None when this pool's rows need Python. Its threads poll spin_us microseconds before sleeping."""
+        or None when this pool's rows need Python. Its threads poll spin_us microseconds before sleeping;
+        it admits peers that pass ``access``."""
 
     @property
     def float_ops(self) -> object | None:
@@ -103,8 +105,8 @@ class FloatPoolRows:
         visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
         return PartialAttention(*kernel(q.contiguous(), k_cache, v_cache, block_ids[None], visible, scale))
 
-    def open_decode_lane(self, host, spin_us):
-        return open_lane(self.local.layers, self.local.num_heads, self.float_ops, host, spin_us)
+    def open_decode_lane(self, host, spin_us, access):
+        return open_lane(self.local.layers, self.local.num_heads, self.float_ops, host, spin_us, access)
 
     @property
     def float_ops(self):
@@ -141,10 +143,10 @@ class QuantizedPoolRows:
         return PartialAttention(*kernel(q.contiguous(), pools.k_pool, pools.v_pool, block_ids[None], visible,
                                         *kernel_decode_args(pools, scale)))
 
-    def open_decode_lane(self, host, spin_us):
+    def open_decode_lane(self, host, spin_us, access):
         local = self.local
         return open_quantized_lane(local.layers, local.num_heads, local.head_dim, local.kv_cache.dtype,
-                                   local.kernels.quant, host, spin_us)
+                                   local.kernels.quant, host, spin_us, access)
 
     @property
     def float_ops(self):

@@ -149,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = server_config(args)  # bad server options fail before the model loads
     llm = _make_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     instances=args.instances, ray_address=args.ray_address, enable_borrowing=not args.no_borrowing,
+                    cluster_secret_file=args.cluster_secret_file,
                     prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                     kv_transfer_dtype=args.kv_transfer_dtype)
     try:
@@ -206,6 +207,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=1,
                    help="engine instances as Ray actors lending each other KV blocks (each gets --kv-cache-memory)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local runtime")
+    p.add_argument("--cluster-secret-file", default=None,
+                   help="with --instances: the data plane's shared secret (hex or text) for instances started "
+                        "apart (else KVMOSAIC_CLUSTER_SECRET; neither: a new one per run)")
     p.add_argument("--no-borrowing", action="store_true", help="with --instances: never borrow blocks across instances")
     p.add_argument("--prefill-workers", type=int, default=0,
                    help="disaggregated serving: prefill workers as Ray actors (with --decode-workers)")

@@ -44,6 +44,7 @@ class LLM:
         instances: int = 1,
         ray_address: str | None = None,
         enable_borrowing: bool = True,
+        cluster_secret_file: str | None = None,
         prefill_workers: int = 0,
         decode_workers: int = 0,
         kv_transfer_dtype: str = "auto",
@@ -52,7 +53,9 @@ class LLM:
         model_loader=None,
     ) -> None:
         """``instances > 1`` (or a ``ray_address``) runs that many engine instances as Ray actors that
-        lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``.
+        lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``, and
+        their data plane admits only holders of the cluster secret (``cluster_secret_file``, else
+        ``KVMOSAIC_CLUSTER_SECRET``, else a new one; docs/security.md).
         ``kv_cache_memory="auto"`` sizes the pool from a profiling run (``memory_utilization`` of the
         RAM still available); ``kv_cache_prefault`` makes the whole pool resident at start (as vLLM and
         llama.cpp reserve theirs) instead of page by page as blocks are first written. ``quantization``:
@@ -91,8 +94,8 @@ class LLM:
             ),
             speculative=SpeculativeConfig.parse(speculative),
         )
-        dist = DistributedConfig(num_instances=instances, ray_address=ray_address,
-                                 enable_borrowing=enable_borrowing) if distributed else None
+        dist = DistributedConfig(num_instances=instances, ray_address=ray_address, enable_borrowing=enable_borrowing,
+                                 cluster_secret_file=cluster_secret_file) if distributed else None
         disagg = (DisaggConfig(prefill_workers=max(1, prefill_workers), decode_workers=max(1, decode_workers),
                                ray_address=ray_address, kv_transfer_dtype=kv_transfer_dtype)
                   if prefill_workers or decode_workers else None)

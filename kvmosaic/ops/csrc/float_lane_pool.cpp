@@ -52,8 +52,9 @@ class FloatLanePool final : public LanePool {
 }  // namespace
 
 std::shared_ptr<LaneServer> float_lane_server(std::vector<at::Tensor> caches, int64_t num_heads,
-                                              const std::string& host, int64_t spin_us) {
-  return std::make_shared<LaneServer>(std::make_unique<FloatLanePool>(std::move(caches)), num_heads, host, spin_us);
+                                              const std::string& host, int64_t spin_us, LaneAccess access) {
+  return std::make_shared<LaneServer>(std::make_unique<FloatLanePool>(std::move(caches)), num_heads, host, spin_us,
+                                      std::move(access));
 }
 
 }  // namespace kvops

@@ -63,7 +63,8 @@ class QuantLanePool final : public kvops::LanePool {
 
 std::shared_ptr<kvops::LaneServer> quant_lane_server(const std::vector<std::vector<at::Tensor>>& layers, int64_t mode,
                                                      int64_t hk, int64_t d, int64_t capacity, at::ScalarType dtype,
-                                                     int64_t num_heads, const std::string& host, int64_t spin_us) {
+                                                     int64_t num_heads, const std::string& host, int64_t spin_us,
+                                                     kvops::LaneAccess access) {
   std::vector<kvquant::LaneLayer> pools;
   for (const std::vector<at::Tensor>& t : layers) {
     TORCH_CHECK(t.size() == 5, "AttentionServer: a layer is (k_pool, v_pool, k_thresholds, v_thresholds, k_center)");
@@ -71,5 +72,5 @@ std::shared_ptr<kvops::LaneServer> quant_lane_server(const std::vector<std::vect
   }
   return std::make_shared<kvops::LaneServer>(
       std::make_unique<kvquant::QuantLanePool>(std::move(pools), mode, hk, d, capacity, dtype), num_heads, host,
-      spin_us);
+      spin_us, std::move(access));
 }

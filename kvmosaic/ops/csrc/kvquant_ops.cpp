@@ -15,7 +15,8 @@ using kvops::no_gil;
 // kvquant_lane.cpp: a decode lane server over the layers' (k_pool, v_pool, k_thresholds, v_thresholds, k_center)
 std::shared_ptr<kvops::LaneServer> quant_lane_server(const std::vector<std::vector<at::Tensor>>& layers, int64_t mode,
                                                      int64_t hk, int64_t d, int64_t capacity, at::ScalarType dtype,
-                                                     int64_t num_heads, const std::string& host, int64_t spin_us);
+                                                     int64_t num_heads, const std::string& host, int64_t spin_us,
+                                                     kvops::LaneAccess access);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_write", &quant_write, "quantize K/V rows into their cache slots");
@@ -28,12 +29,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::module_local())
       .def(py::init([](const std::vector<std::vector<at::Tensor>>& layers, int64_t mode, int64_t hk, int64_t d,
                        int64_t capacity, const py::object& dtype, int64_t num_heads, const std::string& host,
-                       int64_t spin_us) {
+                       int64_t spin_us, const py::bytes& secret, double handshake_timeout, int64_t max_message_bytes) {
              return quant_lane_server(layers, mode, hk, d, capacity, torch::python::detail::py_object_to_dtype(dtype),
-                                      num_heads, host, spin_us);
+                                      num_heads, host, spin_us,
+                                      kvops::lane_access(secret, handshake_timeout, max_message_bytes));
            }),
            py::arg("layers"), py::arg("mode"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("capacity"),
-           py::arg("dtype"), py::arg("num_heads"), py::arg("host"), py::arg("spin_us") = 0)
+           py::arg("dtype"), py::arg("num_heads"), py::arg("host"), py::arg("spin_us"), py::arg("secret"),
+           py::arg("handshake_timeout"), py::arg("max_message_bytes"))
+      .def_property_readonly("refused_connections", &kvops::LaneServer::refused_connections)
       .def_property_readonly("port", &kvops::LaneServer::port)
       .def_property_readonly("local_name", &kvops::LaneServer::local_name)
       .def_property_readonly("folded_outliers", &kvops::LaneServer::folded_outliers)

@@ -28,9 +28,10 @@ constexpr size_t kRingBytes = size_t{1} << 20;  // each way: larger than a socke
 }  // namespace
 
 LaneClient::LaneClient(const std::string& host, int64_t port, const std::string& local_name, double timeout,
-                       int64_t spin_us, bool shared_memory)
+                       int64_t spin_us, bool shared_memory, const std::string& secret)
     : timeout_ms_(static_cast<int>(timeout * 1000)), spin_us_(spin_us) {
   TORCH_CHECK(timeout > 0 && spin_us >= 0 && spin_us <= 100000, "LaneClient: bad timeout or spin_us");
+  TORCH_CHECK(secret.size() >= 16, "LaneClient: the cluster secret holds 16 bytes or more");
 #ifdef __linux__
   if (!local_name.empty() && local_name.size() < sizeof(sockaddr_un::sun_path) - 1) {  // the server's abstract socket
     sockaddr_un addr{};
@@ -40,6 +41,7 @@ LaneClient::LaneClient(const std::string& host, int64_t port, const std::string&
     const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + local_name.size());
     if (fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), len) == 0) {
       try {
+        connect_handshake(fd_, secret, timeout_ms_);  // before the shared memory goes anywhere
         if (shared_memory) link_ = offer_shared_rings(fd_, kRingBytes, timeout_ms_);
       } catch (...) {
         close();
@@ -66,6 +68,12 @@ LaneClient::LaneClient(const std::string& host, int64_t port, const std::string&
   }
   const int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  try {
+    connect_handshake(fd_, secret, timeout_ms_);
+  } catch (...) {
+    close();
+    throw;
+  }
   local_ = false;
   link_ = socket_transport(fd_);
 }

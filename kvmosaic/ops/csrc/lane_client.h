@@ -25,9 +25,10 @@ class LaneClient {
   // connects to a lane server: through its abstract Unix socket local_name when that is reachable (the
   // server is on this machine), else over TCP; waits up to timeout seconds for an answer, the first
   // spin_us of them polling. On this machine the calls then go through rings in shared memory
-  // (lane_transport.h) unless shared_memory is false.
+  // (lane_transport.h) unless shared_memory is false. Either way it first proves it holds secret, and
+  // checks the server does, before it sends anything else (lane_auth.h).
   LaneClient(const std::string& host, int64_t port, const std::string& local_name, double timeout, int64_t spin_us,
-             bool shared_memory = true);
+             bool shared_memory, const std::string& secret);
   bool local() const { return local_; }  // connected through the Unix socket
   // "shared memory", "unix socket" or "tcp"
   std::string transport() const {

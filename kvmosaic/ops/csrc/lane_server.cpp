@@ -21,6 +21,11 @@
 // magic "KVMS" whose scale is the size of each of two shared byte rings, with the rings' memfd riding
 // along; the answer header's status says whether the server took them. The calls then go through the
 // rings in the same format, and the socket only tells either end that the other has gone.
+//
+// Every connection, TCP or Unix socket, first runs the cluster's handshake (lane_auth.cpp) within
+// the access's timeout: a peer without the secret is closed before the server reads a call or maps
+// any memory. Every count and size in a call is checked against the pool's shapes and the access's
+// message limit before anything is allocated; at most kMaxConnections are open at once.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -36,6 +41,8 @@
 #include <cstddef>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -47,6 +54,12 @@ namespace kvops {
 namespace {
 
 constexpr int32_t kMaxItems = 1 << 12;
+constexpr size_t kMaxConnections = 256;  // beyond it a new connection is closed at once
+
+void warn_refused(int fd, const std::string& why) {
+  // no Python logger on this thread (no GIL): the instance's stderr, as the engine's log goes there too
+  std::fprintf(stderr, "kvmosaic decode lane: closed a connection from %s: %s\n", peer_name(fd).c_str(), why.c_str());
+}
 
 }  // namespace
 
@@ -92,9 +105,12 @@ bool send_all(int fd, iovec* parts, size_t count) {
   return true;
 }
 
-LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us)
-    : pool_(std::move(pool)), num_heads_(num_heads), spin_us_(spin_us) {
+LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us,
+                       LaneAccess access)
+    : pool_(std::move(pool)), num_heads_(num_heads), spin_us_(spin_us), access_(std::move(access)) {
   TORCH_CHECK(pool_ != nullptr && pool_->layers() > 0, "LaneServer needs a pool of at least one layer");
+  TORCH_CHECK(access_.secret.size() >= 16 && access_.handshake_timeout_ms > 0 && access_.max_message_bytes > 0,
+              "LaneServer needs a secret of 16+ bytes, a handshake timeout and a message limit");
   TORCH_CHECK(spin_us >= 0 && spin_us <= 100000, "LaneServer: spin_us must be in [0, 1e5]");
   TORCH_CHECK(num_heads > 0 && num_heads % pool_->kv_heads() == 0, "LaneServer: bad number of query heads");
   TORCH_CHECK(::pipe(wake_) == 0, "LaneServer: cannot open a pipe");
@@ -155,8 +171,9 @@ void LaneServer::close() {
     std::lock_guard<std::mutex> guard(mutex_);
     for (int fd : connections_) ::shutdown(fd, SHUT_RDWR);  // wakes their threads; each closes its own
   }
-  for (std::thread& t : workers_) t.join();
+  for (auto& worker : workers_) worker.second.join();  // the accept loop is gone: nobody adds more
   workers_.clear();
+  finished_.clear();
 }
 
 void LaneServer::close_fds() {
@@ -180,18 +197,41 @@ void LaneServer::accept_loop() {
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       }
       std::lock_guard<std::mutex> guard(mutex_);
+      reap_finished();
+      if (connections_.size() >= kMaxConnections) {
+        ++refused_;
+        warn_refused(fd, "too many open connections");
+        ::close(fd);
+        continue;
+      }
       connections_.push_back(fd);
-      workers_.emplace_back([this, fd] { serve(fd); });
+      const uint64_t id = next_id_++;
+      workers_.emplace(id, std::thread([this, fd, id] { serve(fd, id); }));
     }
   }
 }
 
-void LaneServer::serve(int fd) {
+void LaneServer::reap_finished() {
+  for (const uint64_t id : finished_) {
+    const auto worker = workers_.find(id);
+    worker->second.join();  // it is past its last use of this object's state
+    workers_.erase(worker);
+  }
+  finished_.clear();
+}
+
+void LaneServer::serve(int fd, uint64_t id) {
   omp_set_num_threads(1);  // a call is one row's attention: this thread alone, beside the instance's own team
   std::vector<int64_t> body;  // a call's block tables and rows, kept for the next one
   LaneRequestHeader head{};
+  std::string why;
+  const bool trusted = accept_handshake(fd, access_.secret, access_.handshake_timeout_ms, &why);
+  if (!trusted && !closed_) {
+    ++refused_;
+    warn_refused(fd, why);
+  }
   // the socket, or the shared rings a debtor on this machine brought in its hello
-  const std::unique_ptr<LaneTransport> link = accept_transport(fd, &head, spin_us_);
+  const std::unique_ptr<LaneTransport> link = trusted ? accept_transport(fd, &head, spin_us_) : nullptr;
   int64_t spin_us = spin_us_;
   while (link != nullptr && !closed_ && serve_one(*link, head, body)) {
     iovec part{&head, sizeof(head)};
@@ -209,6 +249,7 @@ void LaneServer::serve(int fd) {
   std::lock_guard<std::mutex> guard(mutex_);
   connections_.erase(std::find(connections_.begin(), connections_.end(), fd));
   ::close(fd);
+  finished_.push_back(id);
 }
 
 bool LaneServer::serve_one(LaneTransport& link, const LaneRequestHeader& head, std::vector<int64_t>& body) {
@@ -218,6 +259,7 @@ bool LaneServer::serve_one(LaneTransport& link, const LaneRequestHeader& head, s
   if (head.items < 1 || head.items > kMaxItems || head.width < 1 || head.width > pool.blocks()) return false;
   const int64_t n = head.items, width = head.width, elem = c10::elementSize(pool.dtype());
   const int64_t num_ints = n * (2 + width), row_bytes = n * (num_heads_ + 2 * hk) * d * elem;
+  if (num_ints * static_cast<int64_t>(sizeof(int64_t)) + row_bytes > access_.max_message_bytes) return false;
   body.resize(num_ints + (row_bytes + 7) / 8);  // int64 words: the rows start 8-byte aligned
   if (receive_exactly(link, body.data(), num_ints * sizeof(int64_t) + row_bytes, 0, -1) <= 0) return false;
   const int64_t* ints = body.data();
@@ -228,6 +270,7 @@ bool LaneServer::serve_one(LaneTransport& link, const LaneRequestHeader& head, s
   std::vector<at::Tensor> partial;
   try {
     TORCH_CHECK(head.layer >= 0 && head.layer < pool.layers(), "layer ", head.layer, " out of range");
+    TORCH_CHECK(std::isfinite(head.scale), "the scale is not a finite number");
     const int64_t* context = ints;
     const int64_t* slot = ints + n;
     const int64_t* table = ints + 2 * n;

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -15,6 +16,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include "lane_auth.h"
 #include "lane_transport.h"
 
 namespace kvops {
@@ -53,11 +55,13 @@ class LanePool {
 
 class LaneServer {
  public:
-  // listens on host, any port; serves `pool` to debtors for queries of num_heads heads. After each
-  // answer a connection's thread polls for the next call for up to spin_us microseconds before it
-  // sleeps in the kernel (a polling thread skips the wake-up), as long as the previous call came
-  // within spin_us of its answer.
-  LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us = 0);
+  // listens on host, any port; serves `pool` to debtors for queries of num_heads heads, to peers that
+  // pass `access` (the handshake, then calls no larger than its limit). After each answer a
+  // connection's thread polls for the next call for up to spin_us microseconds before it sleeps in
+  // the kernel (a polling thread skips the wake-up), as long as the previous call came within
+  // spin_us of its answer.
+  LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us,
+             LaneAccess access);
   ~LaneServer();
   LaneServer(const LaneServer&) = delete;
   LaneServer& operator=(const LaneServer&) = delete;
@@ -65,6 +69,7 @@ class LaneServer {
   // the abstract Unix socket debtors on this machine connect to ("" where there is none)
   const std::string& local_name() const { return local_name_; }
   int64_t folded_outliers() const { return pool_->folded_outliers(); }  // of the rows debtors wrote here
+  int64_t refused_connections() const { return refused_; }  // failed handshakes, and connections over the cap
   // stops accepting and ends every connection (a debtor's next call fails); idempotent
   void close();
 
@@ -72,12 +77,15 @@ class LaneServer {
   void listen_local();
   void close_fds();
   void accept_loop();
-  void serve(int fd);
+  void serve(int fd, uint64_t id);
+  void reap_finished();  // joins the threads of connections that ended (the caller holds mutex_)
   bool serve_one(LaneTransport& link, const LaneRequestHeader& head, std::vector<int64_t>& body);
 
   std::unique_ptr<LanePool> pool_;
   int64_t num_heads_;
   int64_t spin_us_;
+  LaneAccess access_;
+  std::atomic<int64_t> refused_{0};
   int listener_ = -1;
   int local_listener_ = -1;
   int wake_[2] = {-1, -1};  // a pipe: close() writes to it to end the accept loop
@@ -86,14 +94,16 @@ class LaneServer {
   std::atomic<bool> closed_{false};
   std::mutex mutex_;
   std::vector<int> connections_;
-  std::vector<std::thread> workers_;
+  std::map<uint64_t, std::thread> workers_;  // by connection id
+  std::vector<uint64_t> finished_;  // connections whose thread is done: joined by the accept loop
+  uint64_t next_id_ = 0;
   std::thread accept_thread_;
 };
 
 // A server over the float KV caches, one [2, blocks, block_size, kv_heads, head_dim] tensor a layer
 // (float_lane_pool.cpp, in the float extension).
 std::shared_ptr<LaneServer> float_lane_server(std::vector<at::Tensor> caches, int64_t num_heads,
-                                              const std::string& host, int64_t spin_us);
+                                              const std::string& host, int64_t spin_us, LaneAccess access);
 
 // Reads what has arrived on fd into parts, at least one byte: polls without sleeping for up to
 // spin_us microseconds, then sleeps in poll() for up to timeout_ms (-1: no limit). Returns the bytes

@@ -5,6 +5,9 @@
 // to read (or a writer with no room) polls, then sleeps on a futex word its peer bumps after each
 // move. The sleeper raises a flag before its last look, so the peer makes the wake-up system call
 // only when someone sleeps; all four are sequentially consistent, so one side always sees the other.
+// The headers live in memory the peer can write, so neither end trusts them: a head or tail that
+// claims more than a ring holds is an error, and a copy never leaves the ring's bytes. The server
+// maps only a memfd sealed against shrinking (a shrunk mapping would fault on its next access).
 #include "lane_transport.h"
 
 #include <poll.h>
@@ -20,6 +23,7 @@
 #include <cstring>
 
 #ifdef __linux__
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -157,6 +161,7 @@ class Ring {
     if (waited != 1) return waited;
     uint64_t at = tail;
     const uint64_t end = h_->head.load();
+    if (end - tail > size_) return -1;  // more than the ring holds: the peer wrote garbage into the header
     for (int i = 0; i < count && at < end; ++i) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(parts[i].iov_len, end - at));
       copy_out(at, static_cast<char*>(parts[i].iov_base), n);
@@ -172,7 +177,9 @@ class Ring {
     uint64_t head = h_->head.load(std::memory_order_relaxed);
     size_t part = 0, offset = 0;
     while (part < count) {
-      uint64_t room = size_ - (head - h_->tail.load());
+      const uint64_t used = head - h_->tail.load();
+      if (used > size_) return false;  // the peer wrote garbage into the header
+      uint64_t room = size_ - used;
       if (room == 0) {
         const int waited = wait_until([&] { return h_->tail.load() + size_ != head; }, h_->room_event,
                                       h_->writer_sleeping, fd, 50, -1);
@@ -240,6 +247,12 @@ class SharedRings final : public LaneTransport {
 
 bool valid_ring_size(size_t bytes) { return bytes >= kMinRing && bytes <= kMaxRing && (bytes & (bytes - 1)) == 0; }
 
+// A memfd that cannot shrink (its pages stay while it is mapped); any other descriptor is refused.
+bool sealed_against_shrinking(int memory) {
+  const int seals = ::fcntl(memory, F_GET_SEALS);
+  return seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
+}
+
 void* map_shared(int memory, size_t bytes) {
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memory, 0);
   return p == MAP_FAILED ? nullptr : p;
@@ -297,9 +310,12 @@ std::unique_ptr<LaneTransport> offer_shared_rings(int fd, size_t ring_bytes, int
 #ifdef __linux__
   if (!valid_ring_size(ring_bytes)) return nullptr;
   const size_t bytes = SharedRings::mapping_bytes(ring_bytes);
-  const int memory = static_cast<int>(::syscall(SYS_memfd_create, "kvmosaic-lane", 1u /* MFD_CLOEXEC */));
+  const int memory = static_cast<int>(::syscall(SYS_memfd_create, "kvmosaic-lane", 3u /* CLOEXEC, ALLOW_SEALING */));
   if (memory < 0) return nullptr;
-  void* mapping = ::ftruncate(memory, static_cast<off_t>(bytes)) == 0 ? map_shared(memory, bytes) : nullptr;
+  // sealed at its size: the server maps nothing it could lose pages of
+  const bool sized = ::ftruncate(memory, static_cast<off_t>(bytes)) == 0 &&
+                     ::fcntl(memory, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0;
+  void* mapping = sized ? map_shared(memory, bytes) : nullptr;
   if (mapping == nullptr) {
     ::close(memory);
     return nullptr;
@@ -340,11 +356,13 @@ std::unique_ptr<LaneTransport> accept_transport(int fd, LaneRequestHeader* first
     if (passed >= 0) ::close(passed);  // a descriptor nobody asked for
     return socket;
   }
-  const size_t ring_bytes = static_cast<size_t>(first->scale);
+  // checked as a double first: casting one out of size_t's range is undefined
+  const bool in_range = first->scale >= static_cast<double>(kMinRing) && first->scale <= static_cast<double>(kMaxRing);
+  const size_t ring_bytes = in_range ? static_cast<size_t>(first->scale) : 0;
   const size_t bytes = SharedRings::mapping_bytes(ring_bytes);
   struct stat info {};
   void* mapping = nullptr;
-  if (passed >= 0 && valid_ring_size(ring_bytes) && ::fstat(passed, &info) == 0 &&
+  if (passed >= 0 && valid_ring_size(ring_bytes) && sealed_against_shrinking(passed) && ::fstat(passed, &info) == 0 &&
       static_cast<size_t>(info.st_size) >= bytes)
     mapping = map_shared(passed, bytes);
   if (passed >= 0) ::close(passed);
