@@ -14,7 +14,7 @@ import httpx
 import pytest
 from test_disagg_model import config
 
-from kvmosaic.config import DisaggConfig
+from kvmosaic.config import DisaggConfig, RestartPolicy
 from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
 
 pytest.importorskip("ray")
@@ -32,7 +32,8 @@ def served(ray_runtime):
     cfg = dataclasses.replace(  # room for two 1,500-token prompts a worker, prefilled in 256-token chunks
         base, cache=dataclasses.replace(base.cache, kv_cache_memory="192MiB"),
         scheduler=dataclasses.replace(base.scheduler, max_model_len=2048, max_num_batched_tokens=256))
-    engine = build_disaggregated(cfg, DisaggConfig(prefill_workers=2, decode_workers=2, rpc_timeout=30.0))
+    engine = build_disaggregated(cfg, DisaggConfig(prefill_workers=2, decode_workers=2, rpc_timeout=30.0,
+                                                   restart=RestartPolicy(max_restarts=0)))  # lost stays lost
     try:
         with (BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as server,
               httpx.Client(base_url=server.url, timeout=DEADLINE) as http):
