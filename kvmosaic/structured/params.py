@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvmosaic.structured.limits import check_schema, check_size, parse_schema_text
+
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -34,6 +36,17 @@ class GuidedDecoding:
                 raise ValueError(f"guided_{kind} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError("guided_json must be a JSON schema object or its text")
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        """Refuse, before the engine compiles anything, inputs too deep or too large to compile safely."""
+        if self.json is not None:
+            check_schema(parse_schema_text(self.json) if isinstance(self.json, str) else self.json)
+        for kind in ("regex", "grammar"):
+            if getattr(self, kind) is not None:
+                check_size(getattr(self, kind), f"guided_{kind}")
+        if self.choice is not None:
+            check_size("".join(self.choice), "guided_choice")
 
     @property
     def kind(self) -> str:

@@ -50,7 +50,7 @@ from kvmosaic.entrypoints.openai.protocol import (
 )
 from kvmosaic.entrypoints.openai.request_text import TextCheckedRoute
 from kvmosaic.entrypoints.openai.serving_chat import ChatServing
-from kvmosaic.entrypoints.openai.serving_common import ServingContext
+from kvmosaic.entrypoints.openai.serving_common import ENGINE_FAILED, ServingContext
 from kvmosaic.entrypoints.openai.serving_completions import CompletionServing
 from kvmosaic.entrypoints.openai.serving_tokens import TokenServing
 from kvmosaic.metrics import ServerMetrics
@@ -149,7 +149,7 @@ def _routes(ctx: ServingContext, async_engine: AsyncEngine, metrics: ServerMetri
 
     @router.post("/tokenize", responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokens.tokenize(body)
+        return await tokens.tokenize(body)
 
     @router.post("/detokenize", responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -162,7 +162,7 @@ def _routes(ctx: ServingContext, async_engine: AsyncEngine, metrics: ServerMetri
     @router.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> JSONResponse:
         if async_engine.failure is not None:
-            return ApiError(503, f"the engine failed: {async_engine.failure}", code="engine_failed").response()
+            return ApiError(503, ENGINE_FAILED, code="engine_failed").response()
         if async_engine.draining:
             return ApiError(503, "the server is shutting down", code="unavailable").response()
         if not async_engine.alive:

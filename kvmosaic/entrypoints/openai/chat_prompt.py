@@ -59,31 +59,42 @@ class ChatPromptEncoder:
             return None
         spans: list[Span] = []
         pieces: list[str] = []
+        length = 0  # of "".join(pieces), kept as a running sum so the walk stays linear
         last = 0
         for match in _MARKER_RE.finditer(template):
-            pieces.append(template[last : match.start()])
-            start = sum(map(len, pieces))
-            content = messages[int(match.group(1))]["content"]
-            pieces.append(content)
+            index = int(match.group(1))
+            if index >= len(messages):  # marker-like text that came from elsewhere (a tool's description)
+                return None
+            content = messages[index]["content"]
+            between = template[last : match.start()]
+            start = length + len(between)
+            pieces += (between, content)
             spans.append((start, start + len(content)))
+            length = start + len(content)
             last = match.end()
         pieces.append(template[last:])
         return spans if "".join(pieces) == rendered else None
 
     def _encode(self, rendered: str, spans: list[Span]) -> list[int]:
-        ids: list[int] = []
+        # Text runs and control ids in order; the runs are tokenized in one batch call, not one call each.
+        runs: list[str | int] = []
         text_start = 0
         for seg_start, seg_end in _complement(spans, len(rendered)):
             if self._special_re is None:
                 break
             for match in self._special_re.finditer(rendered, seg_start, seg_end):
-                ids += self._plain_ids(rendered[text_start : match.start()])
-                ids.append(self._special_ids[match.group()])
+                runs += (rendered[text_start : match.start()], self._special_ids[match.group()])
                 text_start = match.end()
-        return ids + self._plain_ids(rendered[text_start:])
-
-    def _plain_ids(self, text: str) -> list[int]:
-        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+        runs.append(rendered[text_start:])
+        texts = [run for run in runs if isinstance(run, str) and run]
+        encoded = iter(self._plain.encode_batch(texts, add_special_tokens=False) if texts else [])
+        ids: list[int] = []
+        for run in runs:
+            if isinstance(run, int):
+                ids.append(run)
+            elif run:
+                ids += next(encoded).ids
+        return ids
 
     def _has_special(self, text: str) -> bool:
         return self._special_re is not None and self._special_re.search(text) is not None

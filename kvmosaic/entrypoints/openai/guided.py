@@ -46,6 +46,9 @@ def _from_response_format(response_format: dict[str, Any] | None) -> GuidedDecod
         if not isinstance(schema, dict):
             raise bad_request("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                               "response_format")
-        return GuidedDecoding(json=schema)
+        try:
+            return GuidedDecoding(json=schema)
+        except ValueError as exc:
+            raise bad_request(str(exc), "response_format") from exc
     raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
                       "response_format")

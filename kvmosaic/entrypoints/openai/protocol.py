@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
 
 class _Request(BaseModel):
@@ -35,7 +35,7 @@ class SamplingRequest(_Request):
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int | None = None
@@ -55,7 +55,8 @@ class SamplingRequest(_Request):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # token ids are strict: 1.0 or true is a client bug, not token 1
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     best_of: int | None = None
     logprobs: int | None = None
@@ -100,7 +101,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 # ---------------------------------------------------------------- responses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from kvmosaic.entrypoints.openai.errors import bad_request, param_named_in
 from kvmosaic.entrypoints.openai.protocol import SamplingRequest
@@ -10,7 +11,10 @@ from kvmosaic.entrypoints.openai.serving_common import ServingContext
 from kvmosaic.sampling_params import SamplingParams
 from kvmosaic.structured import GuidedDecoding
 
-MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # SamplingParams' bound, as vLLM's default max_logprobs
+MAX_STOP_STRINGS = 8  # OpenAI allows 4; a few more for harnesses that list several terminators
+MAX_STOP_CHARS = 512  # every streamed choice holds back up to this much text while a stop may be forming
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: "²" is a digit to str.isdigit, not to int()
 _SEED_RANGE = (-(2**63), 2**63)
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -34,10 +38,12 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens:
                           "repetition_penalty")
     if req.seed is not None and not _SEED_RANGE[0] <= req.seed < _SEED_RANGE[1]:
         raise bad_request("seed must fit in a signed 64-bit integer", "seed")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        # checked here: completions fold it into max(logprobs, prompt_logprobs), which would hide a -1
+        raise bad_request(f"prompt_logprobs must be null or in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
+                          "prompt_logprobs")
     logit_bias = _logit_bias(req.logit_bias, ctx.vocab_size)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    stop = _stop_strings(req.stop)
     stop_token_ids = list(req.stop_token_ids or [])
     if any(not 0 <= t < ctx.vocab_size for t in stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {ctx.vocab_size})", "stop_token_ids")
@@ -58,14 +64,29 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens:
         raise bad_request(str(exc), param_named_in(str(exc))) from exc
 
 
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", "stop")
+    for i, text in enumerate(stop):
+        if not text:
+            raise bad_request(f"stop[{i}] is empty; stop strings must be non-empty", "stop")
+        if len(text) > MAX_STOP_CHARS:
+            raise bad_request(f"stop[{i}] is {len(text)} characters long; at most {MAX_STOP_CHARS} are allowed",
+                              "stop")
+    return stop
+
+
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     """OpenAI's logit_bias: token ids (as JSON object keys) -> a bias in [-100, 100]."""
     if not bias:
         return None
     out = {}
     for key, value in bias.items():
-        if not key.isdigit() or int(key) >= vocab_size:
-            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        if not _TOKEN_ID_KEY.fullmatch(key) or int(key) >= vocab_size:
+            shown = key if len(key) <= 20 else f"{key[:20]}..."  # a 5,000-digit key is not worth echoing
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {shown!r}",
+                              "logit_bias")
         if not math.isfinite(value) or not -100.0 <= value <= 100.0:
             raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
         out[int(key)] = float(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -34,6 +35,7 @@ from kvmosaic.entrypoints.openai.sampling import build_sampling_params
 from kvmosaic.entrypoints.openai.serving_common import ChoiceDelta, Generation, ServingContext
 
 MAX_TOP_LOGPROBS = 20
+MAX_MESSAGES = 2048  # OpenAI's own bound; a conversation longer than that does not fit a context anyway
 _ROLE_ALIASES = {"developer": "system"}
 
 
@@ -46,9 +48,12 @@ class ChatServing:
         self.ctx.check_model(body.model)
         _check_unsupported(body)
         functions = _functions(body)
-        prompt_ids = encode_messages(self.ctx, body.messages, body.add_generation_prompt, functions)
+        prompt_ids = await encode_messages_off_loop(self.ctx, body.messages, body.add_generation_prompt, functions)
         guided = guided_decoding(body, body.response_format)
-        forced_calls = tool_calls.call_grammar(functions, body.tool_choice) if functions else None
+        try:
+            forced_calls = tool_calls.call_grammar(functions, body.tool_choice) if functions else None
+        except ValueError as exc:  # the tools' schemas together make a grammar over the size bound
+            raise bad_request(str(exc), "tools") from exc
         if forced_calls is not None and guided is not None:
             raise bad_request("tool_choice 'required' or a named function cannot be combined with another "
                               "output constraint", "tool_choice")
@@ -74,10 +79,19 @@ def _functions(body: ChatCompletionRequest) -> list[dict]:
     return [] if body.tool_choice == "none" else functions
 
 
+async def encode_messages_off_loop(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                                   functions: list[dict] | None = None) -> list[int]:
+    """``encode_messages`` in a worker thread: a long conversation takes its template and tokenizer
+    time there, while the event loop goes on serving every other request."""
+    return await asyncio.to_thread(encode_messages, ctx, messages, add_generation_prompt, functions)
+
+
 def encode_messages(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
                     functions: list[dict] | None = None) -> list[int]:
     """The prompt's token ids: messages rendered by the model's chat template (with the functions
     offered, if any); a 400 if they cannot be."""
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"messages has {len(messages)} entries; at most {MAX_MESSAGES} are allowed", "messages")
     try:
         flat = [_flatten(i, m) for i, m in enumerate(messages)]
         tools = None
@@ -110,7 +124,10 @@ def _flatten(index: int, message: ChatMessage) -> dict:
             raise bad_request(f"messages[{index}]: only text content parts are supported", "messages")
         content = "".join(part.text for part in content)
     if message.tool_calls:  # the calls an assistant made, as it wrote them
-        calls = tool_calls.render_calls(message.tool_calls)
+        try:
+            calls = tool_calls.render_calls(message.tool_calls)
+        except ValueError as exc:
+            raise bad_request(f"messages[{index}].{exc}", "messages") from exc
         content = f"{content}\n{calls}" if content else calls
     if content is None:
         raise bad_request(f"messages[{index}] has no content", "messages")

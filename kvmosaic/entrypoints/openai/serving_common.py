@@ -179,6 +179,14 @@ class Generation:
         return ChoiceDelta(index, text, tokens, logprobs, finish)
 
 
+# What clients read when the engine or a worker fails: fixed text, because the exception's own text
+# can carry worker process ids, node addresses and Ray namespaces; those go to the server log instead.
+WORKER_FAILED = "the server failed while running the request; retry it"
+ENGINE_STOPPED = "the engine is not running; retry the request later"
+NO_WORKER = "no worker can take the request now; retry it later"
+ENGINE_FAILED = "the engine failed; the details are in the server log"  # /health, after the loop died
+
+
 def _api_error(exc: BaseException) -> BaseException:
     if isinstance(exc, ApiError):
         return exc
@@ -186,18 +194,30 @@ def _api_error(exc: BaseException) -> BaseException:
         return bad_request(str(exc), param_named_in(str(exc)) or "prompt")
     if isinstance(exc, QueueFullError):
         return ApiError(503, f"the server is overloaded: {exc}", code="queue_full")
-    if isinstance(exc, ServerDrainingError | EngineDeadError | EngineUnavailableError):  # a server fault
+    if isinstance(exc, ServerDrainingError):
         return ApiError(503, str(exc), code="unavailable")
+    if isinstance(exc, EngineDeadError):
+        return _withheld(503, ENGINE_STOPPED, exc, "unavailable")
+    if isinstance(exc, EngineUnavailableError):  # a server fault
+        return _withheld(503, NO_WORKER, exc, "unavailable")
     if isinstance(exc, RequestFailedError):
-        return ApiError(500, str(exc), code="engine_error")
+        return _withheld(500, WORKER_FAILED, exc, "engine_error")
     return exc
 
 
 def engine_error(exc: BaseException) -> ApiError:
     """The error a request gets when the engine drops it mid-way (shutdown deadline, engine failure)."""
-    if isinstance(exc, RequestAbortedError | EngineDeadError):
+    if isinstance(exc, RequestAbortedError):  # the shutdown deadline: our own text, nothing to hide
         return ApiError(503, str(exc), code="aborted")
-    if isinstance(exc, RequestFailedError):  # the engine logged it; other requests go on
-        return ApiError(500, str(exc), code="engine_error")
+    if isinstance(exc, EngineDeadError):
+        return _withheld(503, ENGINE_STOPPED, exc, "aborted")
+    if isinstance(exc, RequestFailedError):  # other requests go on
+        return _withheld(500, WORKER_FAILED, exc, "engine_error")
     logger.error("request failed", exc_info=exc)
     return ApiError(500, f"internal server error: {type(exc).__name__}")
+
+
+def _withheld(status: int, message: str, exc: BaseException, code: str) -> ApiError:
+    """An error with fixed client text; the exception's details are logged."""
+    logger.warning("a request ended with %d (%s): %s: %s", status, code, type(exc).__name__, exc)
+    return ApiError(status, message, code=code)

@@ -9,7 +9,7 @@ from kvmosaic.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvmosaic.entrypoints.openai.serving_chat import encode_messages
+from kvmosaic.entrypoints.openai.serving_chat import encode_messages_off_loop
 from kvmosaic.entrypoints.openai.serving_common import ServingContext
 
 
@@ -17,12 +17,12 @@ class TokenServing:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            tokens = encode_messages(self.ctx, body.messages, body.add_generation_prompt)
+            tokens = await encode_messages_off_loop(self.ctx, body.messages, body.add_generation_prompt)
         else:
             tokens = self.ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.ctx.max_model_len, tokens=tokens)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmosaic.structured import GuidedDecoding
+from kvmosaic.structured.limits import check_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -39,6 +40,10 @@ def check_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] |
             raise ValueError(f"tools[{i}].function needs a name")
         if not isinstance(function.get("parameters", {}), dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        try:
+            check_schema(function.get("parameters", {}))
+        except ValueError as exc:
+            raise ValueError(f"tools[{i}].function.parameters: {exc}") from exc
         functions.append(function)
     named = chosen_function(tool_choice)
     if named is not None and named not in {f["name"] for f in functions}:
@@ -77,13 +82,16 @@ def with_tool_prompt(messages: list[dict], functions: list[dict[str, Any]]) -> l
 def render_calls(calls: list[dict[str, Any]]) -> str:
     """An assistant message's earlier tool calls as the text the model would have written."""
     blocks = []
-    for call in calls:
-        function = call.get("function", {})
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tool_calls[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                             "'arguments': ...}}")
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"tool call arguments are not JSON: {exc}") from exc
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"tool_calls[{i}].function.arguments is not JSON: {exc}") from exc
         blocks.append(f"{OPEN}\n{json.dumps({'name': function.get('name'), 'arguments': arguments})}\n{CLOSE}")
     return "\n".join(blocks)
 
