@@ -310,6 +310,19 @@ class TestClusterOnRay:
         assert fresh_stats(cluster)["worker_restarts"] == {"instance": 2}
 
 
+    def test_an_idle_instance_lost_on_add_sends_the_request_to_the_survivor(self, cluster, reference):
+        from test_distributed_cluster import drive, prompt
+
+        idle = min(cluster.instances)  # where the next request goes: both are idle, lowest id first
+        os.kill(ray_get(cluster.instances[idle].pid.remote()), signal.SIGKILL)
+        tokens = prompt(60, 30)
+        cluster.add_request("after", tokens, greedy(4))  # no 400: the lost one is passed over
+        assert cluster.route["after"] != idle and idle not in cluster.instances
+        finished: dict = {}
+        drive(cluster, finished)
+        assert finished["after"].outputs[0].token_ids == reference(tokens, 4)
+
+
 def greedy(max_tokens: int, final_only: bool = False) -> SamplingParams:
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, final_only=final_only)
 

@@ -25,6 +25,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from kvmosaic.config import DistributedConfig, EngineConfig
+from kvmosaic.distributed.cluster_stats import cluster_stats
 from kvmosaic.distributed.data_plane import secure
 from kvmosaic.distributed.gmanager import GManager
 from kvmosaic.distributed.instance_pool import InstancePool, placement  # noqa: F401  (placement: re-exported)
@@ -202,7 +203,7 @@ class Cluster:
             outputs.extend(self._collect(step_outputs, errors))
         self._steps += 1
         interval = self.dist_config.dgfm_interval
-        if interval and self._steps % interval == 0 and not self.dead:
+        if interval and self._steps % interval == 0:
             try:
                 self.resolve_cycles()
             except LOST as exc:  # the lost instance shows at its next poll
@@ -231,11 +232,12 @@ class Cluster:
         reads a block table it changes): holding them all every time would pause every instance for
         the slowest one's step, a long prefill chunk."""
         timeout = self.dist_config.rpc_timeout
-        plans = ray.get(self.gmanager.plan_swaps.remote(), timeout=timeout)
+        live = dict(self.instances)
+        plans = [plan for plan in ray.get(self.gmanager.plan_swaps.remote(), timeout=timeout)
+                 if set(plan.cycle) <= set(live)]  # one just lost and not yet written off waits
         if not plans:
             return 0
         members = {i for plan in plans for i in plan.cycle}
-        live = dict(self.instances)
         held = [h for i, h in live.items() if i in members and not self.dist_config.lockstep]
         ray.get([h.hold.remote() for h in held], timeout=timeout)
         try:
@@ -325,28 +327,9 @@ class Cluster:
         for i in self.pool.live:  # the gManager declared it dead: hung, or cut off from the others
             if not ledger["alive"].get(i, True):
                 self._pending += self._instance_died(i, RuntimeError("it missed its heartbeats"))
-        per_instance = self.instance_stats()
-        total: dict = {}
-        for stats in per_instance.values():
-            for key, value in stats.items():
-                total[key] = total.get(key, 0) + value
-        counters = ledger["counters"]
-        blocks = total.get("dist_table_blocks", 0)
-        total.update({
-            "dist_instances_alive": sum(ledger["alive"].values()),
-            "dist_outstanding_debt_blocks": ledger["total_debt"],
-            "dist_loans_total": counters["loans"],
-            "dist_repayments_total": counters["repayments"],
-            "dist_swaps_total": counters["swaps"],
-            "dist_swapped_blocks_total": counters["swapped_blocks"],
-            "dist_written_off_blocks_total": counters["written_off_blocks"],
-            "dist_remote_fraction": total.get("dist_borrowed_blocks", 0) / blocks if blocks else 0.0,
-            "dist_reruns": self.num_reruns,
-            "workers_live": {"instance": len(self.instances)},
-            "worker_restarts": {"instance": self.pool.restarts},
-        })
-        total["prefix_cache_hit_rate"] = (total.get("prefix_cache_hits", 0) / total["prefix_cache_queries"]
-                                          if total.get("prefix_cache_queries") else 0.0)
+        total = cluster_stats(self.instance_stats(), ledger)
+        total.update({"dist_reruns": self.num_reruns, "workers_live": {"instance": len(self.instances)},
+                      "worker_restarts": {"instance": self.pool.restarts}})
         return total
 
     def shutdown(self) -> None:
