@@ -58,7 +58,7 @@ class Instance:
                                      access.handshake_timeout)
         lane = self.attention.open_decode_lane(host, config.lane_spin_us, access) if config.decode_lane else None
         self.decode_server, self.decode_lane = lane if lane is not None else (None, None)
-        ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node))
+        ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node), timeout=config.rpc_timeout)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
         self._heartbeat.start()
         # independent stepping
