@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmosaic.sample.penalties import apply_penalties, pad_token_ids
-from kvmosaic.sample.sampler import SamplingRow, compute_logprobs, random_sample, sample
+from kvmosaic.sample.sampler import SamplingRow, add_logit_bias_, compute_logprobs, random_sample, sample
 from kvmosaic.sample.topk_topp import apply_top_k_top_p_min_p
 from kvmosaic.sampling_params import SamplingParams
 
@@ -318,3 +318,17 @@ def test_zero_probability_tokens_are_never_drawn():
 def test_rejects_mismatched_rows():
     with pytest.raises(ValueError):
         sample(torch.zeros(2, 4), [_row()])
+
+
+def test_logit_bias_shared_by_rows_is_added_to_each_row_once():
+    # the n samples of a request share one dict: it is read once, and every row still gets it
+    logits = torch.randn(6, 10)
+    shared, other = {1: 2.0, 9: -3.0, 12: 5.0}, {1: 0.5}
+    biases = [shared, None, other, shared, {}, shared]
+    expected = logits.clone()
+    for row, bias in enumerate(biases):
+        for token, value in (bias or {}).items():
+            if token < 10:  # ids beyond the vocabulary are ignored
+                expected[row, token] += value
+    add_logit_bias_(logits, biases)
+    assert torch.equal(logits, expected)

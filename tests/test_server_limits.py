@@ -130,6 +130,8 @@ BAD_INPUTS = {
     # name: ((path, body), status, param, words in the message)
     "logit_bias superscript key": (completion(logit_bias={"²": 1}), 400, "logit_bias", "token ids"),
     "logit_bias 5,000-digit key": (completion(logit_bias={"7" * 5000: 1}), 400, "logit_bias", "token ids"),
+    "logit_bias of 1,025 entries": (completion(logit_bias={str(i): 1 for i in range(1025)}),
+                                    400, "logit_bias", "at most 1024"),
     "tool call function not an object": (chat(messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": "f"}]}]),
         400, "messages", "messages[1].tool_calls[0] must be"),

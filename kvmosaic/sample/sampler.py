@@ -116,11 +116,17 @@ def penalize_and_ban(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 def add_logit_bias_(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> None:
     """Add each row's {token id: bias} to its logits (ids beyond the vocabulary are ignored)."""
     vocab = logits.shape[-1]
-    entries = [(i, t, b) for i, bias in enumerate(biases) for t, b in (bias or {}).items() if t < vocab]
-    if entries:
-        rows, ids, values = zip(*entries)
-        logits.index_put_((torch.tensor(rows), torch.tensor(ids)), torch.tensor(values, dtype=logits.dtype),
-                          accumulate=True)
+    rows_of: dict[int, tuple[dict[int, float], list[int]]] = {}
+    for row, bias in enumerate(biases):
+        if bias:  # the n samples of a request share one dict: its entries are read once, not once per row
+            rows_of.setdefault(id(bias), (bias, []))[1].append(row)
+    for bias, rows in rows_of.values():
+        entries = [(t, b) for t, b in bias.items() if t < vocab]
+        if entries:
+            ids, values = zip(*entries)
+            row_ids = torch.tensor(rows).repeat_interleave(len(ids))
+            logits.index_put_((row_ids, torch.tensor(ids).repeat(len(rows))),
+                              torch.tensor(values, dtype=logits.dtype).repeat(len(rows)), accumulate=True)
 
 
 def unpack_token_masks(masks: list[bytes], vocab_size: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from kvmosaic.sampling_params import SamplingParams
 from kvmosaic.structured import GuidedDecoding
 
 MAX_LOGPROBS = 20  # SamplingParams' bound, as vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 1024  # OpenAI allows 300; every decode step adds each entry in Python, for every request
 MAX_STOP_STRINGS = 8  # OpenAI allows 4; a few more for harnesses that list several terminators
 MAX_STOP_CHARS = 512  # every streamed choice holds back up to this much text while a stop may be forming
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: "²" is a digit to str.isdigit, not to int()
@@ -81,6 +82,8 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     """OpenAI's logit_bias: token ids (as JSON object keys) -> a bias in [-100, 100]."""
     if not bias:
         return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed", "logit_bias")
     out = {}
     for key, value in bias.items():
         if not _TOKEN_ID_KEY.fullmatch(key) or int(key) >= vocab_size:
