@@ -158,6 +158,7 @@ BAD_INPUTS = {
     "prompt token id 1.0": (completion(prompt=[1.0]), 422, "prompt", ""),
     "prompt token id true": (completion(prompt=[True]), 422, "prompt", ""),
     "prompt token id list with 2.0": (completion(prompt=[[1, 2.0]]), 422, "prompt", ""),
+    "1,025 stop_token_ids": (completion(stop_token_ids=[1] * 1025), 400, "stop_token_ids", "at most 1024"),
     "stop_token_ids 1.0": (completion(stop_token_ids=[1.0]), 422, "stop_token_ids", ""),
     "detokenize true": (("/detokenize", {"tokens": [True]}), 422, "tokens", ""),
     "9 stop strings": (completion(stop=[f"s{i}" for i in range(9)]), 400, "stop", "at most 8"),

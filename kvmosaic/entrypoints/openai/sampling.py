@@ -13,6 +13,7 @@ from kvmosaic.structured import GuidedDecoding
 
 MAX_LOGPROBS = 20  # SamplingParams' bound, as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 1024  # OpenAI allows 300; every decode step adds each entry in Python, for every request
+MAX_STOP_TOKEN_IDS = 1024  # each decode step looks them up (and builds a set of them) per request
 MAX_STOP_STRINGS = 8  # OpenAI allows 4; a few more for harnesses that list several terminators
 MAX_STOP_CHARS = 512  # every streamed choice holds back up to this much text while a stop may be forming
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: "²" is a digit to str.isdigit, not to int()
@@ -46,6 +47,9 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, max_tokens:
     logit_bias = _logit_bias(req.logit_bias, ctx.vocab_size)
     stop = _stop_strings(req.stop)
     stop_token_ids = list(req.stop_token_ids or [])
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids has {len(stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS} are "
+                          "allowed", "stop_token_ids")
     if any(not 0 <= t < ctx.vocab_size for t in stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {ctx.vocab_size})", "stop_token_ids")
     top_k = 0 if req.top_k is None or req.top_k >= ctx.vocab_size else req.top_k
