@@ -349,6 +349,10 @@ class DisaggConfig:
     rpc_timeout: float = 60.0  # seconds an insert, generate, abort or stats call may take
     prefill_timeout: float = 600.0  # seconds one prefill may take
     transfer_timeout: float = 30.0  # seconds a decode worker waits for a prefix's K/V before recomputing it
+    # While a call runs, its worker is pinged this often; one that does not answer a ping within
+    # ping_timeout is hung (stopped, wedged) and lost, however long the call itself may take.
+    ping_interval: float = 5.0
+    ping_timeout: float = 10.0
     kv_transfer_dtype: str = "auto"  # "auto": the cache's own format; "int8": a float cache's K/V as int8 records
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # how a dead or hung worker is replaced
 
@@ -357,6 +361,7 @@ class DisaggConfig:
             raise ValueError("disaggregated serving needs at least one prefill and one decode worker")
         if min(self.max_pending_prefills, self.max_pending_inserts, self.max_routed_blocks) < 1:
             raise ValueError("disaggregation queue bounds must be >= 1")
-        if min(self.step_wait, self.rpc_timeout, self.prefill_timeout, self.transfer_timeout) <= 0:
+        if min(self.step_wait, self.rpc_timeout, self.prefill_timeout, self.transfer_timeout, self.ping_interval,
+               self.ping_timeout) <= 0:
             raise ValueError("disaggregation timeouts must be > 0")
         check_kv_transfer_dtype(self.kv_transfer_dtype)

@@ -160,7 +160,8 @@ def served(ray_runtime):
     from kvmosaic.disagg.ray_workers import build_disaggregated
     from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
 
-    disagg = DisaggConfig(rpc_timeout=20.0, restart=dataclasses.replace(QUICK, backoff=0.2, max_backoff=0.2))
+    disagg = DisaggConfig(rpc_timeout=20.0, ping_interval=0.5, ping_timeout=3.0,
+                          restart=dataclasses.replace(QUICK, max_restarts=2, backoff=0.2, max_backoff=0.2))
     engine = build_disaggregated(config("auto"), disagg)
     try:
         with (BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as server,
@@ -209,11 +210,30 @@ class TestDisaggregatedOnRay:
         wait_http(lambda: http.get("/health").status_code == 200, "200 after recovery")
         assert role_series(http)[("worker_restarts_total", "prefill")] == 1.0
 
+    def test_stopped_decode_worker(self, served):
+        from test_disagg_server import body
+
+        engine, http = served
+        request = body([1200, 2200, 3200], 48)
+        undisturbed = http.post("/v1/completions", json=request).json()["choices"][0]["text"]
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(http.post, "/v1/completions", json=request)
+            wait_http(lambda: engine.stats()["num_running"] >= 1, "running")
+            pid = engine.decode_workers[0].process[1]
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                assert answer.result().json()["choices"][0]["text"] == undisturbed  # ran again, unseen
+            finally:
+                with_gone(pid, signal.SIGCONT)
+        assert time.monotonic() - stopped < 30  # lost after a missed ping (3 s), replaced, run again
+        assert role_series(http)[("worker_restarts_total", "decode")] == 2.0
+
     def test_a_spent_budget_is_a_503_not_a_400(self, served):
         from test_disagg_server import body
 
         engine, http = served
-        os.kill(engine.decode_workers[0].process[1], signal.SIGKILL)  # its one restart is used up
+        os.kill(engine.decode_workers[0].process[1], signal.SIGKILL)  # its two restarts are used up
         wait_http(lambda: http.get("/health").status_code == 503, "503 with no decode worker left", 10)
         assert engine.serving_state().reason == "no decode worker is live"
         answer = http.post("/v1/completions", json=body([1000, 2000, 3000], 4))

@@ -135,13 +135,23 @@ class DecodeActor:
 
 
 class _Proxy:
-    def __init__(self, handle, timeout: float, process: tuple[str, int] | None = None) -> None:
-        """``process``: the actor's (Ray node id, pid)."""
-        self.handle, self.timeout, self.process = handle, timeout, process
+    def __init__(self, handle, timeout: float, process: tuple[str, int] | None = None,
+                 ping: tuple[float, float] | None = None) -> None:
+        """``process``: the actor's (Ray node id, pid); ``ping``: (interval, timeout) of the liveness
+        pings while a call runs (None: none, the call's own timeout only)."""
+        self.handle, self.timeout, self.process, self.ping = handle, timeout, process, ping
 
     def _call(self, method: str, *args, timeout: float | None = None):
+        ref = getattr(self.handle, method).remote(*args)
+        deadline = time.monotonic() + (timeout or self.timeout)
         try:
-            return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout or self.timeout)
+            while self.ping is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or ray.wait([ref], timeout=min(self.ping[0], left))[0]:
+                    break
+                # the actor answers pings on its second thread while the call runs: a hung one does not
+                ray.get(self.handle.process.remote(), timeout=self.ping[1])
+            return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                 ray.exceptions.ActorUnavailableError) as exc:
             raise WorkerLost(f"{type(exc).__name__}: {exc}") from exc
@@ -157,8 +167,9 @@ class _Proxy:
 
 
 class RayPrefillWorker(_Proxy):
-    def __init__(self, handle, timeout: float, prefill_timeout: float, process: tuple[str, int] | None = None) -> None:
-        super().__init__(handle, timeout, process)
+    def __init__(self, handle, timeout: float, prefill_timeout: float, process: tuple[str, int] | None = None,
+                 ping: tuple[float, float] | None = None) -> None:
+        super().__init__(handle, timeout, process, ping)
         self.prefill_timeout = prefill_timeout
 
     def prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -189,8 +200,9 @@ class RaySpawner:
 
     def __init__(self, config: EngineConfig, disagg: DisaggConfig) -> None:
         self.config, self.disagg = config, disagg
-        self._actors = {"prefill": ray.remote(PrefillActor).options(num_cpus=0),
-                        "decode": ray.remote(DecodeActor).options(num_cpus=0)}
+        # two threads: one serves the orchestrator's calls, one answers liveness pings meanwhile
+        self._actors = {"prefill": ray.remote(PrefillActor).options(num_cpus=0, max_concurrency=2),
+                        "decode": ray.remote(DecodeActor).options(num_cpus=0, max_concurrency=2)}
 
     def create(self, role: str):
         extra = self.disagg.kv_transfer_dtype if role == "prefill" else self.disagg.transfer_timeout
@@ -203,9 +215,10 @@ class RaySpawner:
         except Exception:
             ray.kill(handle, no_restart=True)
             raise
+        ping = (self.disagg.ping_interval, self.disagg.ping_timeout)
         if role == "prefill":
-            return RayPrefillWorker(handle, self.disagg.rpc_timeout, self.disagg.prefill_timeout, process)
-        return RayDecodeWorker(handle, self.disagg.rpc_timeout, process)
+            return RayPrefillWorker(handle, self.disagg.rpc_timeout, self.disagg.prefill_timeout, process, ping)
+        return RayDecodeWorker(handle, self.disagg.rpc_timeout, process, ping)
 
     def spawn(self, role: str, index: int) -> RayPrefillWorker | RayDecodeWorker:
         return self.ready(role, self.create(role))
