@@ -1,8 +1,9 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
 
-Status codes: 400 bad values, text that is not valid Unicode, or malformed JSON; 401 no valid API
-key; 404 unknown model or route; 408 a body that did not arrive in time; 413 a body over the
-limit; 422 a request that does not match the schema; 503 queue full / shutting down / engine down.
+Status codes: 400 bad values (a list over its length bound too), text that is not valid Unicode,
+or malformed JSON; 401 no valid API key; 404 unknown model or route; 408 a body that did not
+arrive in time; 413 a body over the limit; 422 a request that does not match the schema; 503
+queue full / shutting down / engine down.
 A 500 means a bug or a failure inside the engine, and is logged with its traceback.
 """
 
@@ -72,6 +73,8 @@ def schema_error(exc: RequestValidationError) -> ApiError:
     param = loc[0] if loc else None  # the top-level field; the full path (with union members) goes in the text
     where = f"{'.'.join(loc)}: " if loc else ""
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    if first.get("type") == "too_long":  # a bound on a list's length is a value check: a 400, as the others
+        return ApiError(400, f"{where}{first.get('msg')}{more}", param)
     return ApiError(422, f"{where}{first.get('msg', 'invalid request')}{more}", param, code="invalid_schema")
 
 

@@ -8,9 +8,12 @@ meaning are checked when a request is turned into SamplingParams (a 400).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+
+MAX_MESSAGES = 2048  # OpenAI's bound; checked while parsing, so a longer list costs no per-message work
+Messages = Annotated[list["ChatMessage"], Field(max_length=MAX_MESSAGES)]
 
 
 class _Request(BaseModel):
@@ -78,7 +81,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Messages
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -94,7 +97,7 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -35,7 +35,6 @@ from kvmosaic.entrypoints.openai.sampling import build_sampling_params
 from kvmosaic.entrypoints.openai.serving_common import ChoiceDelta, Generation, ServingContext
 
 MAX_TOP_LOGPROBS = 20
-MAX_MESSAGES = 2048  # OpenAI's own bound; a conversation longer than that does not fit a context anyway
 _ROLE_ALIASES = {"developer": "system"}
 
 
@@ -90,8 +89,6 @@ def encode_messages(ctx: ServingContext, messages: list[ChatMessage], add_genera
                     functions: list[dict] | None = None) -> list[int]:
     """The prompt's token ids: messages rendered by the model's chat template (with the functions
     offered, if any); a 400 if they cannot be."""
-    if len(messages) > MAX_MESSAGES:
-        raise bad_request(f"messages has {len(messages)} entries; at most {MAX_MESSAGES} are allowed", "messages")
     try:
         flat = [_flatten(i, m) for i, m in enumerate(messages)]
         tools = None
