@@ -190,3 +190,39 @@ def test_streaming_finds_the_first_stop_and_never_leaks_it(chunks, stops):
             return
         assert not found
         emitted = max(emitted, len(text) - matcher.held_back)
+
+
+# ---------------------------------------------------------------- through the engine: the same stream as before
+def _streamed(stops: list[str]) -> list[tuple[str, str | None]]:
+    """(text, finish reason) of each output of one greedy mock request: " t6 t12 t24 t48 t32 t0 t0 t0"."""
+    from kvmosaic.engine.engine import Engine
+    from kvmosaic.executor.mock import MockExecutor
+    from kvmosaic.sampling_params import SamplingParams
+
+    engine = Engine(executor=MockExecutor(num_device_blocks=8, block_size=4))
+    engine.add_request(None, "t1 t2 t3", SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8, stop=stops))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [(o.outputs[0].text, o.outputs[0].finish_reason) for o in engine.step()]
+    return outputs
+
+
+def _reference_stream(texts: list[str], stops: list[str]) -> list[tuple[str, str | None]]:
+    """What the old find_stop / trim_for_streaming made of the same token-by-token texts."""
+    expected, previous = [], ""
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        hit = None if last else _reference_find(text, len(text) - len(previous), stops)
+        if hit is not None:
+            return expected + [(text[: hit[0]], "stop")]
+        expected.append((text, "length") if last else (text[: len(text) - _reference_held(text, stops)], None))
+        previous = text
+    return expected
+
+
+@pytest.mark.parametrize("stops", [["t24 t4"], ["t0 t0 t9"], ["t12 t2", "t48 t3", "x"],
+                                   ["t6 t12 t24 t48 t32 t0 t0 t1"]])
+def test_engine_streams_exactly_what_the_old_matcher_streamed(stops):
+    texts = [text for text, _ in _streamed([])]
+    assert texts[-1] == " t6 t12 t24 t48 t32 t0 t0 t0"
+    assert _streamed(stops) == _reference_stream(texts, stops)
