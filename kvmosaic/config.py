@@ -273,6 +273,9 @@ class DistributedConfig:
     instance_concurrency: int = 8  # threads per instance actor (step + remote attention + lending)
     lockstep: bool = False  # True: the front end steps every instance at once (tests); False: each runs its loop
     poll_wait: float = 0.02  # seconds the front end waits for an instance's outputs (independent stepping)
+    # seconds a poll may take before its instance counts as hung: a poll only reads the loop's outbox,
+    # so a live instance answers at once, and a stopped one is replaced this soon (not after rpc_timeout)
+    poll_timeout: float = 10.0
     # Where Ray puts the instance actors: "spread" over the cluster's nodes or "pack" (Ray's default:
     # near the driver); ``instance_nodes`` pins instance i to Ray node id instance_nodes[i] instead.
     placement: str = "spread"
@@ -305,7 +308,7 @@ class DistributedConfig:
             raise ValueError("heartbeat_interval must be > 0 and missed_heartbeats >= 1")
         if self.min_swap_blocks < 1 or self.dgfm_interval < 0:
             raise ValueError("min_swap_blocks must be >= 1 and dgfm_interval >= 0")
-        if self.rpc_timeout <= 0 or self.lend_lock_timeout < 0:
+        if self.rpc_timeout <= 0 or self.poll_timeout <= 0 or self.lend_lock_timeout < 0:
             raise ValueError("rpc_timeout must be > 0 and lend_lock_timeout >= 0")
         if not 0 <= self.lane_spin_us <= 100_000:
             raise ValueError("lane_spin_us must be in [0, 100000]")

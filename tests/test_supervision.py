@@ -246,9 +246,9 @@ def cluster(ray_runtime):
 
     from kvmosaic.distributed.cluster import Cluster
 
+    restart = dataclasses.replace(QUICK, max_restarts=2, backoff=0.2, max_backoff=0.2)
     dist = DistributedConfig(num_instances=2, heartbeat_interval=0.2, missed_heartbeats=25, dgfm_interval=0,
-                             rpc_timeout=8.0, restart=dataclasses.replace(QUICK, max_restarts=2, backoff=0.2,
-                                                                          max_backoff=0.2))
+                             rpc_timeout=8.0, poll_timeout=3.0, restart=restart)
     cl = Cluster(engine_config(BLOCKS), dist)
     yield cl
     cl.shutdown()
@@ -312,23 +312,22 @@ class TestClusterOnRay:
         cluster.add_request("h", held, greedy(24, final_only=True), instance=victim)
         finished: dict = {}
         drive(cluster, finished, until=lambda: "h" in cluster.last_output)
-        pid = ray_get(cluster.instances[victim].pid.remote())
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(ray_get(cluster.instances[victim].pid.remote())):
             start = time.monotonic()
-            with pytest.raises(EngineUnavailableError):
-                cluster.add_request("x", other, greedy(4), instance=victim)
-            assert time.monotonic() - start < cluster.dist_config.rpc_timeout + 5  # a bounded wait, then lost
-            cluster.add_request("o", other, greedy(4))
-            drive(cluster, finished)
-            assert time.monotonic() - start < 60
-        finally:
-            with_gone(pid, signal.SIGCONT)
+            cluster.add_request("o", other, greedy(4), instance=survivor)
+            drive(cluster, finished)  # its poll misses the deadline: lost, and "h" runs again on the survivor
+            assert time.monotonic() - start < cluster.dist_config.poll_timeout + 15
         assert finished["h"].outputs[0].token_ids == reference(held, 24)
         assert finished["o"].outputs[0].token_ids == reference(other, 4)
         wait_http(lambda: replaced(cluster), "the stopped instance replaced")
-        assert fresh_stats(cluster)["worker_restarts"] == {"instance": 2}
-
+        idle = max(cluster.instances)  # the replacement
+        with stopped(ray_get(cluster.instances[idle].pid.remote())):
+            start = time.monotonic()
+            with pytest.raises(EngineUnavailableError):
+                cluster.add_request("x", other, greedy(4), instance=idle)
+            assert time.monotonic() - start < cluster.dist_config.rpc_timeout + 5  # a bounded wait, then lost
+        wait_http(lambda: replaced(cluster), "the stopped replacement replaced")
+        assert fresh_stats(cluster)["worker_restarts"] == {"instance": 3}
 
     def test_an_idle_instance_lost_on_add_sends_the_request_to_the_survivor(self, cluster, reference):
         from test_distributed_cluster import drive, prompt
@@ -362,6 +361,16 @@ def replaced(cluster) -> bool:
 def fresh_stats(cluster) -> dict:
     cluster._stats_cache = None
     return cluster.stats()
+
+
+@contextlib.contextmanager
+def stopped(pid: int):
+    """The process SIGSTOPped (hung) for the block."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with_gone(pid, signal.SIGCONT)
 
 
 def with_gone(pid: int, sig: int) -> None:

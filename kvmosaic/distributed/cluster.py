@@ -190,13 +190,16 @@ class Cluster:
         self._supervise(self.dist_config.poll_wait if self._parked and not self.instances else 0.0)
         outputs, self._pending = self._pending, []
         busy = sorted({i for i in self.route.values() if only is None or i in only})
-        if self.dist_config.lockstep:
+        config = self.dist_config
+        if config.lockstep:
             futures = {i: self.instances[i].step.remote() for i in busy}
         else:
-            futures = {i: self.instances[i].poll.remote(self.dist_config.poll_wait) for i in busy}
+            futures = {i: self.instances[i].poll.remote(config.poll_wait) for i in busy}
+        wait = config.rpc_timeout if config.lockstep else config.poll_wait + config.poll_timeout
+        deadline = time.monotonic() + wait  # the calls run in parallel: one deadline for all
         for i, future in futures.items():
             try:
-                step_outputs, errors = ray.get(future, timeout=self.dist_config.rpc_timeout)
+                step_outputs, errors = ray.get(future, timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001  (dead, fenced, stuck or broken: fail loudly, keep the rest)
                 outputs.extend(self._instance_died(i, exc))
                 continue
