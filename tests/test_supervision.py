@@ -42,6 +42,16 @@ def test_the_restart_budget_backs_off_and_runs_out_per_slot() -> None:
     assert budget.grant("a") == 1.0
 
 
+def test_serve_takes_the_restart_budget() -> None:
+    from kvmosaic.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--instances", "2", "--max-worker-restarts", "0"])
+    assert args.max_worker_restarts == 0
+    assert build_parser().parse_args(["serve"]).max_worker_restarts == 3
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(max_restarts=-1)
+
+
 class DyingDecode(DecodeEngine):
     """A decode worker whose generate raises WorkerLost once ``die`` is set (a killed actor)."""
 

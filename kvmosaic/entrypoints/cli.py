@@ -151,7 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     instances=args.instances, ray_address=args.ray_address, enable_borrowing=not args.no_borrowing,
                     cluster_secret_file=args.cluster_secret_file,
                     prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                    kv_transfer_dtype=args.kv_transfer_dtype)
+                    kv_transfer_dtype=args.kv_transfer_dtype, max_worker_restarts=args.max_worker_restarts)
     try:
         return run_server(llm.engine, config)
     finally:
@@ -218,6 +218,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-dtype", default="auto", choices=["auto", "int8"],
                    help="disaggregated serving: send a float cache's prompt K/V as int8 records (~4x fewer bytes "
                         "than float32) instead of as the cache holds it")
+    p.add_argument("--max-worker-restarts", type=int, default=3,
+                   help="with --instances or --prefill/--decode-workers: times an actor that died or hung is "
+                        "replaced (per worker, within 10 minutes; 0: a lost one stays lost)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,14 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvmosaic.config import CacheConfig, DisaggConfig, DistributedConfig, EngineConfig, SchedulerConfig
+from kvmosaic.config import (
+    CacheConfig,
+    DisaggConfig,
+    DistributedConfig,
+    EngineConfig,
+    RestartPolicy,
+    SchedulerConfig,
+)
 from kvmosaic.engine.factory import build_engine
 from kvmosaic.engine.protocol import EngineClient
 from kvmosaic.outputs import RequestOutput
@@ -48,6 +55,7 @@ class LLM:
         prefill_workers: int = 0,
         decode_workers: int = 0,
         kv_transfer_dtype: str = "auto",
+        max_worker_restarts: int = 3,
         quantization: str | None = "auto",
         speculative: SpeculativeConfig | dict | str | None = None,
         model_loader=None,
@@ -70,7 +78,9 @@ class LLM:
         ``model_loader(path, dtype)`` reads the weights of an in-process engine instead (its own weight
         format). ``prefill_workers`` / ``decode_workers`` > 0: disaggregated prefill and decode, that many
         workers of each as Ray actors (``kvmosaic.disagg``; the prompt's K/V moves from a prefill to a
-        decode worker, as int8 records of a float cache with ``kv_transfer_dtype="int8"``)."""
+        decode worker, as int8 records of a float cache with ``kv_transfer_dtype="int8"``).
+        ``max_worker_restarts``: how often an instance or worker actor that died or hung is replaced (per slot,
+        within ``RestartPolicy.window``; 0: a lost one stays lost)."""
         distributed = instances > 1 or (bool(ray_address) and not (prefill_workers or decode_workers))
         if distributed and num_threads is None:  # the instances share the cores
             num_threads = max(1, (os.cpu_count() or 1) // instances)
@@ -94,10 +104,11 @@ class LLM:
             ),
             speculative=SpeculativeConfig.parse(speculative),
         )
+        restart = RestartPolicy(max_restarts=max_worker_restarts)
         dist = DistributedConfig(num_instances=instances, ray_address=ray_address, enable_borrowing=enable_borrowing,
-                                 cluster_secret_file=cluster_secret_file) if distributed else None
+                                 cluster_secret_file=cluster_secret_file, restart=restart) if distributed else None
         disagg = (DisaggConfig(prefill_workers=max(1, prefill_workers), decode_workers=max(1, decode_workers),
-                               ray_address=ray_address, kv_transfer_dtype=kv_transfer_dtype)
+                               ray_address=ray_address, kv_transfer_dtype=kv_transfer_dtype, restart=restart)
                   if prefill_workers or decode_workers else None)
         if disagg is not None:
             dist = None  # ray_address goes to the workers
