@@ -3,7 +3,7 @@ the requests it held that nobody saw yet run again elsewhere (greedy tokens equa
 run's), the others end with an error, /health answers 503 while no worker of a role is live, and
 /metrics counts the restarts.
 
-The first tests drive the orchestrator with mock workers (tokens worked out by hand); the slow ones
+The first tests drive the orchestrator with mock workers (tokens as in an undisturbed run); the slow ones
 kill -9 or SIGSTOP real Ray actors, one small pool per class."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from kvmosaic.engine.supervision import RestartBudget
 from kvmosaic.sampling_params import SamplingParams
 
 QUICK = RestartPolicy(max_restarts=1, backoff=0.0, max_backoff=0.0, start_timeout=120.0)
-SHOWN = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)  # streamed: outputs reach the client
+# streamed: outputs reach the client; 40 tokens of 10 ms steps outlast the test's reaction
+SHOWN = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40)
 UNSEEN = dataclasses.replace(SHOWN, final_only=True)  # a JSON body at the end
 
 
