@@ -247,6 +247,24 @@ def test_the_longest_allowed_conversation_renders_off_the_event_loop(server, htt
     assert max(times) < 1.0, times
 
 
+def test_large_tool_schemas_are_checked_off_the_event_loop(server, http):
+    # 56 tools of ~60 KiB schemas (3.3 MB): each is walked for depth and $ref loops, then described in the
+    # system prompt, which the engine refuses as longer than the context.
+    fields = {f"f{i}": {"type": "object", "properties": {"a": {"type": "string"}, "b": {"$ref": "#"}}}
+              for i in range(600)}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": fields}}}
+    body = {"messages": [{"role": "user", "content": "t1"}], "tools": [tool] * 56, "max_tokens": 8}
+
+    def hostile() -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        return post(http, "/v1/chat/completions", body), time.monotonic() - started
+
+    (r, took), times = _with_other_client(server, hostile)
+    assert_error(r, 400, ANY_PARAM, "context length")
+    assert took < 30.0, took
+    assert max(times) < 1.0, times
+
+
 def test_16_stop_strings_of_40000_characters_with_n_16_are_refused(http):
     body = {"prompt": "t1 t2", "max_tokens": 8, "n": 16, "temperature": 1, "stop": ["t1 " * 13_333 + "x"] * 16}
     started = time.monotonic()

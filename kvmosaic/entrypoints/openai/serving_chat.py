@@ -33,6 +33,7 @@ from kvmosaic.entrypoints.openai.protocol import (
 from kvmosaic.entrypoints.openai.responses import respond
 from kvmosaic.entrypoints.openai.sampling import build_sampling_params
 from kvmosaic.entrypoints.openai.serving_common import ChoiceDelta, Generation, ServingContext
+from kvmosaic.structured import GuidedDecoding
 
 MAX_TOP_LOGPROBS = 20
 _ROLE_ALIASES = {"developer": "system"}
@@ -46,8 +47,21 @@ class ChatServing:
         arrival = time.monotonic()
         self.ctx.check_model(body.model)
         _check_unsupported(body)
+        # Python work that grows with the request (schemas, template, tokenizer) runs in a worker
+        # thread, so the event loop goes on serving every other client meanwhile.
+        functions, prompt_ids, constraint = await asyncio.to_thread(self._prepare, body)
+        params = build_sampling_params(body, self.ctx, body.max_completion_tokens or body.max_tokens,
+                                       _logprobs(body), guided=constraint)
+        call_id = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = Generation(self.ctx, call_id, 1, params.n)
+        await gen.start([prompt_ids], params, arrival)
+        tool_names = {f["name"] for f in functions}
+        return await respond(gen, raw, body, _Responder(self.ctx, call_id, params.n, params.logprobs, tool_names))
+
+    def _prepare(self, body: ChatCompletionRequest) -> tuple[list[dict], list[int], GuidedDecoding | None]:
+        """(the functions offered, the prompt's token ids, the output constraint), or an ApiError."""
         functions = _functions(body)
-        prompt_ids = await encode_messages_off_loop(self.ctx, body.messages, body.add_generation_prompt, functions)
+        prompt_ids = encode_messages(self.ctx, body.messages, body.add_generation_prompt, functions)
         guided = guided_decoding(body, body.response_format)
         try:
             forced_calls = tool_calls.call_grammar(functions, body.tool_choice) if functions else None
@@ -56,13 +70,7 @@ class ChatServing:
         if forced_calls is not None and guided is not None:
             raise bad_request("tool_choice 'required' or a named function cannot be combined with another "
                               "output constraint", "tool_choice")
-        params = build_sampling_params(body, self.ctx, body.max_completion_tokens or body.max_tokens,
-                                       _logprobs(body), guided=forced_calls or guided)
-        call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation(self.ctx, call_id, 1, params.n)
-        await gen.start([prompt_ids], params, arrival)
-        tool_names = {f["name"] for f in functions}
-        return await respond(gen, raw, body, _Responder(self.ctx, call_id, params.n, params.logprobs, tool_names))
+        return functions, prompt_ids, forced_calls or guided
 
 
 def _functions(body: ChatCompletionRequest) -> list[dict]:
