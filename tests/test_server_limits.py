@@ -152,6 +152,8 @@ BAD_INPUTS = {
     "$ref loop through allOf": (completion(guided_json=REF_LOOP), 400, "guided_json", "loops"),
     "tool parameters nested 40 levels": (chat(tools=[{"type": "function", "function": {
         "name": "f", "parameters": nested(40, {"type": "string"})}}]), 400, "tools", "deeper than 64"),
+    "129 tools": (chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]),
+                  400, "tools", "at most 128"),
     "prompt_logprobs -1": (completion(prompt_logprobs=-1), 400, "prompt_logprobs", "[0, 20]"),
     "prompt_logprobs -1 on chat": (chat(prompt_logprobs=-1), 400, "prompt_logprobs", "[0, 20]"),
     "prompt_logprobs 21": (completion(prompt_logprobs=21), 400, "prompt_logprobs", "[0, 20]"),

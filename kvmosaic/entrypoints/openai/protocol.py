@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
 MAX_MESSAGES = 2048  # OpenAI's bound; checked while parsing, so a longer list costs no per-message work
 Messages = Annotated[list["ChatMessage"], Field(max_length=MAX_MESSAGES)]
+MAX_TOOLS = 128  # OpenAI's bound on the functions offered in one request
 
 
 class _Request(BaseModel):
@@ -85,7 +86,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
