@@ -267,6 +267,19 @@ def test_large_tool_schemas_are_checked_off_the_event_loop(server, http):
     assert max(times) < 1.0, times
 
 
+def test_tokenizing_a_long_prompt_blocks_nobody(server, http):
+    prompt = "t7 " * 1_000_000  # 3 MB, a million tokens
+
+    def hostile() -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        return post(http, "/tokenize", {"prompt": prompt}), time.monotonic() - started
+
+    (r, took), times = _with_other_client(server, hostile)
+    assert r.status_code == 200 and r.json()["count"] == 1_000_000
+    assert took < 30.0, took
+    assert max(times) < 1.0, times
+
+
 def test_16_stop_strings_of_40000_characters_with_n_16_are_refused(http):
     body = {"prompt": "t1 t2", "max_tokens": 8, "n": 16, "temperature": 1, "stop": ["t1 " * 13_333 + "x"] * 16}
     started = time.monotonic()

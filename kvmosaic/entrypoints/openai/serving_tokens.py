@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvmosaic.entrypoints.openai.errors import bad_request
 from kvmosaic.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -23,8 +25,8 @@ class TokenServing:
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             tokens = await encode_messages_off_loop(self.ctx, body.messages, body.add_generation_prompt)
-        else:
-            tokens = self.ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:  # a long prompt is seconds of tokenizer work: a worker thread does it, not the event loop
+            tokens = await asyncio.to_thread(self.ctx.tokenizer.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.ctx.max_model_len, tokens=tokens)
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
