@@ -257,7 +257,7 @@ def cluster(ray_runtime):
 
     from kvmosaic.distributed.cluster import Cluster
 
-    restart = dataclasses.replace(QUICK, max_restarts=2, backoff=0.2, max_backoff=0.2)
+    restart = dataclasses.replace(QUICK, max_restarts=3, backoff=0.2, max_backoff=0.2)
     dist = DistributedConfig(num_instances=2, heartbeat_interval=0.2, missed_heartbeats=25, dgfm_interval=0,
                              rpc_timeout=8.0, poll_timeout=3.0, restart=restart)
     cl = Cluster(engine_config(BLOCKS), dist)
@@ -351,6 +351,29 @@ class TestClusterOnRay:
         finished: dict = {}
         drive(cluster, finished)
         assert finished["after"].outputs[0].token_ids == reference(tokens, 4)
+
+
+    def test_health_over_http_while_every_instance_is_down(self, cluster, reference):
+        httpx = pytest.importorskip("httpx")
+        from test_disagg_server import body
+        from test_distributed_cluster import prompt
+
+        from kvmosaic.entrypoints.openai.api_server import BackgroundServer, ServerConfig
+
+        wait_http(lambda: replaced(cluster), "both instances live")
+        with (BackgroundServer(cluster, ServerConfig(port=0, shutdown_grace=1.0)) as server,
+              httpx.Client(base_url=server.url, timeout=120) as http):
+            assert http.get("/health").status_code == 200
+            for handle in list(cluster.instances.values()):
+                os.kill(ray_get(handle.pid.remote()), signal.SIGKILL)
+            # the server's loop finds them lost (the gManager's verdict) and replaces them while idle
+            wait_http(lambda: http.get("/health").status_code == 503, "503 with no live instance")
+            wait_http(lambda: http.get("/health").status_code == 200, "200 once replaced", 60)
+            tokens = prompt(70, 20)
+            answer = http.post("/v1/completions", json=body(tokens, 4))
+            assert answer.json()["choices"][0]["text"] == cluster.tokenizer.decode(reference(tokens, 4))
+            wait_http(lambda: role_series(http)[("workers_live", "instance")] == 2.0, "both replaced")
+            assert role_series(http)[("worker_restarts_total", "instance")] == 6.0  # this class's kills
 
 
 def greedy(max_tokens: int, final_only: bool = False) -> SamplingParams:
