@@ -162,7 +162,7 @@ class _Proxy:
     def shutdown(self) -> None:
         ray.kill(self.handle, no_restart=True)
         if self.process is not None and self.process[0] == ray.get_runtime_context().get_node_id():
-            with contextlib.suppress(OSError):  # a stopped (hung) process cannot take Ray's kill call
+            with contextlib.suppress(OSError):  # Ray force-kills a stopped (hung) process only after ~5 s
                 os.kill(self.process[1], signal.SIGKILL)
 
 

@@ -90,7 +90,7 @@ class InstancePool:
         del self._wiring[instance_id]
         _kill(handle)
         node, pid = self._process.pop(instance_id)
-        if node == ray.get_runtime_context().get_node_id():  # a stopped process cannot take Ray's kill call
+        if node == ray.get_runtime_context().get_node_id():  # Ray force-kills a stopped process only after ~5 s
             _kill_process(pid)
         self.gmanager.report_dead.remote(instance_id)  # the others reclaim what it borrowed
         self._schedule(self._slot[instance_id])
