@@ -88,6 +88,8 @@ class Tokenizer:
         return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _LONG_TEXT:  # as for encode: the batch call releases the GIL
+            return self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:

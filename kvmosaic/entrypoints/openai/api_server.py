@@ -153,7 +153,7 @@ def _routes(ctx: ServingContext, async_engine: AsyncEngine, metrics: ServerMetri
 
     @router.post("/detokenize", responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return tokens.detokenize(body)
+        return await tokens.detokenize(body)
 
     @router.get("/v1/models")
     async def list_models() -> ModelList:

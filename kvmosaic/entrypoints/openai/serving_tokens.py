@@ -29,8 +29,11 @@ class TokenServing:
             tokens = await asyncio.to_thread(self.ctx.tokenizer.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.ctx.max_model_len, tokens=tokens)
 
-    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.ctx.check_model(body.model)
-        if any(not 0 <= t < self.ctx.vocab_size for t in body.tokens):
+        return await asyncio.to_thread(self._detokenize, body.tokens)  # as long as the body allows: off the loop
+
+    def _detokenize(self, tokens: list[int]) -> DetokenizeResponse:
+        if any(not 0 <= t < self.ctx.vocab_size for t in tokens):
             raise bad_request(f"tokens must be token ids in [0, {self.ctx.vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=self.ctx.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return DetokenizeResponse(prompt=self.ctx.tokenizer.decode(tokens, skip_special_tokens=False))
