@@ -173,7 +173,10 @@ def served(ray_runtime):
 
     disagg = DisaggConfig(rpc_timeout=20.0, ping_interval=0.5, ping_timeout=3.0,
                           restart=dataclasses.replace(QUICK, max_restarts=2, backoff=0.2, max_backoff=0.2))
-    engine = build_disaggregated(config("auto"), disagg)
+    base = config("auto")  # room for a 1,500-token prompt, prefilled in 32-token chunks: seconds to kill it in
+    cfg = dataclasses.replace(base, cache=dataclasses.replace(base.cache, kv_cache_memory="128MiB"),
+                              scheduler=dataclasses.replace(base.scheduler, max_model_len=2048))
+    engine = build_disaggregated(cfg, disagg)
     try:
         with (BackgroundServer(engine, ServerConfig(port=0, shutdown_grace=1.0)) as server,
               httpx.Client(base_url=server.url, timeout=120) as http):
@@ -220,6 +223,22 @@ class TestDisaggregatedOnRay:
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         wait_http(lambda: http.get("/health").status_code == 200, "200 after recovery")
         assert role_series(http)[("worker_restarts_total", "prefill")] == 1.0
+
+    def test_prefill_worker_killed_mid_prefill(self, served):
+        from test_disagg_server import body, metrics, wait_for
+
+        engine, http = served
+        request = body(list(range(3000, 4500)), 4)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(http.post, "/v1/completions", json=request)
+            wait_for(http, lambda plain, _: plain["disagg_pending_prefills"] == 0 and plain["num_requests_queued"] == 1,
+                     "the prompt in prefill")
+            os.kill(engine.prefill_workers[0].process[1], signal.SIGKILL)
+            text = answer.result().json()["choices"][0]["text"]  # prefilled again by the replacement
+        assert text == http.post("/v1/completions", json=request).json()["choices"][0]["text"]
+        plain, _ = metrics(http)
+        assert plain["disagg_prefill_retries_total"] == 1.0
+        assert role_series(http)[("worker_restarts_total", "prefill")] == 2.0
 
     def test_stopped_decode_worker(self, served):
         from test_disagg_server import body
