@@ -35,7 +35,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import serving_mix
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_mix.py beside it, also when loaded by path
+import serving_mix  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 AZURE_CONV = {"input": (1020, 1155), "output": (129, 211)}  # (median, mean) tokens
