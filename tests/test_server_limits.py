@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -202,6 +203,15 @@ def _timed_short_requests(url: str, stop: threading.Event, times: list[float], f
                 failures.append(r.text)
 
 
+def _timed_post(http: httpx.Client, path: str, body: dict | str) -> Callable[[], tuple[httpx.Response, float]]:
+    """A call that posts ``body`` and returns (the response, the seconds it took)."""
+    def hostile() -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        return post(http, path, body), time.monotonic() - started
+
+    return hostile
+
+
 def _with_other_client(server, hostile) -> tuple[object, list[float]]:
     """Run ``hostile()`` while another client sends short requests; (its result, their latencies)."""
     stop, times, failures = threading.Event(), [], []
@@ -223,11 +233,7 @@ def _with_other_client(server, hostile) -> tuple[object, list[float]]:
 def test_32000_one_character_messages_are_refused_fast_and_block_nobody(server, http):
     body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 32_000, "max_tokens": 8})  # ~1.1 MB
 
-    def hostile() -> tuple[httpx.Response, float]:
-        started = time.monotonic()
-        return post(http, "/v1/chat/completions", body), time.monotonic() - started
-
-    (r, took), times = _with_other_client(server, hostile)
+    (r, took), times = _with_other_client(server, _timed_post(http, "/v1/chat/completions", body))
     assert_error(r, 400, "messages", "at most 2048")
     assert took < 5.0, took
     assert max(times) < 1.0, times
@@ -239,11 +245,7 @@ def test_the_longest_allowed_conversation_renders_off_the_event_loop(server, htt
     message = {"role": "user", "content": " ".join(["t5"] * 500)}
     body = {"messages": [message] * 2048, "max_tokens": 8}
 
-    def hostile() -> tuple[httpx.Response, float]:
-        started = time.monotonic()
-        return post(http, "/v1/chat/completions", body), time.monotonic() - started
-
-    (r, took), times = _with_other_client(server, hostile)
+    (r, took), times = _with_other_client(server, _timed_post(http, "/v1/chat/completions", body))
     assert_error(r, 400, ANY_PARAM, "context length")
     assert took < 30.0, took
     assert max(times) < 1.0, times
@@ -257,11 +259,7 @@ def test_large_tool_schemas_are_checked_off_the_event_loop(server, http):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": fields}}}
     body = {"messages": [{"role": "user", "content": "t1"}], "tools": [tool] * 56, "max_tokens": 8}
 
-    def hostile() -> tuple[httpx.Response, float]:
-        started = time.monotonic()
-        return post(http, "/v1/chat/completions", body), time.monotonic() - started
-
-    (r, took), times = _with_other_client(server, hostile)
+    (r, took), times = _with_other_client(server, _timed_post(http, "/v1/chat/completions", body))
     assert_error(r, 400, ANY_PARAM, "context length")
     assert took < 30.0, took
     assert max(times) < 1.0, times
@@ -270,11 +268,7 @@ def test_large_tool_schemas_are_checked_off_the_event_loop(server, http):
 def test_tokenizing_a_long_prompt_blocks_nobody(server, http):
     prompt = "t7 " * 1_000_000  # 3 MB, a million tokens
 
-    def hostile() -> tuple[httpx.Response, float]:
-        started = time.monotonic()
-        return post(http, "/tokenize", {"prompt": prompt}), time.monotonic() - started
-
-    (r, took), times = _with_other_client(server, hostile)
+    (r, took), times = _with_other_client(server, _timed_post(http, "/tokenize", {"prompt": prompt}))
     assert r.status_code == 200 and r.json()["count"] == 1_000_000
     assert took < 30.0, took
     assert max(times) < 1.0, times
