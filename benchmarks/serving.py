@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import shlex
@@ -38,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_mix.py beside it, also when loaded by path
 import serving_mix  # noqa: E402
+import serving_soak  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 AZURE_CONV = {"input": (1020, 1155), "output": (129, 211)}  # (median, mean) tokens
@@ -218,54 +218,6 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
-# ---------------------------------------------------------------- soak sampling
-def scrape(base_url: str, server_pid: int | None, headers: dict[str, str]) -> dict[str, float | None]:
-    sample: dict[str, float | None] = {"time": time.monotonic(), "rss_bytes": None, "kv_blocks_used": None,
-                                       "running": None}
-    try:
-        text = httpx.get(f"{base_url}/metrics", timeout=10, headers=headers).text
-    except httpx.HTTPError:
-        text = ""
-    names = {"process_resident_memory_bytes": "rss_bytes", "kvmosaic_kv_blocks_used": "kv_blocks_used",
-             "kvmosaic_num_requests_running": "running"}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in names:
-            sample[names[name]] = float(value)
-    if server_pid is not None:
-        import psutil
-
-        sample["rss_bytes"] = float(psutil.Process(server_pid).memory_info().rss)
-    return sample
-
-
-async def sample_until(stop: asyncio.Event, args: argparse.Namespace, samples: list[dict]) -> None:
-    while not stop.is_set():
-        samples.append(await asyncio.to_thread(scrape, args.base_url, args.server_pid, auth_headers(args)))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), args.sample_interval)
-
-
-def soak_report(samples: list[dict], after_drain: dict) -> dict:
-    start = samples[0]["time"]
-    rss = [(s["time"] - start, s["rss_bytes"]) for s in samples if s["rss_bytes"] is not None]
-    blocks = [s["kv_blocks_used"] for s in samples if s["kv_blocks_used"] is not None]
-    report = {"samples": len(samples), "series": [[round(s["time"] - start, 1), s["rss_bytes"], s["kv_blocks_used"],
-                                                   s["running"]] for s in samples],
-              "kv_blocks_used_max": max(blocks, default=None),
-              "kv_blocks_used_after_drain": after_drain["kv_blocks_used"],
-              "running_after_drain": after_drain["running"]}
-    if len(rss) >= 4:
-        warm = rss[len(rss) // 4 :]  # the first quarter is warm-up (allocator pools, caches)
-        slope = np.polyfit([t for t, _ in warm], [v for _, v in warm], 1)[0] * 60 / 2**20
-        report.update(rss_first_mib=rss[0][1] / 2**20, rss_after_warmup_mib=warm[0][1] / 2**20,
-                      rss_max_mib=max(v for _, v in rss) / 2**20, rss_after_drain_mib=after_drain["rss_bytes"] / 2**20,
-                      rss_growth_after_warmup_mib=(after_drain["rss_bytes"] - warm[0][1]) / 2**20,
-                      rss_growth_after_warmup_pct=100 * (after_drain["rss_bytes"] / warm[0][1] - 1),
-                      rss_slope_mib_per_min=float(slope))
-    return report
-
-
 # ---------------------------------------------------------------- main
 async def benchmark(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
@@ -275,7 +227,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
         await asyncio.gather(*[run_request(client, args, RequestSpec(s.prompt, s.prompt_len, 4)) for s in specs[:2]])
     samples: list[dict] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_until(stop, args, samples)) if args.soak else None
+    sampler = (asyncio.create_task(serving_soak.sample_until(stop, args.base_url, args.server_pid, auth_headers(args),
+                                                            args.sample_interval, samples)) if args.soak else None)
     deadline = time.monotonic() + args.soak * 60 if args.soak else None
     start = time.perf_counter()
     results = await run_load(args, specs, deadline)
@@ -285,7 +238,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
         stop.set()
         await sampler
         await asyncio.sleep(1.0)
-        report["soak"] = soak_report(samples, scrape(args.base_url, args.server_pid, auth_headers(args)))
+        after_drain = serving_soak.scrape(args.base_url, args.server_pid, auth_headers(args))
+        report["soak"] = serving_soak.soak_report(samples, after_drain)
     return report
 
 
