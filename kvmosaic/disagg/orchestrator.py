@@ -20,13 +20,13 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmosaic.config import DisaggConfig, EngineConfig, ModelConfig
 from kvmosaic.core.block_hash import hash_request_blocks
 from kvmosaic.disagg.prefix import Prefix
+from kvmosaic.disagg.routing import PrefixRouter
 from kvmosaic.disagg.supervisor import ROLES, Slots, SlotState, WorkerSpawner
 from kvmosaic.disagg.verbs import check_one_sequence
 from kvmosaic.disagg.workers import DecodeWorker, PrefillWorker, StatsBoard, WorkerLost
@@ -78,7 +78,7 @@ class DisaggregatedEngine:
         self._jobs: dict[str, _Job] = {}  # live request id -> what it was added with (to run it again)
         self._routed: dict[str, Prefix] = {}  # live request id -> the prefix on its way to its decode worker
         self._last: dict[str, RequestOutput] = {}
-        self._routes: OrderedDict[int, int] = OrderedDict()  # prompt block hash -> decode worker
+        self._router = PrefixRouter(self.disagg.max_routed_blocks)
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._slots = Slots({"prefill": len(prefill_workers), "decode": len(decode_workers)}, spawner,
@@ -273,12 +273,7 @@ class DisaggregatedEngine:
                     return  # aborted during its prefill
                 alive = self._slots.live("decode")
                 if alive:
-                    target = self._holder(hashes, alive)
-                    for h in hashes:
-                        self._routes[h] = target
-                        self._routes.move_to_end(h)
-                    while len(self._routes) > self.disagg.max_routed_blocks:
-                        self._routes.popitem(last=False)
+                    target = self._router.choose(hashes, alive, self._live.values())
                     self._live[prefix.request_id] = target
                     self._routed[prefix.request_id] = prefix
                     break
@@ -293,18 +288,6 @@ class DisaggregatedEngine:
                 return
             except queue.Full:
                 continue
-
-    def _holder(self, hashes: list[int], alive: list[int]) -> int:
-        """The decode worker that got the longest run of these blocks, else the one with fewest requests."""
-        for h in reversed(hashes):  # a block's hash covers every block before it
-            target = self._routes.get(h)
-            if target in alive:
-                return target
-        load = {d: 0 for d in alive}
-        for target in self._live.values():
-            if target in load:
-                load[target] += 1
-        return min(alive, key=lambda d: (load[d], d))
 
     def _decode_loop(self, index: int) -> None:
         worker, inbox = self.decode_workers[index], self._inbox[index]
