@@ -18,7 +18,8 @@ from kvmosaic.metrics import ServerMetrics
 from kvmosaic.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
-from kvmosaic.distributed.cluster import Cluster, wait_until  # noqa: E402
+from kvmosaic.distributed.cluster import Cluster  # noqa: E402
+from kvmosaic.distributed.ray_runtime import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BLOCKS = 16  # per instance, 16 tokens each: 256 tokens

@@ -227,7 +227,7 @@ class RaySpawner:
 def build_disaggregated(config: EngineConfig, disagg: DisaggConfig) -> DisaggregatedEngine:
     """Prefill and decode actors on Ray (a local runtime unless ``disagg.ray_address``), each loading
     the model itself, behind a ``DisaggregatedEngine`` that replaces the lost ones."""
-    from kvmosaic.distributed.cluster import ensure_ray
+    from kvmosaic.distributed.ray_runtime import ensure_ray
 
     owns_ray = ensure_ray(disagg.ray_address)
     if config.num_threads is None:  # the workers share the cores

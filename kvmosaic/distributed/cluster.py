@@ -29,6 +29,7 @@ from kvmosaic.distributed.cluster_stats import cluster_stats
 from kvmosaic.distributed.data_plane import secure
 from kvmosaic.distributed.gmanager import GManager
 from kvmosaic.distributed.instance_pool import InstancePool, placement  # noqa: F401  (placement: re-exported)
+from kvmosaic.distributed.ray_runtime import ensure_ray
 from kvmosaic.distributed.swaps import resolve_cycles
 from kvmosaic.engine.errors import EngineUnavailableError
 from kvmosaic.engine.protocol import SERVING, ServingState
@@ -39,18 +40,6 @@ from kvmosaic.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 STATS_MAX_AGE = 0.25
 LOST = (RayActorError, GetTimeoutError, ActorUnavailableError)  # dead, or no answer before the deadline
-
-
-def ensure_ray(address: str | None, num_cpus: int | None = None) -> bool:
-    """Join ``address`` (a Ray cluster) or start a local runtime, unless Ray is already up.
-    Returns whether this call initialised Ray (then the caller shuts it down)."""
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-    return True
 
 
 def least_committed(live: list[int], route: dict[str, int], blocks: dict[str, int], capacity: dict[int, int],
@@ -342,12 +331,3 @@ class Cluster:
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
