@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench peers clean
 
-$(STAMP): pyproject.toml Makefile $(wildcard kvmosaic/ops/csrc/*.cpp kvmosaic/ops/csrc/*.h)
+$(STAMP): pyproject.toml Makefile $(wildcard kvmosaic/ops/csrc/*/*.cpp kvmosaic/ops/csrc/*/*.h kvmosaic/distributed/native/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -1,7 +1,7 @@
 """The decode team's barrier: its own (per-thread arrival counters) against OpenMP's, in one process.
 
 A single-stream decode step runs every layer in one team of threads with ~9 barriers a layer
-(kvmosaic/ops/csrc/team.h); ``KVMOSAIC_TEAM_BARRIER=omp`` switches a step to OpenMP's barrier, and
+(kvmosaic/ops/csrc/team/team.h); ``KVMOSAIC_TEAM_BARRIER=omp`` switches a step to OpenMP's barrier, and
 the variable is read at every step, so the rounds here alternate the two kinds on the same engines.
 Workloads as benchmarks/multistep.py (a greedy stream, a 16 x 64 batch), with 1 and 8 scheduler
 steps; default model (its Q4_1 weights), float32 activations. Reported: the median and best tok/s of

@@ -51,7 +51,7 @@ def weight_bytes_per_param(dtype: str, num_params: int) -> float:
 
 def quantized_on_tiles() -> bool:
     """Whether kvmosaic's kernels here run products of many rows on q8_0 / q4_1 weights on AMX tiles
-    (the weights dequantized to bf16 chunk by chunk, kvmosaic/ops/csrc/amx.h), so that their rate is
+    (the weights dequantized to bf16 chunk by chunk, kvmosaic/ops/csrc/isa/amx.h), so that their rate is
     the bf16 matmul's; elsewhere float32 rows take int8 dot products, counted at the fp32 rate."""
     try:
         from kvmosaic.ops import get_ops

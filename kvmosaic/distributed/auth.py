@@ -12,7 +12,7 @@ nothing and neither end talks to an impostor:
   client -> server  nonce_c (32), HMAC(secret, label | "client" | nonce_s | nonce_c)
   server -> client  HMAC(secret, label | "server" | nonce_s | nonce_c)
 ``label`` names the service (the channel, the decode lane), so one's proof is no use on the other.
-The C++ decode lane speaks the same handshake (kvmosaic/ops/csrc/lane_auth.cpp). It authenticates
+The C++ decode lane speaks the same handshake (kvmosaic/distributed/native/lane_auth.cpp). It authenticates
 the peer, not the bytes that follow: the data plane itself is neither encrypted nor signed
 (docs/security.md).
 """

@@ -1,5 +1,5 @@
 """The data plane's lane for decode rows: a debtor's one-row micro-attention calls go to the
-creditor's C++ server (``AttentionServer``, kvmosaic/ops/csrc/lane_server.cpp) as one binary
+creditor's C++ server (``AttentionServer``, kvmosaic/distributed/native/lane_server.cpp) as one binary
 message each way, written and read by the debtor's C++ client (``AttentionClient``,
 lane_client.cpp), with no Python or GIL on the creditor and none in the transfer on the debtor.
 Instances on one machine connect through the server's abstract Unix socket and then move the calls

@@ -1,7 +1,7 @@
 """Optional C++ kernels (packed linears and gate/up SwiGLU, rotary + cache write, paged decode and
 prefill attention, the whole decode step; quantized KV cache).
 
-Each source in ``csrc/`` is written once over the vector type of ``csrc/vec.h`` and compiled once
+Each source in ``csrc/`` is written once over the vector type of ``csrc/isa/vec.h`` and compiled once
 per ISA level (``levels.py``: AVX-512, AVX2+FMA, portable) at install
 (`python -m kvmosaic.ops.build`, run by the Makefile) into ``kvmosaic/ops/_build/<level>``. The
 best level this CPU runs is loaded unless ``KVMOSAIC_ISA`` or ``Kernels.load(level=...)`` names
@@ -31,6 +31,7 @@ from kvmosaic.ops.levels import Level, levels_to_build, resolve_level, runnable_
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+NATIVE = Path(__file__).parent.parent / "distributed" / "native"  # the decode lane's transport
 BUILD_DIR = Path(__file__).parent / "_build"
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 NAME = "kvmosaic_ops"
@@ -38,13 +39,25 @@ QUANT_NAME = "kvmosaic_kvquant"  # the quantized-KV kernels (kvmosaic/quant form
 
 
 def extension_sources() -> dict[str, tuple[Path, ...]]:
-    """Extension name -> its sources: ``kvquant_*.cpp`` form the quantized-KV extension, every
-    other ``.cpp`` the float one, and ``lane_*.cpp`` (the decode lane's server, which serves either
-    kind of pool) go into both (a new kernel file is picked up without editing a list)."""
-    sources = sorted(CSRC.glob("*.cpp"))
-    shared = tuple(p for p in sources if p.name.startswith("lane_"))
-    return {NAME: tuple(p for p in sources if not p.name.startswith("kvquant_")),
-            QUANT_NAME: tuple(p for p in sources if p.name.startswith("kvquant_")) + shared}
+    """Extension name -> its sources. The float extension is every kernel folder of ``csrc/`` but
+    ``kvquant/``, the quantized-KV one is ``kvquant/``; each has its binding file in ``bind/``, and
+    both take the decode lane's transport (``distributed/native/lane_*.cpp``) with the adapter that
+    serves their kind of pool. A new file in a folder is picked up without editing a list."""
+    def folders(*names: str) -> tuple[Path, ...]:
+        return tuple(sorted(p for name in names for p in (CSRC / name).glob("*.cpp")))
+
+    lane = tuple(sorted(NATIVE.glob("lane_*.cpp")))
+    return {NAME: (*folders("linear", "attention", "layer", "team"), CSRC / "bind" / "kvmosaic_ops.cpp", *lane,
+                   NATIVE / "float_lane_pool.cpp"),
+            QUANT_NAME: (*folders("kvquant"), CSRC / "bind" / "kvquant_ops.cpp", *lane, NATIVE / "kvquant_lane.cpp")}
+
+
+def headers() -> tuple[Path, ...]:
+    """Every header a kernel source can include (a change to one makes the built libraries stale)."""
+    return tuple(sorted((*CSRC.rglob("*.h"), *NATIVE.glob("*.h"))))
+
+
+INCLUDE_DIRS = (CSRC, NATIVE)
 
 
 def module_name(extension: str, level: Level) -> str:
@@ -60,7 +73,7 @@ def _built_library(extension: str, level: Level) -> Path | None:
     if not candidates:
         return None
     library = candidates[0]
-    newest = max(path.stat().st_mtime for path in (*extension_sources()[extension], *CSRC.glob("*.h")))
+    newest = max(path.stat().st_mtime for path in (*extension_sources()[extension], *headers()))
     if library.stat().st_mtime < newest:
         logger.warning("kvmosaic C++ ops (%s) are older than their source; rebuild with "
                        "`python -m kvmosaic.ops.build`", level.name)

@@ -9,7 +9,7 @@ import argparse
 import shutil
 import sys
 
-from kvmosaic.ops import BUILD_DIR, CFLAGS, extension_sources, level_dir, levels_to_build, module_name
+from kvmosaic.ops import BUILD_DIR, CFLAGS, INCLUDE_DIRS, extension_sources, level_dir, levels_to_build, module_name
 from kvmosaic.ops.levels import BY_NAME, Level
 
 
@@ -23,6 +23,7 @@ def build_level(level: Level, verbose: bool = False) -> bool:
         try:
             load(name=module_name(extension, level), sources=[str(source) for source in sources],
                  extra_cflags=[*CFLAGS, *level.cflags], extra_ldflags=["-fopenmp"], build_directory=str(out),
+                 extra_include_paths=[str(d) for d in INCLUDE_DIRS],
                  verbose=verbose)
         except Exception as exc:  # a missing compiler must not break installation: the PyTorch path still works
             print(f"kvmosaic: C++ kernels {extension} ({level.name}) not built ({exc})", file=sys.stderr)

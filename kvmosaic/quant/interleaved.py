@@ -1,7 +1,7 @@
 """The quantized kernels' layout of a weight (``kvmosaic.quant.weights``' q8, q4 and q6 kinds).
 
 ``interleave`` puts 16 output columns side by side per 4 (q8) or 8 (q4, q6's low nibbles) k steps,
-so one 64-byte load feeds an int8 dot product into 16 column sums (kvmosaic/ops/csrc/qlinear.cpp);
+so one 64-byte load feeds an int8 dot product into 16 column sums (kvmosaic/ops/csrc/linear/qlinear.cpp);
 ``deinterleave`` is its inverse and ``dequantize_rows`` reads float rows of it (an embedding lookup).
 """
 

@@ -1,0 +1,569 @@
+// Decode attention over the paged float KV cache, read in place (no gather copy): one query token
+// per sequence, an online softmax in one pass over the context.
+#include "common/ops_common.h"
+#include "layer/stack_kernels.h"
+#include "isa/vec.h"
+
+#include <unistd.h>
+
+#include <numeric>
+#include <utility>
+
+namespace {
+
+using namespace kvops;
+namespace vec = kvmosaic_vec;
+
+// Widen one row to float. The bf16 case is a plain shift so the compiler vectorizes it.
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+
+// Work item = one KV head of one sequence, with its query heads.
+template <typename T>
+void generic_items(const DecodeBatch<T>& db, float fscale, int64_t begin, int64_t end) {
+  const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr, d] = db;
+  const int64_t slot_stride = hk * d;
+  int64_t max_ctx = 0;
+  for (int64_t item = begin; item < end; ++item) max_ctx = std::max(max_ctx, lens[item / hk]);
+  {
+    std::vector<float> qf(group * d), acc(group * d), row(d), scores(group * max_ctx);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hk, h = item % hk;
+      const int64_t ctx = lens[b];
+      for (int64_t g = 0; g < group; ++g) {
+        load_row(q_ptr + (b * hq + h * group + g) * d, qf.data() + g * d, d);
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= fscale;
+      }
+      // scores[g][t] = q_g . k_t, reading each K row from its block in place
+      for (int64_t t = 0; t < ctx; ++t) {
+        load_row(kc + slot_of(tables + b * width, t, block_size) * slot_stride + h * d, row.data(), d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qv = qf.data() + g * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += qv[i] * row[i];
+          scores[g * ctx + t] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * ctx;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sc[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; ++t) {
+          sc[t] = vec::exp_nonpositive(sc[t] - mx);
+          sum += sc[t];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < ctx; ++t) sc[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        load_row(vc + slot_of(tables + b * width, t, block_size) * slot_stride + h * d, row.data(), d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * ctx + t];
+          float* a = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] += p * row[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = o_ptr + (b * hq + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) store(dst + i, acc[g * d + i]);
+      }
+    }
+  }
+}
+
+// One query head held in registers; dot() returns the lane-wise partial products of q . k for one
+// cached row (the caller sums the lanes). bf16 uses AVX512-BF16 dot products (float accumulation)
+// where the level has them, and otherwise widens K to float in registers.
+template <typename T, int NC>
+struct QueryDot {
+  vec::F16 q[NC];
+  void load(const T* p) {
+    for (int c = 0; c < NC; ++c) q[c] = vec::F16::load(p + c * 16);
+  }
+  vec::F16 dot(const T* k) const {
+    vec::F16 s = q[0] * vec::F16::load(k);
+    for (int c = 1; c < NC; ++c) s = vec::fma(q[c], vec::F16::load(k + c * 16), s);
+    return s;
+  }
+};
+
+#if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
+template <int NC>
+struct QueryDot<c10::BFloat16, NC> {
+  __m512bh q[NC / 2];
+  void load(const c10::BFloat16* p) {
+    for (int c = 0; c < NC / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p + c * 32));
+  }
+  vec::F16 dot(const c10::BFloat16* k) const {
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < NC / 2; ++c)
+      s = _mm512_dpbf16_ps(s, q[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
+    return {s};
+  }
+};
+#endif
+
+// part[g][j] = the 16-lane partial dot products of G query heads (sharing one KV head) with the
+// chunk's K rows j < n (zero past n); the G queries stay in registers.
+template <typename T, int NC, int G, typename Prefetch>
+inline void head_scores(const QueryDot<T, NC>* qd, const T* krows, const int64_t* slots, int64_t n,
+                        int64_t slot_stride, vec::F16* part, const Prefetch& prefetch_row) {
+  QueryDot<T, NC> q[G];
+  for (int g = 0; g < G; ++g) q[g] = qd[g];
+  for (int64_t j = 0; j < 16; ++j) {
+    prefetch_row(j);
+    const T* row = krows + slots[j] * slot_stride;
+    for (int g = 0; g < G; ++g) part[g * 16 + j] = j < n ? q[g].dot(row) : vec::F16::zero();
+  }
+}
+
+// Register blocking of the p . v sums: HN heads x CB vectors of the head dimension at a time, so
+// the HN x CB sums, one V vector and the broadcast probabilities fit the level's registers (a
+// runtime head count left them on the stack, 2x slower).
+template <int NC>
+struct PvBlock {
+  static constexpr int CB = vec::kVecRegisters >= 32 ? NC : 2;
+  static constexpr int HN = vec::kVecRegisters >= 32 ? (NC <= 4 ? 4 : 2) : 3;
+};
+
+// acc[i] += sum over the chunk's n tokens j of probs[i][j] * v_j for HN heads sharing one KV head,
+// CB vectors of the head dimension at a time.
+template <typename T, int NC, int HN>
+inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t slot_stride, const float* probs,
+                     vec::F16* acc) {
+  constexpr int CB = PvBlock<NC>::CB;
+  for (int c0 = 0; c0 < NC; c0 += CB) {
+    vec::F16 a[HN][CB];
+    for (int i = 0; i < HN; ++i)
+      for (int c = 0; c < CB; ++c) a[i][c] = acc[i * NC + c0 + c];
+    for (int64_t j = 0; j < n; ++j) {
+      const T* row = vrows + slots[j] * slot_stride + c0 * 16;
+      vec::F16 p[HN];
+      for (int i = 0; i < HN; ++i) p[i] = vec::F16::set1(probs[i * 16 + j]);
+      for (int c = 0; c < CB; ++c) {
+        const vec::F16 vv = vec::F16::load(row + c * 16);
+        for (int i = 0; i < HN; ++i) a[i][c] = vec::fma(p[i], vv, a[i][c]);
+      }
+    }
+    for (int i = 0; i < HN; ++i)
+      for (int c = 0; c < CB; ++c) acc[i * NC + c0 + c] = a[i][c];
+  }
+}
+
+// Whether the register kernel asks for its K/V rows into L1 rather than L2: where the L1 data cache
+// holds 48 KiB or more. On the AVX-512 host of session 32 (48 KiB L1D), Q4_1 weights, one stream,
+// float32 KV, in-process interleaved rounds against L2: 1.08x at a 2048-token context (8 rounds,
+// 1.02-1.14x each), 1.02x at 128 tokens; bfloat16 KV (half the bytes ahead) 1.00x. Hosts with a
+// smaller L1D (32 KiB: Zen 3, Zen 4) keep L2, as before this rule: the two chunks ahead are 48 KiB
+// of float32 K/V for the default model, more than their L1D.
+bool kv_prefetch_to_l1() {
+#if defined(_SC_LEVEL1_DCACHE_SIZE)
+  static const bool to_l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE) >= (48 << 10);
+  return to_l1;
+#else
+  return false;
+#endif
+}
+
+// One line asked for into L1 or L2 (kv_prefetch_to_l1). On x86 an asm statement: GCC deleted the
+// loop of __builtin_prefetch calls in vec_items (no prefetch instruction left in the object file,
+// and a 2048-token context read from memory 1.3x slower), as it may delete any loop that only
+// prefetches. Elsewhere vec.h's prefetches.
+inline void prefetch_line(const char* line, bool to_l1) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (to_l1)
+    asm volatile("prefetcht0 %0" : : "m"(*line));
+  else
+    asm volatile("prefetcht1 %0" : : "m"(*line));
+#else
+  if (to_l1)
+    vec::prefetch_l1(line);
+  else
+    vec::prefetch_l2(line);
+#endif
+}
+
+// The tokens [t_begin, t_end) of sequence b that a work item of the register kernel covers
+struct Piece {
+  int64_t b, t_begin, t_end;
+  int64_t chunks() const { return (t_end - t_begin + 15) / 16; }
+  static Piece of(const int64_t* lens, const AttentionWork& work, int64_t item) {
+    const int64_t b = item / work.splits, split = item % work.splits, ctx = lens[b];
+    // a split's tokens: an even share of the context (the last split's maybe fewer), in chunks of
+    // sixteen from its first; whole chunks per split left one thread up to 16 tokens more
+    const int64_t split_tokens = work.split_tokens(ctx);
+    const int64_t t_begin = std::min(ctx, split * split_tokens);
+    return {b, t_begin, std::min(ctx, t_begin + split_tokens)};
+  }
+};
+
+// Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
+// over the context with an online softmax. One work item is one sequence: its K/V rows are read
+// from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
+// sixteen tokens at a time, with the chunk after next prefetched. With fewer sequences than threads
+// (single-stream decode) a work item is a piece of a sequence's context (decode_attention_work), so
+// every thread has the same work; the pieces' partial sums are merged after.
+template <typename T, int NC>
+void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work, float* partials, int64_t begin,
+               int64_t end) {
+  constexpr int64_t D = NC * 16;
+  const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr, head_dim] = db;
+  const int64_t slot_stride = hk * D;
+  const vec::F16 vscale = vec::F16::set1(scale);
+  const int64_t splits = work.splits;
+  const bool to_l1 = kv_prefetch_to_l1();
+  {
+    std::vector<QueryDot<T, NC>> qd(hq);
+    std::vector<vec::F16> part(group * 16), acc(hq * NC);
+    std::vector<vec::OnlineSoftmax> softmax(hq);
+    std::vector<float> probs(hq * 16);
+    int64_t slots[16], ahead_slots[16];
+    auto piece_of = [&](int64_t item) { return Piece::of(lens, work, item); };
+    // the slots of chunk c of a piece into `out`; returns how many (none past its end)
+    auto chunk_slots = [&](const Piece& p, int64_t c, int64_t* out) {
+      const int64_t* tb = tables + p.b * width;
+      const int64_t from = p.t_begin + 16 * c, to = std::min(p.t_end, from + 16);
+      for (int64_t t = from; t < to; ++t) out[t - from] = slot_of(tb, t, block_size);
+      return std::max<int64_t>(0, to - from);
+    };
+    for (int64_t item = begin; item < end; ++item) {
+      const Piece piece = piece_of(item);
+      const int64_t b = piece.b, t_begin = piece.t_begin, t_end = piece.t_end, split = item % splits;
+      for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
+      std::fill(softmax.begin(), softmax.end(), vec::OnlineSoftmax());
+      std::fill(acc.begin(), acc.end(), vec::F16::zero());
+      for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+        const int64_t n = chunk_slots(piece, (t0 - t_begin) / 16, slots);
+        const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
+        // the rows two chunks ahead (past the item's end: the next item's first ones) are prefetched
+        // (into L1 or L2: kv_prefetch_to_l1), spread evenly over the score loop below in address
+        // order: its call c = kh * 16 + j asks for part c % hk (a head's bytes) of the K and V of
+        // row c / hk. One chunk ahead, or in one burst, left the loads waiting on memory (1.5x slower
+        // in bf16, measured). The slots come from the block table once a chunk; a list of every line
+        // built ahead (before session 33) cost ~15% of the kernel's time with its K/V in cache.
+        const int64_t ahead = (t0 - t_begin) / 16 + 2;
+        int64_t n_ahead = 0;
+        if (ahead < piece.chunks()) n_ahead = chunk_slots(piece, ahead, ahead_slots);
+        else if (item + 1 < end) n_ahead = chunk_slots(piece_of(item + 1), ahead - piece.chunks(), ahead_slots);
+        int64_t ahead_row = 0, ahead_part = 0;  // what the next score call asks for: row c / hk, part c % hk
+        auto prefetch_row = [&](int64_t) {
+          if (ahead_row >= n_ahead) return;
+          const int64_t at = ahead_slots[ahead_row] * slot_stride + ahead_part * D;
+          if (++ahead_part == hk) {
+            ahead_part = 0;
+            ++ahead_row;
+          }
+          const char* k = reinterpret_cast<const char*>(kc + at);
+          const char* v = reinterpret_cast<const char*>(vc + at);
+          for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
+            prefetch_line(k + off, to_l1);
+            prefetch_line(v + off, to_l1);
+          }
+        };
+        // scores of the sixteen tokens for every head, folded into the running softmax
+        for (int64_t kh = 0; kh < hk; ++kh) {
+          const QueryDot<T, NC>* qh = qd.data() + kh * group;
+          const T* krows = kc + kh * D;
+          switch (group) {
+            case 1: head_scores<T, NC, 1>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
+            case 2: head_scores<T, NC, 2>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
+            case 3: head_scores<T, NC, 3>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
+            case 4: head_scores<T, NC, 4>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
+            default:
+              for (int64_t j = 0; j < 16; ++j) {
+                prefetch_row(j);
+                for (int64_t g = 0; g < group; ++g)
+                  part[g * 16 + j] = j < n ? qh[g].dot(krows + slots[j] * slot_stride) : vec::F16::zero();
+              }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kh * group + g;
+            const vec::F16 sc = vec::sum_lanes16(part.data() + g * 16) * vscale;
+            float corr;
+            softmax[h].update(sc, valid, &corr).store(probs.data() + h * 16);
+            if (corr != 1.f)
+              for (int c = 0; c < NC; ++c) acc[h * NC + c] = acc[h * NC + c] * vec::F16::set1(corr);
+          }
+        }
+        // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
+        constexpr int64_t HB = PvBlock<NC>::HN;
+        for (int64_t kh = 0; kh < hk; ++kh) {
+          for (int64_t g0 = 0; g0 < group; g0 += HB) {
+            const int64_t h0 = kh * group + g0;
+            const T* vrows = vc + kh * D;
+            float* pr = probs.data() + h0 * 16;
+            vec::F16* ac = acc.data() + h0 * NC;
+            switch (std::min(HB, group - g0)) {
+              case 1: pv_heads<T, NC, 1>(vrows, slots, n, slot_stride, pr, ac); break;
+              case 2: pv_heads<T, NC, 2>(vrows, slots, n, slot_stride, pr, ac); break;
+              case 3: pv_heads<T, NC, 3>(vrows, slots, n, slot_stride, pr, ac); break;
+              default: pv_heads<T, NC, HB>(vrows, slots, n, slot_stride, pr, ac); break;
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < hq; ++h) {
+        if (splits > 1) {  // unscaled sums, the softmax reference and total, for merge_attention_splits
+          float* p = partials + ((b * hq + h) * splits + split) * (D + 2);
+          for (int c = 0; c < NC; ++c) acc[h * NC + c].store(p + c * 16);
+          p[D] = softmax[h].ref;
+          p[D + 1] = softmax[h].total();
+          continue;
+        }
+        const vec::F16 inv = vec::F16::set1(1.f / softmax[h].total());
+        for (int c = 0; c < NC; ++c) (acc[h * NC + c] * inv).store(o_ptr + (b * hq + h) * D + c * 16);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace kvops {
+
+// The register-blocked kernel takes head_dim 64 / 128; other head sizes take the generic loop, one
+// item per KV head. An item of the register kernel is a sequence with all its KV heads; with fewer
+// sequences than threads (single-stream decode) each sequence's context is split into as many pieces
+// as it takes for the items to divide evenly among the threads, each piece an even share of its
+// tokens. One item per KV head and piece instead (the default model's 3 heads x 2 pieces on 2
+// threads) read 256 of every 768 bytes of a slot per item: 1.1-1.9x slower at 1024 tokens of
+// context, and 20-24% of a decode step at 128-256 tokens against 18% (AVX2 host, Q4_1, interleaved
+// runs); pieces of whole 16-token chunks left one thread up to a chunk more, ~30% more at 128-256.
+AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads) {
+  const bool registers = head_dim == 64 || head_dim == 128;
+  if (!registers) return {batch * hk, 1, true};
+  if (batch >= threads) return {batch, 1};
+  const int64_t splits = threads / std::gcd<int64_t>(batch, threads);
+  return {batch * splits, splits};
+}
+
+template <typename T>
+void decode_attention_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work, float* partials,
+                            int64_t i0, int64_t i1) {
+  const float fscale = static_cast<float>(scale);
+  if (db.head_dim == 64) return vec_items<T, 4>(db, fscale, work, partials, i0, i1);
+  if (db.head_dim == 128) return vec_items<T, 8>(db, fscale, work, partials, i0, i1);
+  generic_items<T>(db, fscale, i0, i1);
+}
+
+namespace {
+
+// One query head's splits (d + 2 floats each: unscaled sums, reference, total) brought to their common
+// reference: weight[s] rescales split s; returns (reference, total). A split with no tokens has
+// reference -inf; with no tokens at all the reference is -inf and the total 0.
+std::pair<float, float> split_weights(const float* p, int64_t d, int64_t splits, float* weight) {
+  const int64_t stride = d + 2;
+  float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+  for (int64_t s = 0; s < splits; ++s) top = std::max(top, p[s * stride + d]);
+  for (int64_t s = 0; s < splits; ++s) {
+    const float ref = p[s * stride + d];
+    weight[s] = ref == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(ref - top);
+    total += weight[s] * p[s * stride + d + 1];
+  }
+  return {top, total};
+}
+
+// out[0, d) = the splits' sums, rescaled by weight, times inv
+template <typename T>
+void weighted_sums(const float* p, int64_t d, int64_t splits, const float* weight, float inv, T* out) {
+  for (int64_t c = 0; c < d; c += 16) {
+    vec::F16 sum = vec::F16::zero();
+    for (int64_t s = 0; s < splits; ++s)
+      sum = vec::fma(vec::F16::load(p + s * (d + 2) + c), vec::F16::set1(weight[s]), sum);
+    (sum * vec::F16::set1(inv)).store(out + c);
+  }
+}
+
+}  // namespace
+
+// Query heads [i0, i1) of the batch (item = sequence * hq + head): the splits' sums rescaled to their
+// common reference and divided by the common total.
+template <typename T>
+void merge_attention_splits(const DecodeBatch<T>& db, const AttentionWork& work, const float* partials, int64_t i0,
+                            int64_t i1) {
+  const int64_t d = db.head_dim, splits = work.splits;
+  std::vector<float> weight(splits);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* p = partials + i * splits * (d + 2);
+    const float total = split_weights(p, d, splits, weight.data()).second;
+    weighted_sums(p, d, splits, weight.data(), 1.f / total, db.out + i * d);
+  }
+}
+
+template void decode_attention_items<float>(const DecodeBatch<float>&, double, const AttentionWork&, float*, int64_t,
+                                            int64_t);
+template void decode_attention_items<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, double, const AttentionWork&,
+                                                    float*, int64_t, int64_t);
+template void merge_attention_splits<float>(const DecodeBatch<float>&, const AttentionWork&, const float*, int64_t,
+                                            int64_t);
+template void merge_attention_splits<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, const AttentionWork&,
+                                                    const float*, int64_t, int64_t);
+
+}  // namespace kvops
+
+namespace {
+
+// Every item of the work under at::parallel_for; the splits' partial sums (none when splits == 1).
+template <typename T>
+std::vector<float> run_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work) {
+  std::vector<float> partials(work.partial_floats(db.batch, db.hq, db.head_dim));
+  at::parallel_for(0, work.items, 1,
+                   [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
+  return partials;
+}
+
+template <typename T>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
+  const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
+  const AttentionWork work = decode_attention_work(db.batch, db.hk, db.head_dim, at::get_num_threads());
+  const std::vector<float> partials = run_items(db, scale, work);
+  merge_attention_splits(db, work, partials.data(), 0, work.merge_items(db.batch, db.hq));  // a few heads' rows
+}
+
+}  // namespace
+
+using namespace kvops;
+
+// One query token per sequence; K/V read from the sequence's blocks in place.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, hq, head_dim]");
+  check_cache(k_cache, q);
+  check_cache(v_cache, q);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block tables and context lengths must be int64");
+  auto out = at::empty_like(q);
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention<float>(q, k_cache, v_cache, tables, lens, out, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_attention<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+namespace {
+
+template <typename T>
+void decode_partials(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out,
+                     at::Tensor& row_max, at::Tensor& sum_exp) {
+  at::Tensor unused = at::empty_like(q);  // the split items leave their sums in `partials`, not here
+  const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, tables, lens, unused);
+  const int64_t splits = std::max<int64_t>(2, decode_attention_work(db.batch, db.hk, db.head_dim,
+                                                                    at::get_num_threads()).splits);
+  const std::vector<float> partials = run_items(db, scale, AttentionWork{db.batch * splits, splits});
+  const int64_t d = db.head_dim;
+  float* o = out.data_ptr<float>();
+  float* mx = row_max.data_ptr<float>();
+  float* se = sum_exp.data_ptr<float>();
+  std::vector<float> weight(splits);
+  for (int64_t i = 0; i < db.batch * db.hq; ++i) {
+    const float* p = partials.data() + i * splits * (d + 2);
+    const auto [top, total] = split_weights(p, d, splits, weight.data());
+    mx[i] = top;
+    se[i] = total;
+    if (total > 0.f) weighted_sums(p, d, splits, weight.data(), 1.f / total, o + i * d);
+    else std::fill(o + i * d, o + (i + 1) * d, 0.f);
+  }
+}
+
+}  // namespace
+
+// The decode rows' attention over these keys only, as a partial to merge with other holders' partials
+// (DistAttention's creditor side): float32 (out [B, hq, D] normalised over the keys, a reference [B, hq]
+// at or below the scaled scores' max (the online softmax raises it lazily), sum of exp(score - reference)
+// [B, hq]); a row without keys gives 0, -inf and 0. Head sizes 64 and 128 (the register kernel).
+std::vector<at::Tensor> paged_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                       const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && (q.size(2) == 64 || q.size(2) == 128),
+              "paged_decode_attention_partial: q must be contiguous [B, hq, 64 or 128]");
+  check_cache(k_cache, q);
+  check_cache(v_cache, q);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "paged_decode_attention_partial: int64 block tables [B, width] and context lengths [B]");
+  const auto tables = block_tables.contiguous();
+  const auto lens = context_lens.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t bs = k_cache.size(1);
+  for (int64_t b = 0; b < lens.numel(); ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= tables.size(1) * bs,
+                "paged_decode_attention_partial: a context length exceeds its block table");
+    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[b * tables.size(1) + j] >= 0 && tp[b * tables.size(1) + j] < k_cache.size(0),
+                  "paged_decode_attention_partial: block id out of range");
+  }
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty(q.sizes(), f32), row_max = at::empty({q.size(0), q.size(1)}, f32);
+  at::Tensor sum_exp = at::empty({q.size(0), q.size(1)}, f32);
+  if (q.scalar_type() == at::kFloat)
+    decode_partials<float>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
+  else if (q.scalar_type() == at::kBFloat16)
+    decode_partials<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
+  else
+    TORCH_CHECK(false, "paged_decode_attention_partial supports float32 and bfloat16");
+  return {out, row_max, sum_exp};
+}
+
+// Partial attentions of the same queries over disjoint keys (out [N, hq, D] normalised over each holder's
+// keys, reference [N, hq], sum of exp(score - reference) [N, hq], all float32), combined exactly: each
+// holder's sums rescaled to the largest reference. A holder that saw no keys (-inf, 0) weighs nothing.
+at::Tensor merge_attention_partials(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& refs,
+                                    const std::vector<at::Tensor>& sums) {
+  TORCH_CHECK(!outs.empty() && refs.size() == outs.size() && sums.size() == outs.size(),
+              "merge_attention_partials: one reference and one sum per partial output");
+  const at::Tensor& first = outs[0];
+  TORCH_CHECK(first.dim() == 3 && first.size(2) % 16 == 0, "merge_attention_partials: outputs [N, hq, D % 16 == 0]");
+  const int64_t rows = first.size(0) * first.size(1), d = first.size(2), parts = static_cast<int64_t>(outs.size());
+  std::vector<at::Tensor> held;  // contiguous (copies only where they were not)
+  std::vector<const float*> o(parts), r(parts), s(parts);
+  for (int64_t p = 0; p < parts; ++p) {
+    TORCH_CHECK(outs[p].sizes() == first.sizes() && refs[p].numel() == rows && sums[p].numel() == rows,
+                "merge_attention_partials: partials of different shapes");
+    for (const at::Tensor* t : {&outs[p], &refs[p], &sums[p]}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat, "merge_attention_partials: partials are float32");
+      held.push_back(t->contiguous());
+    }
+    o[p] = held[3 * p].data_ptr<float>();
+    r[p] = held[3 * p + 1].data_ptr<float>();
+    s[p] = held[3 * p + 2].data_ptr<float>();
+  }
+  at::Tensor merged = at::empty(first.sizes(), first.options());
+  float* m = merged.data_ptr<float>();
+  std::vector<float> weight(parts);
+  for (int64_t i = 0; i < rows; ++i) {
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, r[p][i]);
+    for (int64_t p = 0; p < parts; ++p) {
+      weight[p] = r[p][i] == -std::numeric_limits<float>::infinity() ? 0.f : s[p][i] * std::exp(r[p][i] - top);
+      total += weight[p];
+    }
+    const float inv = 1.f / std::max(total, 1e-30f);
+    for (int64_t c = 0; c < d; c += 16) {
+      vec::F16 acc = vec::F16::zero();
+      for (int64_t p = 0; p < parts; ++p)
+        acc = vec::fma(vec::F16::load(o[p] + i * d + c), vec::F16::set1(weight[p]), acc);
+      (acc * vec::F16::set1(inv)).store(m + i * d + c);
+    }
+  }
+  return merged;
+}

@@ -1,0 +1,256 @@
+// Reading quantized records: dequantization of whole blocks (prefill chunks attend over them) and
+// the scalar decode-attention kernel, which dequantizes each head vector into a small buffer; the
+// vector kernel (kvquant_decode_fast.cpp) takes head_dim 64 / 128 on every ISA level.
+#include "kvquant/kvquant_format.h"
+
+namespace kvquant {
+namespace {
+
+// One head vector of a record into dst[0, d).
+template <int64_t D = 0>  // D > 0: the head dimension as a compile-time constant (loops unroll)
+inline void decode_head(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, float* __restrict dst) {
+  const int64_t half = (D > 0 ? D : f.d) / 2;
+  if (f.mode == kInt8 || f.mode == kInt4) {
+    const uint8_t* p = rec + h * (kIntHeader + f.code_bytes);
+    const float lo = read_half(p), s = read_half(p + 2);
+    const uint8_t* __restrict codes = p + kIntHeader;
+    if (f.mode == kInt8) {
+#pragma omp simd
+      for (int64_t i = 0; i < 2 * half; ++i) dst[i] = lo + static_cast<float>(codes[i]) * s;
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) {
+        dst[2 * j] = lo + static_cast<float>(codes[j] & 15) * s;
+        dst[2 * j + 1] = lo + static_cast<float>(codes[j] >> 4) * s;
+      }
+    }
+    return;
+  }
+  const OakenScales sc = read_scales(rec + h * kOakenHeader);
+  const float inner_hi = t.inner_hi, inner_lo = t.inner_lo;
+  const uint8_t* __restrict dense = rec + kOakenHeader * f.hk + h * f.code_bytes;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float y0 = sc.mid_lo + static_cast<float>(dense[j] & 15) * sc.mid_s;
+    const float y1 = sc.mid_lo + static_cast<float>(dense[j] >> 4) * sc.mid_s;
+    dst[2 * j] = y0 + (y0 >= 0.f ? inner_hi : inner_lo);
+    dst[2 * j + 1] = y1 + (y1 >= 0.f ? inner_hi : inner_lo);
+  }
+  patch_sparse(rec, h, f, t, sc, dense, dst);
+}
+
+constexpr int64_t kTile = 16;
+
+// Online-softmax decode attention of one (sequence, KV head): tiles of 16 keys are dequantized
+// into a small float buffer and scored against the group's query rows; the softmax runs over the
+// tile's 16 scores at once; then the tile's values are dequantized and each query row's
+// accumulator (D floats, kept in registers when D is a compile-time constant) takes them in.
+template <typename T, int64_t D>
+void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t* table, int64_t ctx,
+                int64_t block_size, int64_t h, int64_t group, const Format& f, const Thresholds& kt,
+                const Thresholds& vt, float scale, T* out, std::vector<float>& work, const PartialOut* partial,
+                int64_t row0) {
+  const int64_t d = D > 0 ? D : f.d;
+  float* qf = work.data();                 // [group, d]
+  float* acc = qf + group * d;             // [group, d]
+  float* tile = acc + group * d;           // [kTile, d]
+  float* probs = tile + kTile * d;         // [group, kTile]
+  float* run = probs + group * kTile;      // [2, group]: max, sum
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[g * d + i]) * scale;
+    run[g] = -std::numeric_limits<float>::infinity(), run[group + g] = 0.f;
+  }
+  std::fill(acc, acc + group * d, 0.f);
+  int64_t offsets[kTile];
+  for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
+    const int64_t n = std::min(kTile, ctx - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      offsets[j] = kvops::slot_of(table, t, block_size) * f.record;
+      decode_head<D>(kp + offsets[j], h, f, kt, tile + j * d);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float sc[kTile];
+      const float* qv = qf + g * d;
+      for (int64_t j = 0; j < kTile; ++j) {
+        float dot = 0.f;
+        const float* kv = tile + j * d;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += qv[i] * kv[i];
+        sc[j] = j < n ? dot : -std::numeric_limits<float>::infinity();
+      }
+      float tile_max = sc[0];
+      for (int64_t j = 1; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
+      const float new_max = std::max(run[g], tile_max);
+      const float corr = exp_nonpositive(run[g] - new_max);
+      float* pr = probs + g * kTile;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < kTile; ++j) {
+        pr[j] = exp_nonpositive(sc[j] - new_max);
+        sum += pr[j];
+      }
+      for (int64_t j = n; j < kTile; ++j) sum -= pr[j], pr[j] = 0.f;  // exp(-inf) clamps to tiny, not 0
+      run[g] = new_max, run[group + g] = run[group + g] * corr + sum;
+      float* a = acc + g * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] *= corr;
+    }
+    for (int64_t j = 0; j < n; ++j) decode_head<D>(vp + offsets[j], h, f, vt, tile + j * d);
+    for (int64_t g = 0; g < group; ++g) {
+      float a[D > 0 ? D : 1];
+      float* ag = D > 0 ? a : acc + g * d;
+      if (D > 0) std::memcpy(a, acc + g * d, sizeof(float) * d);
+      const float* pr = probs + g * kTile;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = pr[j];
+        const float* vrow = tile + j * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) ag[i] += p * vrow[i];
+      }
+      if (D > 0) std::memcpy(acc + g * d, a, sizeof(float) * d);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float total = run[group + g];
+    if (partial != nullptr) {
+      const int64_t row = row0 + g;
+      partial->ref[row] = run[g], partial->sum[row] = total;
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int64_t i = 0; i < d; ++i) partial->out[row * d + i] = acc[g * d + i] * inv;
+      continue;
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<T>(acc[g * d + i] * inv);
+  }
+}
+
+template <typename T>
+void dequant_impl(const at::Tensor& pool, const at::Tensor& ids, const Format& f, const Thresholds& t,
+                  at::Tensor& out) {
+  const int64_t nb = ids.size(0), bs = pool.size(1), rows = nb * bs;
+  const uint8_t* src = pool.data_ptr<uint8_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(f.d);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* rec = src + kvops::slot_of(id, r, bs) * f.record;
+      for (int64_t h = 0; h < f.hk; ++h) {
+        decode_head(rec, h, f, t, buf.data());
+        T* o = dst + (r * f.hk + h) * f.d;
+        for (int64_t i = 0; i < f.d; ++i) o[i] = static_cast<T>(buf[i]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& tables, const at::Tensor& lens, const Format& f,
+                           const Thresholds& kt, const Thresholds& vt, double scale, at::Tensor& out,
+                           const PartialOut* partial) {
+  const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] =
+      decode_batch<T>(q, k_pool, v_pool, tables, lens, f, out);
+  if (decode_attention_fast<T>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial)) return;
+  at::parallel_for(0, batch * f.hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(2 * group * f.d + kTile * f.d + group * kTile + 2 * group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / f.hk, h = item % f.hk;
+      const int64_t offset = (b * hq + h * group) * f.d;
+      const float sc = static_cast<float>(scale);
+      if (f.d == 64) {
+        decode_one<T, 64>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
+                            partial, b * hq + h * group);
+      } else if (f.d == 128) {
+        decode_one<T, 128>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
+                            partial, b * hq + h * group);
+      } else {
+        decode_one<T, 0>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
+                            partial, b * hq + h * group);
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace kvquant
+
+using namespace kvquant;
+
+// Dequantize whole blocks: pool [NB, bs, R] -> [len(block_ids), bs, hk, d] in `dtype`.
+at::Tensor dequantize_blocks(const at::Tensor& pool, const at::Tensor& block_ids, int64_t mode, int64_t hk,
+                             int64_t d, int64_t capacity, const at::Tensor& thresholds, at::ScalarType dtype) {
+  const Format f = make_format(mode, hk, d, capacity, pool.size(-1));
+  check_pool(pool, f);
+  auto ids = block_ids.contiguous();
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "block ids must be int64 [n]");
+  auto out = at::empty({ids.size(0), pool.size(1), hk, d}, pool.options().dtype(dtype));
+  const Thresholds t = read_thresholds(thresholds);
+  if (dtype == at::kFloat) {
+    dequant_impl<float>(pool, ids, f, t, out);
+  } else if (dtype == at::kBFloat16) {
+    dequant_impl<c10::BFloat16>(pool, ids, f, t, out);
+  } else {
+    TORCH_CHECK(false, "dequantize_blocks supports float32 and bfloat16");
+  }
+  return out;
+}
+
+namespace {
+
+void check_decode(const at::Tensor& q, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hk) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) % hk == 0, "q must be contiguous [B, hq, d]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "tables and lengths: int64");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "quant_decode_attention supports float32 and bfloat16");
+}
+
+void run_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode, int64_t hk,
+                int64_t capacity, const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, double scale,
+                at::Tensor& out, const PartialOut* partial) {
+  check_decode(q, block_tables, context_lens, hk);
+  const Format f = make_format(mode, hk, q.size(2), capacity, k_pool.size(-1));
+  check_pool(k_pool, f);
+  check_pool(v_pool, f);
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
+  if (q.scalar_type() == at::kFloat)
+    decode_attention_impl<float>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+  else
+    decode_attention_impl<c10::BFloat16>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+}
+
+}  // namespace
+
+// One query token per sequence over quantized paged K/V, read in place.
+at::Tensor quant_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode,
+                                  int64_t hk, int64_t capacity, const at::Tensor& k_thresholds,
+                                  const at::Tensor& v_thresholds, double scale) {
+  auto out = at::empty_like(q);
+  run_decode(q, k_pool, v_pool, block_tables, context_lens, mode, hk, capacity, k_thresholds, v_thresholds, scale,
+             out, nullptr);
+  return out;
+}
+
+// The same over one holder's keys, as a partial to merge with the other holders' (DistAttention):
+// (out [B, hq, d] float32 normalised over these keys, softmax reference [B, hq], sum of exps [B, hq]).
+std::vector<at::Tensor> quant_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_pool,
+                                                       const at::Tensor& v_pool, const at::Tensor& block_tables,
+                                                       const at::Tensor& context_lens, int64_t mode, int64_t hk,
+                                                       int64_t capacity, const at::Tensor& k_thresholds,
+                                                       const at::Tensor& v_thresholds, double scale) {
+  check_decode(q, block_tables, context_lens, hk);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor part = at::empty(q.sizes(), f32), ref = at::empty({q.size(0), q.size(1)}, f32);
+  at::Tensor sum = at::empty({q.size(0), q.size(1)}, f32);
+  at::Tensor unused = at::empty_like(q);  // the plain output, never written
+  const PartialOut partial{part.data_ptr<float>(), ref.data_ptr<float>(), sum.data_ptr<float>()};
+  run_decode(q, k_pool, v_pool, block_tables, context_lens, mode, hk, capacity, k_thresholds, v_thresholds, scale,
+             unused, &partial);
+  return {part, ref, sum};
+}

@@ -1,0 +1,142 @@
+// The kernels of a decoder layer in their range form: each computes items [begin, end) of its work
+// from raw pointers, with no allocation of tensors and nothing that throws. The ATen entry points run
+// them under at::parallel_for; the layer stack runs them in one team of threads (team.h). Sizes and
+// dtypes are checked by the callers.
+#pragma once
+
+#include "common/ops_common.h"
+
+namespace kvops {
+
+// ---- linears on packed float weights (gemm.cpp): a work item is a panel of output columns
+struct PackedWeight {
+  const void* data;   // [blocks, K * 16] in the packed layout, float32 or bfloat16 (as the activations)
+  int64_t blocks, k;  // 16-column blocks, input features
+  bool swiglu;        // a packed gate/up pair: silu(gate) * up leaves the product
+  const float* bias;  // [width] or null
+  int64_t panels() const;
+  int64_t blocks_per_panel() const;
+  int64_t width() const;  // output columns
+  static PackedWeight of(const at::Tensor& packed, bool swiglu, const float* bias);
+};
+
+template <typename T>
+void packed_panels(const PackedWeight& w, const T* x, int64_t m, T* out, int64_t p0, int64_t p1);
+
+// ---- linears on quantized weights (qlinear.cpp): a work item is a group of 16 output columns
+struct QuantizedRows {  // m activation rows quantized to int8 per 32 values
+  int8_t* codes;        // [m, K]
+  float* scale;         // [m, K / 32]
+  float* sum;           // [m, K / 32]: scale * sum of the block's codes
+  // the rows' scales and sums in one buffer of m * floats_per_row(k) floats
+  static QuantizedRows over(int8_t* codes, float* floats, int64_t m, int64_t k);
+  static int64_t floats_per_row(int64_t k);
+};
+
+struct QuantizedWeight {
+  const uint8_t* codes;
+  const void* scale;         // float16 or float32 [groups, K / 32, 16]; q6: int8 [groups, K / 16, 16]
+  const void* mins;          // like scale, q4 only (null for q8 and q6)
+  const float* super_scale;  // q6 only: [groups, K / 256, 16]
+  bool half_scales;
+  int64_t k, groups;
+  const float* bias;  // [groups * 16] or null
+  // checked: the kind follows the dtypes (q6: int8 scales; q4: uint8 codes; q8: int8 codes); extra is
+  // q4's mins or q6's super-block scales, null for q8; `who` names the caller in errors
+  static QuantizedWeight of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
+                            const float* bias, const char* who);
+  int64_t group_code_bytes() const;   // codes of one group of 16 columns
+  int64_t group_scale_bytes() const;  // scales (and as many mins) of one group
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, int64_t r1);
+
+// rows [r0, r1) of float32 x [., k] rounded to bf16 into out (k % 16 == 0): the rows of a product on
+// the AMX tiles (amx.h)
+void bf16_rows(const float* x, int64_t k, c10::BFloat16* out, int64_t r0, int64_t r1);
+
+template <typename T>
+void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
+                      int64_t g1);
+
+// rows `index` of a quantized weight dequantized into out [count, K] (the values quantized_rows gives)
+template <typename T>
+void dequantize_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out);
+
+// ---- greedy sampling (sample_ops.cpp): a row's argmax from the argmax of consecutive column ranges
+struct ArgmaxPart {
+  int64_t index;  // -1 for an empty range
+  float value;
+  bool nan;       // index is the range's first NaN (which torch.argmax counts as the largest)
+};
+template <typename T>
+ArgmaxPart argmax_part(const T* x, int64_t begin, int64_t end);
+// the row's argmax from the parts of its consecutive column ranges, lowest first: parts[0],
+// parts[stride], ... parts[(count - 1) * stride]
+int64_t merged_argmax(const ArgmaxPart* parts, int64_t count, int64_t stride);
+
+// ---- per-layer kernels around attention (layer_ops.cpp)
+template <typename T>
+struct RopeStep {  // rotary of q and k of a fused qkv projection, k and v written to their cache slots
+  const T* qkv;
+  int64_t row_stride;
+  const int64_t* positions;
+  const int64_t* slots;
+  const float* cos;
+  const float* sin;
+  T* k_cache;
+  T* v_cache;
+  T* q_out;  // [N, hq, head_dim]
+  int64_t hq, hk, head_dim;
+  // a work item is one head of one row, in the order v (copied to its slot), q (rotated), k (rotated
+  // into its slot): a contiguous split gives each thread its part of the cache writes
+  int64_t items(int64_t rows) const { return rows * (hq + 2 * hk); }
+  // the cache line of item i's write that holds byte `offset` of its head, or null for a q head
+  const char* slot_line(int64_t item, int64_t offset) const;
+};
+
+template <typename T>
+void rope_items(const RopeStep<T>& step, int64_t i0, int64_t i1);
+
+// rows [r0, r1): residual += delta (when not null), out = rms_norm(residual) * weight
+template <typename T>
+void norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t h, float eps, int64_t r0, int64_t r1);
+
+// silu(gate) * up of [rows, 2F] into [rows, F]; silu_work(rows, F) items of up to 256 columns of a row
+int64_t silu_work(int64_t rows, int64_t f);
+template <typename T>
+void silu_items(const T* gate_up, int64_t f, T* out, int64_t i0, int64_t i1);
+// the same for columns [c0, c1) of every one of `rows` rows
+template <typename T>
+void silu_columns(const T* gate_up, int64_t f, T* out, int64_t rows, int64_t c0, int64_t c1);
+
+// ---- decode attention (decode_attention.cpp)
+// A work item is a sequence (all its KV heads; one KV head in the generic loop) over one of `splits`
+// pieces of its context. With splits > 1 the items leave partial sums in `partials`
+// (partial_floats() floats) and merge_items(), after a barrier, writes the output: batch * hq items.
+struct AttentionWork {
+  int64_t items, splits;
+  bool per_head = false;  // an item is one KV head of a sequence (the generic loop), not all of them
+  int64_t partial_floats(int64_t batch, int64_t hq, int64_t head_dim) const {
+    return splits > 1 ? batch * hq * splits * (head_dim + 2) : 0;
+  }
+  int64_t merge_items(int64_t batch, int64_t hq) const { return splits > 1 ? batch * hq : 0; }
+  // the tokens of each split of a context of ctx (the last split's maybe fewer, or none)
+  int64_t split_tokens(int64_t ctx) const { return (ctx + splits - 1) / splits; }
+  int64_t row_of(int64_t item, int64_t hk) const { return per_head ? item / hk : item / splits; }
+  // the item that reads the newest token (the last of lens[b]) of sequence b's KV head kh
+  int64_t newest_item(const int64_t* lens, int64_t b, int64_t hk, int64_t kh) const {
+    if (per_head) return b * hk + kh;
+    return b * splits + std::max<int64_t>(0, lens[b] - 1) / std::max<int64_t>(1, split_tokens(lens[b]));
+  }
+};
+AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads);
+template <typename T>
+void decode_attention_items(const DecodeBatch<T>& batch, double scale, const AttentionWork& work, float* partials,
+                            int64_t i0, int64_t i1);
+template <typename T>
+void merge_attention_splits(const DecodeBatch<T>& batch, const AttentionWork& work, const float* partials,
+                            int64_t i0, int64_t i1);
+
+}  // namespace kvops

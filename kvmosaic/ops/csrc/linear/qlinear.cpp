@@ -1,0 +1,469 @@
+// Linear layers on quantized weights (q8: w = scale * q; q4: w = scale * q + min; one scale and min per
+// 32 weights of a column; q6: w = d * sc * q, an int8 sc per 16 weights and a float d per 256), in the
+// interleaved layout of kvmosaic/quant/weights.py: 16 output columns side by side, codes
+// [N/16, K/4 (q8) or K/8 (q4), 16, 4] bytes or [N/16, K/32, 6, 16, 4] (q6), scales and mins
+// [N/16, K/32, 16], q6 scales [N/16, K/16, 16] and super-block scales [N/16, K/256, 16].
+//
+// The activations are quantized to int8 per 32 values (d = max|x| / 127, codes rounded half to even)
+// and every weight block is an integer dot product per column:
+//   out[r, n] += scale[n, b] * d[r, b] * sum_k q[n, k] x[r, k] + min[n, b] * d[r, b] * sum_k x[r, k]
+// (q6: scale is the super-block's d, and the integer sum weighs each 16 codes by their sc)
+// Each thread takes a contiguous range of 16-column groups and runs every row over a group (4 rows per
+// pass) while its codes sit in L1, so the weights stream from memory once per call at any row count.
+// Written once over vec.h / qdot.h.
+//
+// Measured against the alternatives (2 threads, the default model's 120 layer products, float32 rows):
+// - widening the codes to float in registers and multiplying float activations: 2-5x slower at 1-4
+//   rows (a decode step's linears 1.0 ms vs 4.4 ms for Q4_1, 1.5 ms vs 4.2 ms for Q8_0, AVX-512 VNNI);
+// - dequantizing panels of the weight into the packed float GEMM, the path many rows took before:
+//   slower at every row count measured, 5 to 1024, on both levels (AVX-512 VNNI: 12.3 vs 6.9 ms at
+//   5 rows, 143 vs 63 ms at 128, 1071 vs 512 ms at 1024; AVX2: 14.5 vs 7.9, 161 vs 158, 1062 vs 793;
+//   bfloat16 rows: 258 vs 232 ms at 512 on AVX-512 BF16, 770 vs 405 ms on AVX2), so it was removed.
+// On AMX tiles (Intel) that trade turns: from amx::kMinRows rows a q8 / q4 product
+// dequantizes its weights to bf16 chunk by chunk into the tiles' product (amx_gemm.cpp), with the
+// rows in bf16 (float32 rows rounded to it: closer to the float product than int8 rows are).
+#include "isa/amx.h"
+#include "common/ops_common.h"
+#include "linear/qdot.h"
+#include "layer/stack_kernels.h"
+
+namespace {
+
+using kvops::QuantizedRows;
+using kvops::QuantizedWeight;
+using kvmosaic_vec::F16;
+using kvmosaic_qdot::I16;
+using kvmosaic_qdot::Q4Sum;
+using kvmosaic_qdot::V64;
+
+constexpr int64_t kCols = 16;
+constexpr int64_t kQBlock = 32;
+constexpr int64_t kQ6Vectors = 6;  // 64-byte code vectors per 32-k block of a q6 group
+constexpr int64_t kQ6Sub = 16;     // weights per q6 sub-block scale
+constexpr int64_t kQ6Super = 256;  // weights per q6 super-block scale
+constexpr int kMaxRows = 4;  // activation rows sharing one pass over a group's codes
+
+// Bytes of codes a product asks for ahead of the block it multiplies. Only the first rows of a group
+// ask: later rows find its codes in L1. On an AVX2 host (Zen 3) the integer dots are heavy enough
+// that the hardware prefetcher alone falls behind: the default model's Q4_1 decode went from ~87 to
+// ~100 tok/s (medians of 3 x 6 interleaved runs; 1 and 2 KiB alike). On the AVX-512 host of session 31 (AVX512-BF16,
+// VNNI, VP2INTERSECT), Q4_1, one stream, in-process interleaved rounds against none: 1 KiB 1.07x,
+// 2 KiB 1.16x, 4 KiB 1.21x, 8 KiB 1.38x, 16 KiB 1.31x when the host's read probe gave ~92 GB/s, and
+// 8 KiB 1.13x at ~55 GB/s; Q8_0 the same with or without (0.98-1.00x; 12-24 KiB 0.96-0.99x of 8).
+// (An AVX-512 host of an earlier session, Zen 4, had gained nothing from 1-4 KiB.)
+#if defined(KVM_VEC_AVX512)
+constexpr int64_t kStreamAhead = 8192;
+#else
+constexpr int64_t kStreamAhead = 1024;
+#endif
+
+// One row's activations quantized per 32 values.
+struct QuantRow {
+  const int8_t* codes;   // [K]
+  const float* scale;    // [K / 32]: d
+  const float* sum;      // [K / 32]: d * sum of the block's codes
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum) {
+  for (int64_t b = 0; b < k / kQBlock; ++b) {
+    const T* xb = x + b * kQBlock;
+    const F16 v0 = F16::load(xb), v1 = F16::load(xb + 16);
+    const float amax = kvmosaic_vec::max(kvmosaic_vec::abs(v0), kvmosaic_vec::abs(v1)).reduce_max();
+    const float d = amax / 127.f;
+    const float id = d == 0.f ? 0.f : 1.f / d;
+    alignas(64) float rounded[kQBlock];
+    kvmosaic_vec::round_nearest(v0 * F16::set1(id)).store(rounded);
+    kvmosaic_vec::round_nearest(v1 * F16::set1(id)).store(rounded + 16);
+    int32_t total = 0;
+    for (int64_t j = 0; j < kQBlock; ++j) {
+      const int32_t q = static_cast<int32_t>(rounded[j]);
+      codes[b * kQBlock + j] = static_cast<int8_t>(q);
+      total += q;
+    }
+    scale[b] = d;
+    sum[b] = d * static_cast<float>(total);
+  }
+}
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// R rows x one group of 16 columns. codes: the group's bytes; S: the scale dtype; kQ4: nibbles.
+// A block's integer dots go to kChains independent accumulators per row, summed at the block's end: one
+// chain would serialize the block's 8 dot instructions on their latency, which bounds a decode row
+// (one accumulator in flight) below the memory bandwidth.
+template <typename T, typename S, bool kQ4, int R>
+void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* scale, const S* mins,
+                const float* bias, T* out, int64_t ldo, bool stream) {
+  constexpr int64_t kGroups = kQ4 ? 4 : 8;  // 64-byte vectors per 32-k block
+  constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  F16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = F16::zero();
+  const int64_t blocks = k / kQBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    I16 dots[R][kChains];
+    Q4Sum q4sums[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains; ++c) {
+        dots[r][c] = I16::zero();
+        q4sums[r][c] = Q4Sum::zero();
+      }
+    const uint8_t* wb = codes + b * kGroups * 64;
+    if (kStreamAhead > 0 && stream) {
+      constexpr int64_t kBlocksAhead = kStreamAhead / (kGroups * 64);
+      for (int64_t q = 0; q < kGroups * 64; q += 64) kvmosaic_vec::prefetch_l1(wb + kStreamAhead + q);
+      kvmosaic_vec::prefetch_l1(scale + (b + kBlocksAhead) * kCols);
+      if constexpr (kQ4) kvmosaic_vec::prefetch_l1(mins + (b + kBlocksAhead) * kCols);
+    }
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < kGroups; ++g) {
+      const V64 w = V64::load(wb + g * 64);
+      if constexpr (kQ4) {
+        const V64 lo = w.low_nibbles(), hi = w.high_nibbles();
+        const int c0 = static_cast<int>((2 * g) % kChains), c1 = static_cast<int>((2 * g + 1) % kChains);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = rows[r].codes + b * kQBlock + g * 8;
+          q4sums[r][c0] = q4sums[r][c0].add(lo, V64::broadcast4(load4(x)));
+          q4sums[r][c1] = q4sums[r][c1].add(hi, V64::broadcast4(load4(x + 4)));
+        }
+      } else {
+        const int c = static_cast<int>(g % kChains);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = rows[r].codes + b * kQBlock + g * 4;
+          dots[r][c] = kvmosaic_qdot::dot_s8s8(dots[r][c], w, V64::broadcast4(load4(x)));
+        }
+      }
+    }
+    const F16 sc = kvmosaic_qdot::load_scale16(scale + b * kCols);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (kQ4)
+        for (int c = 0; c < kChains; ++c) dots[r][c] = q4sums[r][c].total();
+      I16 total = dots[r][0];
+      for (int c = 1; c < kChains; ++c) total = kvmosaic_qdot::add(total, dots[r][c]);
+      acc[r] = kvmosaic_vec::fma(total.to_float(), sc * F16::set1(rows[r].scale[b]), acc[r]);
+    }
+    if constexpr (kQ4) {
+      const F16 mn = kvmosaic_qdot::load_scale16(mins + b * kCols);
+      for (int r = 0; r < R; ++r) acc[r] = kvmosaic_vec::fma(mn, F16::set1(rows[r].sum[b]), acc[r]);
+    }
+  }
+  const F16 bv = bias != nullptr ? F16::load(bias) : F16::zero();
+  for (int r = 0; r < R; ++r) (acc[r] + bv).store(out + r * ldo);
+}
+
+// Four code bytes of q6 sub-vector kS (k = 4 kS .. 4 kS + 3 of the block) of each column, as signed
+// codes, dotted with R rows' activations into sums: the low nibble comes from vector kS / 2, the high
+// bit pair from vector 4 + kS / 4.
+template <int kS, int R>
+inline void q6_dots(V64 nibbles, V64 pairs, const QuantRow* rows, int64_t b, Q4Sum* sums) {
+  const V64 low = kS % 2 == 0 ? nibbles.low_nibbles() : nibbles.high_nibbles();
+  const V64 w = (low | pairs.template pair_bits<kS % 4>()).minus32();
+  const V64 magnitude = w.abs_s8();
+  for (int r = 0; r < R; ++r) {
+    const V64 x = V64::broadcast4(load4(rows[r].codes + b * kQBlock + 4 * kS));
+    sums[r] = sums[r].add(magnitude, w.sign_of(x));
+  }
+}
+
+// R rows x one group of 16 columns of a q6 weight: per 32-k block two sub-blocks of 16, each an int16
+// sum of four dots (qdot.h's Q4Sum) widened with its int8 scale, then the block's one float multiply-add.
+template <typename T, int R>
+void group_rows_q6(const QuantRow* rows, int64_t k, const uint8_t* codes, const int8_t* scale, const float* supers,
+                   const float* bias, T* out, int64_t ldo, bool stream) {
+  F16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = F16::zero();
+  const int64_t blocks = k / kQBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = codes + b * kQ6Vectors * 64;
+    if (kStreamAhead > 0 && stream) {
+      for (int64_t q = 0; q < kQ6Vectors * 64; q += 64) kvmosaic_vec::prefetch_l1(wb + kStreamAhead + q);
+      kvmosaic_vec::prefetch_l1(scale + (2 * b) * kCols + kStreamAhead / 12);  // 32 scale bytes per 384 code bytes
+    }
+    const V64 n0 = V64::load(wb), n1 = V64::load(wb + 64), n2 = V64::load(wb + 128), n3 = V64::load(wb + 192);
+    const V64 p0 = V64::load(wb + 256), p1 = V64::load(wb + 320);
+    Q4Sum first[R], second[R];
+    for (int r = 0; r < R; ++r) first[r] = second[r] = Q4Sum::zero();
+    q6_dots<0, R>(n0, p0, rows, b, first);
+    q6_dots<4, R>(n2, p1, rows, b, second);
+    q6_dots<1, R>(n0, p0, rows, b, first);
+    q6_dots<5, R>(n2, p1, rows, b, second);
+    q6_dots<2, R>(n1, p0, rows, b, first);
+    q6_dots<6, R>(n3, p1, rows, b, second);
+    q6_dots<3, R>(n1, p0, rows, b, first);
+    q6_dots<7, R>(n3, p1, rows, b, second);
+    const I16 sc0 = I16::load_s8(scale + (2 * b) * kCols), sc1 = I16::load_s8(scale + (2 * b + 1) * kCols);
+    const F16 d = F16::load(supers + (b * kQBlock / kQ6Super) * kCols);
+    for (int r = 0; r < R; ++r) {
+      const I16 total = kvmosaic_qdot::add(first[r].scaled(sc0), second[r].scaled(sc1));
+      acc[r] = kvmosaic_vec::fma(total.to_float(), d * F16::set1(rows[r].scale[b]), acc[r]);
+    }
+  }
+  const F16 bv = bias != nullptr ? F16::load(bias) : F16::zero();
+  for (int r = 0; r < R; ++r) (acc[r] + bv).store(out + r * ldo);
+}
+
+enum class Kind { kQ8, kQ4, kQ6 };
+
+// S: the scale dtype (int8 for q6); extra: q4's mins (S) or q6's super-block scales (float)
+template <typename T, typename S, Kind kKind, int R>
+void group_rows_of(const QuantRow* q, int64_t k, const uint8_t* codes, const S* scale, const void* extra,
+                   const float* bias, T* out, int64_t ldo, bool stream) {
+  if constexpr (kKind == Kind::kQ6)
+    group_rows_q6<T, R>(q, k, codes, scale, static_cast<const float*>(extra), bias, out, ldo, stream);
+  else
+    group_rows<T, S, kKind == Kind::kQ4, R>(q, k, codes, scale, static_cast<const S*>(extra), bias, out, ldo, stream);
+}
+
+template <typename T, typename S, Kind kKind>
+void rows_dispatch(int rows, const QuantRow* q, int64_t k, const uint8_t* codes, const S* scale, const void* extra,
+                   const float* bias, T* out, int64_t ldo, bool stream) {
+  switch (rows) {
+    case 4: return group_rows_of<T, S, kKind, 4>(q, k, codes, scale, extra, bias, out, ldo, stream);
+    case 3: return group_rows_of<T, S, kKind, 3>(q, k, codes, scale, extra, bias, out, ldo, stream);
+    case 2: return group_rows_of<T, S, kKind, 2>(q, k, codes, scale, extra, bias, out, ldo, stream);
+    default: return group_rows_of<T, S, kKind, 1>(q, k, codes, scale, extra, bias, out, ldo, stream);
+  }
+}
+
+template <typename T, typename S, Kind kKind>
+void groups_of(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
+               int64_t g1) {
+  const int64_t k = w.k, blocks = k / kQBlock;
+  const int64_t group_bytes = w.group_code_bytes();
+  const int64_t group_scales = (kKind == Kind::kQ6 ? k / kQ6Sub : blocks) * kCols;
+  const S* scale = static_cast<const S*>(w.scale);
+  for (int64_t g = g0; g < g1; ++g) {
+    const void* extra = nullptr;
+    if constexpr (kKind == Kind::kQ4) extra = static_cast<const S*>(w.mins) + g * group_scales;
+    if constexpr (kKind == Kind::kQ6) extra = w.super_scale + g * (k / kQ6Super) * kCols;
+    for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
+      QuantRow q[kMaxRows];
+      for (int r = 0; r < rows; ++r)
+        q[r] = {x.codes + (r0 + r) * k, x.scale + (r0 + r) * blocks, x.sum + (r0 + r) * blocks};
+      rows_dispatch<T, S, kKind>(rows, q, k, w.codes + g * group_bytes, scale + g * group_scales, extra,
+                                 w.bias != nullptr ? w.bias + g * kCols : nullptr, out + r0 * ldo + g * kCols, ldo,
+                                 r0 == 0);
+    }
+  }
+}
+
+}  // namespace
+
+namespace kvops {
+
+QuantizedRows QuantizedRows::over(int8_t* codes, float* floats, int64_t m, int64_t k) {
+  return {codes, floats, floats + m * (k / kQBlock)};
+}
+
+int64_t QuantizedRows::floats_per_row(int64_t k) { return 2 * (k / kQBlock); }
+
+template <typename T>
+void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, int64_t r1) {
+  const int64_t blocks = k / kQBlock;
+  for (int64_t r = r0; r < r1; ++r)
+    quantize_row(x + r * k, k, out.codes + r * k, out.scale + r * blocks, out.sum + r * blocks);
+}
+
+void bf16_rows(const float* x, int64_t k, c10::BFloat16* out, int64_t r0, int64_t r1) {
+  for (int64_t i = r0 * k; i < r1 * k; i += kCols) F16::load(x + i).store(out + i);
+}
+
+template <typename T>
+void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
+                      int64_t g1) {
+  if (w.super_scale != nullptr) {
+    groups_of<T, int8_t, Kind::kQ6>(w, x, m, out, ldo, g0, g1);
+  } else if (w.half_scales) {
+    if (w.mins != nullptr) groups_of<T, c10::Half, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
+    else groups_of<T, c10::Half, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
+  } else {
+    if (w.mins != nullptr) groups_of<T, float, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
+    else groups_of<T, float, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
+  }
+}
+
+template void quantize_rows<float>(const float*, int64_t, const QuantizedRows&, int64_t, int64_t);
+template void quantize_rows<c10::BFloat16>(const c10::BFloat16*, int64_t, const QuantizedRows&, int64_t, int64_t);
+template void quantized_groups<float>(const QuantizedWeight&, const QuantizedRows&, int64_t, float*, int64_t,
+                                      int64_t, int64_t);
+template void quantized_groups<c10::BFloat16>(const QuantizedWeight&, const QuantizedRows&, int64_t,
+                                              c10::BFloat16*, int64_t, int64_t, int64_t);
+
+QuantizedWeight QuantizedWeight::of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
+                                    const float* bias, const char* who) {
+  TORCH_CHECK(scale.dim() == 3 && scale.size(2) == kCols && scale.is_contiguous() && codes.is_contiguous(), who,
+              ": the weight is not in the interleaved layout");
+  const int64_t groups = scale.size(0);
+  if (scale.scalar_type() == at::kChar) {  // q6
+    const int64_t k = scale.size(1) * kQ6Sub;
+    TORCH_CHECK(codes.scalar_type() == at::kByte && k % kQ6Super == 0 && codes.numel() == groups * kCols * k * 3 / 4,
+                who, ": q6 codes do not match the scales");
+    TORCH_CHECK(extra != nullptr && extra->scalar_type() == at::kFloat && extra->is_contiguous() &&
+                    extra->sizes() == at::IntArrayRef({groups, k / kQ6Super, kCols}),
+                who, ": q6 weights come with float32 super-block scales [N/16, K/256, 16]");
+    return {codes.data_ptr<uint8_t>(), scale.data_ptr(), nullptr, extra->data_ptr<float>(), false, k, groups, bias};
+  }
+  const bool q4 = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 == (extra != nullptr), who, ": q4 (uint8) codes come with mins, q8 (int8) without");
+  TORCH_CHECK(q4 || codes.scalar_type() == at::kChar, who, ": codes must be int8 or uint8");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, who,
+              ": scales must be float16 or float32 (int8 for q6)");
+  const int64_t k = scale.size(1) * kQBlock;
+  TORCH_CHECK(codes.numel() == groups * kCols * k / (q4 ? 2 : 1), who, ": codes do not match the scales");
+  if (q4)
+    TORCH_CHECK(extra->sizes() == scale.sizes() && extra->scalar_type() == scale.scalar_type() &&
+                    extra->is_contiguous(), who, ": mins do not match the scales");
+  return {reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(), q4 ? extra->data_ptr() : nullptr,
+          nullptr, scale.scalar_type() == at::kHalf, k, groups, bias};
+}
+
+int64_t QuantizedWeight::group_code_bytes() const {
+  if (super_scale != nullptr) return k * kCols * 3 / 4;
+  return k * kCols / (mins != nullptr ? 2 : 1);
+}
+
+int64_t QuantizedWeight::group_scale_bytes() const {
+  if (super_scale != nullptr) return (k / kQ6Sub) * kCols;
+  return (k / kQBlock) * kCols * (half_scales ? 2 : 4);
+}
+
+}  // namespace kvops
+
+namespace {
+
+template <typename T>
+void product(const at::Tensor& x, const QuantizedWeight& w, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (kvops::amx::quantized_takes(w, m)) {  // float32 rows go to the tiles rounded to bf16
+    at::Tensor xb = x;
+    if (x.scalar_type() == at::kFloat) {
+      xb = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+      at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+        kvops::bf16_rows(x.data_ptr<float>(), k, xb.data_ptr<c10::BFloat16>(), begin, end);
+      });
+    }
+    const c10::BFloat16* xp = xb.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
+      kvops::amx::quantized_bf16_groups(w, xp, m, out.data_ptr<T>(), begin, end);
+    });
+    return;
+  }
+  std::vector<int8_t> codes(m * k);
+  std::vector<float> scales(m * QuantizedRows::floats_per_row(k));
+  const QuantizedRows rows = QuantizedRows::over(codes.data(), scales.data(), m, k);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {  // inline below 16 rows
+    quantize_rows(xp, k, rows, begin, end);
+  });
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
+    quantized_groups(w, rows, m, op, out.size(1), begin, end);
+  });
+}
+
+}  // namespace
+
+// x [M, K] (float32 or bfloat16) times a quantized weight: q8 (int8 codes), q4 (uint8 codes, extra = its
+// mins) or q6 (uint8 codes, int8 scales, extra = its float32 super-block scales).
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& extra, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "quantized_linear needs x [M, K]");
+  at::Tensor b;
+  if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+  const QuantizedWeight w = QuantizedWeight::of(codes, scale, extra.has_value() ? &*extra : nullptr,
+                                                bias.has_value() ? b.data_ptr<float>() : nullptr, "quantized_linear");
+  const int64_t k = x.size(1), n = w.groups * kCols;
+  TORCH_CHECK(w.k == k, "quantized_linear: x has ", k, " features, the weight ", w.k);
+  if (bias.has_value()) TORCH_CHECK(b.dim() == 1 && b.size(0) == n, "quantized_linear: bias must be [N]");
+  auto xc = x.contiguous();
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == at::kFloat) product<float>(xc, w, out);
+  else if (x.scalar_type() == at::kBFloat16) product<c10::BFloat16>(xc, w, out);
+  else TORCH_CHECK(false, "quantized_linear: activations must be float32 or bfloat16");
+  return out;
+}
+
+namespace {
+
+// Weight k of a column (lane) of a group's codes, as its integer code (q4: 0..15; q8, q6: signed).
+inline int code_at(const QuantizedWeight& w, const uint8_t* group, int64_t lane, int64_t kk) {
+  if (w.super_scale != nullptr) {  // q6: vector kS / 2 holds the low nibble, vector 4 + kS / 4 the high pair
+    const int64_t block = kk / kQBlock, sub = (kk % kQBlock) / 4, t = kk % 4;
+    const uint8_t* vectors = group + block * kQ6Vectors * 64;
+    const uint8_t nibbles = vectors[((sub / 2) * kCols + lane) * 4 + t];
+    const uint8_t pairs = vectors[((4 + sub / 4) * kCols + lane) * 4 + t];
+    const int low = sub % 2 == 0 ? nibbles & 0x0F : nibbles >> 4;
+    return (low | (((pairs >> (2 * (sub % 4))) & 3) << 4)) - 32;
+  }
+  if (w.mins != nullptr) {  // byte [k / 8, lane, k % 4] holds k % 8 < 4 in its low nibble, the rest in its high one
+    const uint8_t byte = group[((kk / 8) * kCols + lane) * 4 + kk % 4];
+    return kk % 8 < 4 ? byte & 0x0F : byte >> 4;
+  }
+  return static_cast<int8_t>(group[((kk / 4) * kCols + lane) * 4 + kk % 4]);
+}
+
+// Rows of the float weight from the interleaved layout: w[n, k] = code * scale (+ min), rounded as
+// the reference dequantization rounds (a float product, then a float sum; q6's scale d * sc is exact).
+template <typename T, typename S>
+void rows_of(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
+  const int64_t k = w.k, group_bytes = w.group_code_bytes();
+  const bool q6 = w.super_scale != nullptr;
+  const int64_t per_group = (q6 ? k / kQ6Sub : k / kQBlock) * kCols;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t group = index[r] / kCols, lane = index[r] % kCols;
+    const uint8_t* gc = w.codes + group * group_bytes;
+    T* row = out + r * k;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float code = static_cast<float>(code_at(w, gc, lane, kk));
+      float v;
+      if (q6) {
+        const float d = w.super_scale[(group * (k / kQ6Super) + kk / kQ6Super) * kCols + lane];
+        v = code * (d * static_cast<float>(static_cast<const int8_t*>(w.scale)[group * per_group + (kk / kQ6Sub) * kCols + lane]));
+      } else {
+        const int64_t at = group * per_group + (kk / kQBlock) * kCols + lane;
+        v = code * static_cast<float>(static_cast<const S*>(w.scale)[at]);
+        if (w.mins != nullptr) v += static_cast<float>(static_cast<const S*>(w.mins)[at]);
+      }
+      row[kk] = static_cast<T>(v);
+    }
+  }
+}
+
+}  // namespace
+
+namespace kvops {
+
+template <typename T>
+void dequantize_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
+  if (w.half_scales) rows_of<T, c10::Half>(w, index, count, out);
+  else rows_of<T, float>(w, index, count, out);
+}
+
+template void dequantize_rows<float>(const QuantizedWeight&, const int64_t*, int64_t, float*);
+template void dequantize_rows<c10::BFloat16>(const QuantizedWeight&, const int64_t*, int64_t, c10::BFloat16*);
+
+}  // namespace kvops
+
+// Rows `index` of a q8 / q4 / q6 weight in the interleaved layout, dequantized: an embedding lookup
+// through a tied quantized LM head, without a float copy of the table.
+at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,
+                          const at::Tensor& index, at::ScalarType dtype) {
+  const QuantizedWeight w = QuantizedWeight::of(codes, scale, extra.has_value() ? &*extra : nullptr, nullptr,
+                                                "quantized_rows");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quantized_rows: rows are float32 or bfloat16");
+  const int64_t n = w.groups * kCols;
+  const at::Tensor idx = index.to(at::kLong).contiguous().view({-1});
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < idx.numel(); ++r)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "quantized_rows: index ", ip[r], " out of range for ", n, " rows");
+  at::Tensor out = at::empty({idx.numel(), w.k}, scale.options().dtype(dtype));
+  if (dtype == at::kFloat) kvops::dequantize_rows(w, ip, idx.numel(), out.data_ptr<float>());
+  else kvops::dequantize_rows(w, ip, idx.numel(), out.data_ptr<c10::BFloat16>());
+  return out;
+}
