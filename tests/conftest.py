@@ -137,3 +137,18 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# `make test-fast` runs the suite minus these (`-m "not heavy"`): the end-to-end tests on the full
+# default model (marked slow) and the modules that start other processes (Ray clusters, servers in a
+# subprocess). `make test` and CI run everything.
+MULTI_PROCESS_MODULES = frozenset({
+    "test_disagg_ray", "test_disagg_server", "test_distributed_cluster", "test_distributed_nodes",
+    "test_distributed_quant", "test_supervision", "test_server_shutdown",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") or item.module.__name__.rpartition(".")[2] in MULTI_PROCESS_MODULES:
+            item.add_marker(pytest.mark.heavy)
