@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
-from serving import RESULTS, RequestResult, RequestSpec, launch, percentiles, run_request
+from bench_results import add_output_arg, write_record
+from serving import RequestResult, RequestSpec, launch, percentiles, run_request
 
 from kvmosaic.ops.cpu import isa_summary
 
@@ -168,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=RESULTS / "disagg.json")
+    add_output_arg(p, "disagg")
     args = p.parse_args(argv)
     args.endpoint = "completions"  # what serving.run_request reads
     return args
@@ -198,11 +196,9 @@ def main(argv: list[str] | None = None) -> int:
               f"K/V blocks left in use: {after.get('kv_blocks_used')}", flush=True)
     reports = {mode: summarize(args, rounds[mode], transfers[mode]) for mode in args.modes}
     print_table(args, reports, isa)
-    config = {k: v for k, v in vars(args).items() if k not in ("launch", "base_url", "server_pid", "json")}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"isa": isa, "machine": platform.machine(), "config": config,
-                                     "modes": MODES, "reports": reports}, indent=1, default=str))
-    print(f"wrote {args.json}")
+    config = {k: v for k, v in vars(args).items() if k not in ("launch", "base_url", "server_pid")}
+    write_record("disagg", [{"mode": mode, **rep} for mode, rep in reports.items()], out=args.out, config=config,
+                 extra={"modes": MODES})
     return 0 if all(rep["errors"] == 0 for rep in reports.values()) else 1
 
 

@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import numpy as np
 import ray
 import torch
+from bench_results import add_output_arg, write_record
 from distkv_probe import LANE_KEYS_BLOCKS, lane_vs_local
 
 from kvmosaic import SamplingParams
@@ -41,8 +40,6 @@ from kvmosaic.config import CacheConfig, DistributedConfig, EngineConfig, Schedu
 from kvmosaic.distributed.channel import ChannelClient
 from kvmosaic.distributed.cluster import Cluster
 from kvmosaic.ops.cpu import isa_summary
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
@@ -289,7 +286,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "int4", "oaken"],
                         help="the instances' KV pools: lent blocks stay in this format where they live")
-    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    add_output_arg(parser, "distkv")
     parser.add_argument("--stream", action="store_true", help="static vs one instance vs borrowing, on a stream")
     parser.add_argument("--duration", type=float, default=40.0, help="--stream: seconds of arrivals")
     parser.add_argument("--short-rate", type=float, default=2.0, help="--stream: short requests a second")
@@ -311,11 +308,7 @@ def main() -> None:
         finally:
             ray.shutdown()
         print_stream(reports, args)
-        out = Path(args.json) if args.json else RESULTS / "distkv_stream.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"isa": isa_summary(), "config": {k: v for k, v in vars(args).items()},
-                                   "results": reports}, indent=2))
-        print(f"wrote {out}")
+        write_record("distkv_stream", reports, out=args.out, config=vars(args))
         return
     rows = []
     try:
@@ -326,13 +319,10 @@ def main() -> None:
     finally:
         ray.shutdown()
     print_table(rows)
-    meta = {k: v for k, v in vars(args).items() if k != "json"}
+    meta = dict(vars(args))
     meta.update({"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
                  "ray": ray.__version__, "tokens_per_instance": args.blocks * args.block_size})
-    out = Path(args.json) if args.json else RESULTS / "distkv.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": meta, "results": rows}, indent=2))
-    print(f"wrote {out}")
+    write_record("distkv", rows, out=args.out, config=meta)
 
 
 if __name__ == "__main__":

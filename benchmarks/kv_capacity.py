@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
+from bench_results import add_output_arg, write_record
 
 from kvmosaic import LLM, SamplingParams
 from kvmosaic.config import parse_memory_size
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=0, help="cap the measured batch (0: the largest that fits)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--repeats", type=int, default=5, help="timed decode rounds per measurement (best kept)")
-    parser.add_argument("--out", default="benchmarks/results/kv_capacity.json")
+    add_output_arg(parser, "kv_capacity")
     args = parser.parse_args()
     parse_memory_size(args.budget)
     llms = {mode: make_llm(mode, args) for mode in args.modes}
@@ -113,9 +113,7 @@ def main() -> None:
     for r in rows.values():
         print(f"| {r['mode']} | {r['bits_per_value']:.2f} | {r['num_blocks']} | {r['max_batch']} | {r['tok_s']:.1f} | "
               f"{r['equal_tok_s']:.1f} | {r['equal_tok_s'] / base['equal_tok_s']:.2f}x | {r['preemptions']} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": list(rows.values())}, indent=1) + "\n")
+    write_record("kv_capacity", list(rows.values()), out=args.out, config=vars(args))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+
+from bench_results import add_output_arg, write_record
 
 from kvmosaic.eval.corpus import EVAL_SOURCE, read_text
 from kvmosaic.eval.harness import load_eval_model
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--int4-groups", nargs="*", type=int, default=[32, 16],
                         help="extra int4 rows, one scale per this many values")
-    parser.add_argument("--out", default="benchmarks/results/kv_quality.json")
+    add_output_arg(parser, "kv_quality")
     args = parser.parse_args()
     text, source = read_text(args.text, EVAL_SOURCE)
     em = load_eval_model(args.model, args.dtype)
@@ -55,9 +56,7 @@ def main() -> None:
     for row in rows:
         delta = 100 * (row["perplexity"] / base - 1)
         print(f"| {row['mode']} | {row['perplexity']:.4f} | {delta:+.2f}% | {row['bits_per_value']:.2f} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"text": source, "args": vars(args), "rows": rows}, indent=1) + "\n")
+    write_record("kv_quality", rows, out=args.out, config=vars(args), extra={"text": source})
 
 
 if __name__ == "__main__":

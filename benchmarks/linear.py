@@ -12,12 +12,11 @@ few timed repeats, all in one run and interleaved. Prints a table and writes JSO
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_results import add_output_arg, write_record
 
 from kvmosaic.ops import get_ops
 
@@ -41,7 +40,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64,512")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "linear.json")
+    add_output_arg(parser, "linear")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = get_ops()
@@ -78,9 +77,7 @@ def main() -> None:
         other = max(r["onednn_gflops"], r["F.linear_gflops"])
         print(f"| {r['dtype']} | {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['packed_gflops']:.0f} | "
               f"{r['onednn_gflops']:.0f} | {r['F.linear_gflops']:.0f} | {r['packed_gflops'] / other:.2f}x |")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
-    print(f"wrote {args.json}")
+    write_record("linear", results, out=args.out, config=vars(args))
 
 
 if __name__ == "__main__":

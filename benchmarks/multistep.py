@@ -14,15 +14,13 @@ activations. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+
+from bench_results import add_output_arg, write_record
 
 from kvmosaic import LLM, SamplingParams
 from kvmosaic.ops.cpu import isa_summary
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def single_stream(llm: LLM) -> float:
@@ -53,19 +51,11 @@ def rate_summary(rates: list[float], base: list[float]) -> dict:
             "ratio": statistics.median(r / b for r, b in zip(rates, base, strict=True)), "rounds": rates}
 
 
-def write_results(json_arg: str | None, name: str, rounds: int, rows: list[dict]) -> None:
-    """The rows as JSON: at --json, else benchmarks/results/<name>.json."""
-    out = Path(json_arg) if json_arg else RESULTS / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"isa": isa_summary(), "rounds": rounds, "results": rows}, indent=2))
-    print(f"\nwrote {out}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default="1,8", help="num_scheduler_steps values; the first is the baseline")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    add_output_arg(parser, "multistep")
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
     engines = {k: LLM(num_scheduler_steps=k, dtype="float32", enable_prefix_caching=False, kv_cache_memory="1GiB")
@@ -87,7 +77,7 @@ def main() -> None:
             row = {"workload": name, "steps": k, **rate_summary(rates[name, k], base)}
             rows.append(row)
             print(f"| {name} | {k} | {row['median']:.1f} | {row['best']:.1f} | {row['ratio']:.3f}x |")
-    write_results(args.json, "multistep", args.rounds, rows)
+    write_record("multistep", rows, out=args.out, config=vars(args))
 
 
 if __name__ == "__main__":

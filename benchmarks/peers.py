@@ -22,12 +22,12 @@ Workloads (token-id prompts, greedy, EOS ignored, 2 threads everywhere):
 Every (engine, dtype, workload) runs in its own subprocess (peer_runners/*_runner.py) that prints one
 JSON line. With --rounds N the whole matrix runs N times over and each entry keeps its best round
 (a shared machine's slow phases then cost an engine at most one round). Prints one table and writes
-benchmarks/results/peers.json.
+benchmarks/results/<host-kind>/peers.json.
 
     make peers
     python benchmarks/peers.py [--engines kvmosaic,hf,vllm,llamacpp,ct2] [--dtypes float32,bfloat16,q8_0,q4_1]
                                [--workloads A,B,C,L] [--rounds 1] [--timeout 1500] [--isa-cap avx2]
-                               [--json out.json]
+                               [--out PATH]
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench_results import add_output_arg, write_record
 from peer_runners.common import DTYPES, FIRST_TOKENS, WEIGHT_FORMATS, WORKLOADS
 from peer_runners.machine_load import children_cpu_seconds, cpu_busy_seconds, wait_for_quiet
 from peer_runners.models import CT2_DIR, HF_DIR, PEERS, ROOT, THREADS, base_env, gguf_for, prepare_models
-from peer_runners.report import BUSY, CHECK_TOKENS, succeeded, table, token_check
+from peer_runners.report import BUSY, CHECK_TOKENS, succeeded, summary_rows, table, token_check
 from peer_runners.roofline import read_bandwidth, roofline_lines, roofline_rows
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,7 @@ def parse_args() -> argparse.Namespace:
                         help="run every engine on its AVX2 code paths (an AVX-512 host measuring AVX2 kernels)")
     parser.add_argument("--scheduler-steps", type=int, default=1,
                         help="kvmosaic's num_scheduler_steps: forward passes a decode-only step runs (multi-step)")
-    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    add_output_arg(parser, "peers")
     return parser.parse_args()
 
 
@@ -315,15 +315,12 @@ def main() -> None:
             why = res.get("error") or f"not supported: {res['unsupported']}"
             print(f"{res['engine']} {res['dtype']} {res['workload']}: {why}")
 
-    out = Path(args.json) if args.json else RESULTS / "peers.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.machine(), "processor": platform.processor(), "isa": isa, "kernel_level": kernels,
-            "threads": THREADS,
+    meta = {"isa": isa, "threads": THREADS,
             "dtypes": dtypes, "workloads": {w: asdict(WORKLOADS[w]) for w in workloads},
             "first_tokens_kept": FIRST_TOKENS, "rounds": args.rounds, "isa_cap": args.isa_cap}
-    out.write_text(json.dumps({"config": meta, "skipped": skipped, "results": results, "startup": startup,
-                               "float32_tokens_match": same, "roofline": roofline, "table": lines}, indent=2))
-    print(f"wrote {out}")
+    write_record("peers", summary_rows(results, startup), out=args.out, config=meta, isa_level=kernels,
+                 extra={"skipped": skipped, "results": results, "startup": startup, "float32_tokens_match": same,
+                        "roofline": roofline, "table": lines})
 
 
 if __name__ == "__main__":

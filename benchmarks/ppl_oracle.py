@@ -11,18 +11,18 @@ in both (kvmosaic/eval/oracle.py). The engines must agree within 1% per format.
 
     bash scripts/setup_peers.sh llamacpp
     python benchmarks/ppl_oracle.py [--formats float32,q8_0,q4_0,q4_1,q4_k,q6_k,q4_k_m,shipped] [--window 512]
-                                    [--max-tokens 4096] [--quantization auto] [--json out.json]
+                                    [--max-tokens 4096] [--quantization auto] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from bench_results import add_output_arg, write_record
 from peer_runners.models import GGUF, PEERS, QUANT_FORMATS, prepare_gguf, prepare_hf_dir, prepare_quantized_gguf
 
 from kvmosaic.eval.corpus import EVAL_SOURCE, read_text
@@ -33,7 +33,6 @@ from kvmosaic.model.loader import default_model_path
 from kvmosaic.ops import Kernels
 from kvmosaic.ops.cpu import isa_summary
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("float32", *QUANT_FORMATS, "shipped")
 
 
@@ -80,7 +79,7 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None, help="default benchmarks/results/ppl_oracle.json")
+    add_output_arg(parser, "ppl_oracle")
     args = parser.parse_args()
     formats = args.formats.split(",")
     if unknown := set(formats) - set(FORMATS):
@@ -100,14 +99,9 @@ def main() -> int:
     print("\n".join(lines))
     ok = all(r.agrees for r in rows)
     print(f"\nall formats within {100 * AGREEMENT:.0f}%: {'yes' if ok else 'NO'}")
-    out = Path(args.json) if args.json else RESULTS / "ppl_oracle.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"isa": isa_summary(), "kernel_level": kernels, "llamacpp_system_info": info,
-                               "threads": args.threads, "text": EVAL_SOURCE, "window": args.window,
-                               "windows": len(windows), "quantization": args.quantization,
-                               "rows": [{**asdict(r), "difference": r.difference, "agrees": r.agrees} for r in rows],
-                               "all_agree": ok, "table": lines}, indent=2))
-    print(f"wrote {out}")
+    write_record("ppl_oracle", [{**asdict(r), "difference": r.difference, "agrees": r.agrees} for r in rows],
+                 out=args.out, config=vars(args), isa_level=kernels,
+                 extra={"llamacpp_system_info": info, "text": EVAL_SOURCE, "windows": len(windows), "all_agree": ok})
     return 0 if ok else 1
 
 

@@ -8,16 +8,15 @@ on the tiles with the weights dequantized to bf16, and each format also gets an 
 the tiles switched off (the same rows, the path every other CPU runs). Prints a table and writes JSON.
 
     .venv/bin/python benchmarks/qlinear.py [--rows 1,4,64,512] [--dtype float32] [--threads 2] [--level avx2]
-                                           [--json out.json]
+                                           [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
+from bench_results import add_output_arg, write_record
 from linear import SHAPES, time_call
 
 from kvmosaic.ops import Kernels
@@ -65,7 +64,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="activations")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--level", default=None, help="kernel level (default: the best built)")
-    parser.add_argument("--json", type=Path, default=None)
+    add_output_arg(parser, "qlinear")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -87,9 +86,7 @@ def main() -> None:
             print(f"{name:8s} {rows:5d} {cells}", flush=True)
             cells_json = {c: {"us": us, "gb_s": gbs} for c, (us, gbs) in result.items()}
             rows_out.append({"shape": name, "rows": rows, **cells_json})
-    if args.json:
-        args.json.write_text(json.dumps({"isa": isa_summary(), "level": kernels.level, "threads": args.threads,
-                                         "dtype": args.dtype, "rows": rows_out}, indent=1))
+    write_record("qlinear", rows_out, out=args.out, config=vars(args), isa_level=kernels.level)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_mix.py beside it, also when loaded by path
 import serving_mix  # noqa: E402
 import serving_soak  # noqa: E402
+from bench_results import add_output_arg, write_record  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 AZURE_CONV = {"input": (1020, 1155), "output": (129, 211)}  # (median, mean) tokens
 WORDS = ["time", "people", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye",
          "woman", "place", "work", "week", "case", "point", "number", "group", "problem", "fact", "river", "story",
@@ -310,7 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-interval", type=float, default=5.0, help="seconds between soak samples")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="output file (default: benchmarks/results/serving_*.json)")
+    add_output_arg(p, "serving")  # serving_soak.json with --soak
     args = p.parse_args(argv)
     if args.request_rate <= 0 or args.burstiness <= 0 or args.scale <= 0:
         p.error("--request-rate, --burstiness and --scale must be positive")
@@ -327,11 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(60)
     print_report(report)
-    tag = "soak" if args.soak else f"rate{args.request_rate:g}"
-    path = args.json or RESULTS / f"serving_{args.endpoint}_{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {path}")
+    config = report.pop("config")
+    write_record("serving_soak" if args.soak else "serving", [report], out=args.out, config=config)
     return 0 if report["errors"] == 0 else 1
 
 

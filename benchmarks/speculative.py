@@ -17,19 +17,14 @@ prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from bench_results import add_output_arg, write_record
 
 from kvmosaic import LLM, SamplingParams
-from kvmosaic.ops.cpu import isa_summary
-
-RESULTS = Path(__file__).parent / "results"
 
 
 class Workload(NamedTuple):
@@ -147,7 +142,7 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated configurations (default: all; off is kept)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default="1GiB")
-    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    add_output_arg(parser, "speculative")
     args = parser.parse_args()
     b_shape = tuple(int(x) for x in args.workload_b.split("x"))
     chosen = {name: spec for name, spec in configurations(args).items()
@@ -180,13 +175,7 @@ def main() -> None:
             accept = f"{row['acceptance']:.2f}" if row["acceptance"] is not None else "-"
             length = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] is not None else "-"
             print(f"{workload:<18}{name:<12}{row['tokens_per_s']:>9.1f}{row['speedup']:>9.2f}x{accept:>9}{length:>10}")
-    meta = {"dtype": args.dtype, "quantization": args.quantization, "k": args.k, "rounds": args.rounds,
-            "threads": args.threads, "isa": isa_summary(), "machine": platform.machine(),
-            "configs": chosen}
-    out = Path(args.json) if args.json else RESULTS / f"speculative_{args.dtype}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": meta, "results": results}, indent=2))
-    print(f"\nwrote {out}")
+    write_record("speculative", results, out=args.out, config={**vars(args), "configs": chosen})
 
 
 if __name__ == "__main__":

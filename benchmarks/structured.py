@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
-from pathlib import Path
+
+from bench_results import add_output_arg, write_record
 
 from kvmosaic import SamplingParams
 from kvmosaic.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -29,7 +29,6 @@ from kvmosaic.ops.cpu import isa_summary
 from kvmosaic.structured import GuidedDecoding
 from kvmosaic.structured.grammar_guide import GuideFactory
 
-RESULTS = Path(__file__).parent / "results"
 NAMES = ["Alice Martin", "Bob Chen", "Carla Diaz", "Dev Patel", "Emma Weber", "Farid Haddad", "Grace Kim",
          "Hugo Silva", "Ines Moreau", "Jonas Berg", "Keiko Sato", "Liam Walsh", "Maya Cohen", "Nils Olsen",
          "Olga Petrova", "Pablo Ruiz"]
@@ -116,7 +115,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    add_output_arg(parser, "structured")
     args = parser.parse_args()
     config = EngineConfig(num_threads=args.threads, cache=CacheConfig(kv_cache_memory="512MiB"),
                           scheduler=SchedulerConfig(max_num_seqs=max(16, args.batch)))
@@ -164,12 +163,7 @@ def main() -> None:
             rows.append(row)
             print(f"{schema_name:<12}{mode:<28}{row['tokens']:>8}{row['steps']:>7}{rate:>9.1f}"
                   f"{row['vs_unconstrained']:>8.2f}x{100 * share:>8.1f}%")
-    meta = {"rounds": args.rounds, "batch": args.batch, "threads": args.threads, "isa": isa_summary(),
-            "machine": platform.machine(), "schemas": SCHEMAS}
-    out = Path(args.json) if args.json else RESULTS / "structured.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": meta, "results": rows}, indent=2))
-    print(f"\nwrote {out}")
+    write_record("structured", rows, out=args.out, config={**vars(args), "schemas": SCHEMAS})
 
 
 if __name__ == "__main__":

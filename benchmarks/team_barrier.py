@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from multistep import WORKLOADS, rate_summary, write_results
+from bench_results import add_output_arg, write_record
+from multistep import WORKLOADS, rate_summary
 
 from kvmosaic import LLM
 from kvmosaic.ops.cpu import isa_summary
@@ -27,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default="1,8", help="num_scheduler_steps values")
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    add_output_arg(parser, "team_barrier")
     args = parser.parse_args()
     if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
         raise SystemExit("OMP_WAIT_POLICY=passive forces OpenMP's barrier: unset it to compare the two")
@@ -57,7 +58,7 @@ def main() -> None:
                 row = {"workload": name, "steps": k, "barrier": kind, **rate_summary(rates[name, k, kind], base)}
                 rows.append(row)
                 print(f"| {name} | {k} | {kind} | {row['median']:.1f} | {row['best']:.1f} | {row['ratio']:.3f}x |")
-    write_results(args.json, "team_barrier", args.rounds, rows)
+    write_record("team_barrier", rows, out=args.out, config=vars(args))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 same dtype for both engines, measured side by side in one run. Prints a table
 and writes JSON.
 
-    python benchmarks/throughput.py [--dtype float32] [--num-requests 64] [--json out.json]
+    python benchmarks/throughput.py [--dtype float32] [--num-requests 64] [--out PATH]
 
 ``--compare-tree DIR --rounds N`` instead times kvmosaic from this tree against the kvmosaic of
 another checkout (e.g. a worktree of the previous commit, its kernels built) in N interleaved
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,11 +23,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_results import add_output_arg, write_record
 
 from kvmosaic import LLM, SamplingParams
 from kvmosaic.ops.cpu import isa_summary
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -82,14 +80,17 @@ def run_tree(tree: Path, dtype: str, num_requests: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        subprocess.run([sys.executable, str(tree / "benchmarks" / "throughput.py"), "--skip-hf", "--dtype", dtype,
-                        "--num-requests", str(num_requests), "--json", str(out)],
+        script = tree / "benchmarks" / "throughput.py"
+        flag = "--out" if "add_output_arg" in script.read_text() else "--json"  # older trees wrote --json
+        subprocess.run([sys.executable, str(script), "--skip-hf", "--dtype", dtype,
+                        "--num-requests", str(num_requests), flag, str(out)],
                        check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rows = json.loads(out.read_text())["results"]
+        record = json.loads(out.read_text())
+        rows = record["rows"] if "rows" in record else record["results"]
     return rows[0]["output_tokens"] / rows[0]["seconds"]
 
 
-def compare_trees(other: Path, dtype: str, num_requests: int, rounds: int, json_path: str | None) -> None:
+def compare_trees(other: Path, dtype: str, num_requests: int, rounds: int, out: Path | None) -> None:
     here = Path(__file__).resolve().parent.parent
     trees = {"this tree": here, f"{other}": other.resolve()}
     rates: dict[str, list[float]] = {name: [] for name in trees}
@@ -106,12 +107,10 @@ def compare_trees(other: Path, dtype: str, num_requests: int, rounds: int, json_
         print(f"{r:>5} {rates[names[0]][r]:12.1f} {rates[names[1]][r]:32.1f} {ratios[r]:7.3f}")
     print(f"best: {max(rates[names[0]]):.1f} vs {max(rates[names[1]]):.1f} "
           f"({max(rates[names[0]]) / max(rates[names[1]]):.3f}x)")
-    out = Path(json_path) if json_path else RESULTS / f"throughput_compare_{dtype}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"dtype": dtype, "isa": isa_summary(), "num_requests": num_requests,
-                               "trees": {n: str(t) for n, t in trees.items()}, "rates": rates,
-                               "ratios": ratios}, indent=2))
-    print(f"wrote {out}")
+    rows = [{"round": r, "this_tree": rates[names[0]][r], "other_tree": rates[names[1]][r], "ratio": ratios[r]}
+            for r in range(rounds)]
+    write_record("throughput_compare", rows, out=out,
+                 config={"dtype": dtype, "num_requests": num_requests, "rounds": rounds, "other_tree": other.name})
 
 
 def main() -> None:
@@ -122,13 +121,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--json", default=None, help="where to write results (default benchmarks/results/)")
+    add_output_arg(parser, "throughput")  # throughput_compare.json with --compare-tree
     parser.add_argument("--compare-tree", type=Path, default=None,
                         help="another checkout to time kvmosaic against, interleaved (no HF run)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.compare_tree is not None:
-        compare_trees(args.compare_tree, args.dtype, args.num_requests, args.rounds, args.json)
+        compare_trees(args.compare_tree, args.dtype, args.num_requests, args.rounds, args.out)
         return
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -149,13 +148,7 @@ def main() -> None:
     if len(rows) > 1:
         same = rows[0]["first_tokens"] == rows[1]["first_tokens"]
         print(f"first greedy tokens identical across engines: {same}")
-    out = Path(args.json) if args.json else RESULTS / f"throughput_{args.dtype}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.machine(), "isa": isa_summary(), "threads": torch.get_num_threads(),
-            "dtype": args.dtype,
-            "num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len}
-    out.write_text(json.dumps({"config": meta, "results": rows}, indent=2))
-    print(f"wrote {out}")
+    write_record("throughput", rows, out=args.out, config={**vars(args), "threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

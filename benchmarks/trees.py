@@ -19,14 +19,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from bench_results import add_output_arg, git_state, write_record
 from peer_runners.models import HF_DIR
 
 from kvmosaic.ops.cpu import isa_summary
 
-RESULTS = Path(__file__).parent / "results"
 RUNNER = Path("benchmarks") / "peer_runners" / "kvmosaic_runner.py"
 
 
@@ -58,7 +57,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--json", default=None)
+    add_output_arg(parser, "trees")
     args = parser.parse_args()
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     if any(dtype != "q4_1" for _, dtype in (c.split(":") for c in args.cases.split(","))) and not HF_DIR.is_dir():
@@ -93,11 +92,8 @@ def main() -> None:
         ratio = "-" if row["new_over_old"] is None else f"{row['new_over_old']:.3f}"
         print(f"| {row['case']} | {fmt(row['old_median'])} | {fmt(row['new_median'])} | {ratio} | "
               f"{each(row['old'])} | {each(row['new'])} |")
-    out = Path(args.json) if args.json else RESULTS / f"trees-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"isa": isa_summary(), "trees": {k: str(v) for k, v in trees.items()}, "rows": rows},
-                              indent=1))
-    print(f"wrote {out}")
+    config = {**vars(args), "old": git_state(trees["old"]), "new": git_state(trees["new"])}  # commits, not paths
+    write_record("trees", rows, out=args.out, config=config)
 
 
 if __name__ == "__main__":

@@ -85,3 +85,23 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def summary_rows(results: list[dict], startup: list[dict]) -> list[dict]:
+    """The results record's rows: one per (workload, dtype), each engine's rate (None where it failed or
+    does not run the dtype), the fastest peer and kvmosaic's speed over it; then kvmosaic's start-up."""
+    rows = []
+    keys = sorted({(r["workload"], r["dtype"]) for r in results}, key=lambda k: (k[0], k[1]))
+    for workload, dtype in keys:
+        found = [r for r in results if (r["workload"], r["dtype"]) == (workload, dtype)]
+        rates = {r["engine"]: (r["tokens_per_s"] if succeeded(r) else None) for r in found}
+        peers = {e: v for e, v in rates.items() if e != "kvmosaic" and v is not None}
+        best = max(peers, key=peers.get) if peers else None
+        ours = rates.get("kvmosaic")
+        rows.append({"workload": workload, "metric": WORKLOADS[workload].metric, "dtype": dtype, "engines": rates,
+                     "best_peer": best, "ratio": round(ours / peers[best], 3) if best and ours else None})
+    for res in startup:
+        rows.append({"workload": "S", "metric": "start-up s", "dtype": res["dtype"],
+                     "engines": {"kvmosaic": res.get("seconds") if succeeded(res) else None}, "best_peer": None,
+                     "ratio": None})
+    return rows
