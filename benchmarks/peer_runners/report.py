@@ -99,7 +99,7 @@ def summary_rows(results: list[dict], startup: list[dict]) -> list[dict]:
         best = max(peers, key=peers.get) if peers else None
         ours = rates.get("kvmosaic")
         rows.append({"workload": workload, "metric": WORKLOADS[workload].metric, "dtype": dtype, "engines": rates,
-                     "best_peer": best, "ratio": round(ours / peers[best], 3) if best and ours else None})
+                     "best_peer": best, "ratio": round(ours / peers[best], 4) if best and ours else None})
     for res in startup:
         rows.append({"workload": "S", "metric": "start-up s", "dtype": res["dtype"],
                      "engines": {"kvmosaic": res.get("seconds") if succeeded(res) else None}, "best_peer": None,

@@ -1,0 +1,241 @@
+"""The tables scripts/render_docs.py renders: each a function from the results records to markdown lines.
+
+A table is either generic (``rows_table``: the rows of one benchmark's records, a column per field) or
+a view across records (the peers summary: kvmosaic over its best peer per workload, dtype and host
+kind, from the latest record that measured it). Every table ends with the files it read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Record:
+    path: str  # relative to the repository root
+    kind: str  # host kind: the results directory's name
+    data: dict
+
+    @property
+    def when(self) -> str:
+        """Sort key and label: the measurement's date, else the date the figures entered the log."""
+        return self.data.get("date") or (self.data.get("logged") or {}).get("date") or ""
+
+    @property
+    def transcribed(self) -> bool:
+        return not str(self.data.get("provenance", "measured")).startswith("measured")
+
+
+def get(row: dict, key: str):
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def fmt(value, spec: str = "{}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return spec.format(value)
+    return str(value)
+
+
+def day(record: Record) -> str:
+    return (record.when[:10] or "undated") + ("*" if record.transcribed else "")
+
+
+def host_label(record: Record) -> str:
+    host = record.data.get("host") or {}
+    parts = [p for p in (host.get("cpu_model"), host.get("isa_summary")) if p]
+    return ", ".join(parts) or "not recorded"
+
+
+def sources(records: list[Record]) -> list[str]:
+    """One line per record the table read: file, provenance, date, host and command."""
+    lines = [""]
+    for r in sorted(records, key=lambda r: (r.kind, r.when, r.path)):
+        command = r.data.get("command")
+        tree = (r.data.get("git") or {}).get("commit")
+        bits = [f"`{r.path}`", r.data.get("provenance", "measured"), f"date {day(r)}", f"host: {host_label(r)}"]
+        if tree:
+            bits.append(f"commit {tree[:7]}")
+        if command:
+            bits.append(f"`{command}`")
+        lines.append("- " + "; ".join(bits))
+    if any(r.transcribed for r in records):
+        lines.append("")
+        lines.append("\\* transcribed record: the date its figures entered the benchmark log (the log kept no run "
+                     "dates).")
+    return lines
+
+
+def select(records: list[Record], bench: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+    chosen = [r for r in records if r.data.get("bench") == bench and (kinds is None or r.kind in kinds)]
+    return sorted(chosen, key=lambda r: (r.kind, r.when, r.path))
+
+
+Column = tuple[str, str, str]  # header, field (dotted), format
+
+
+def pair(label: str, key: str, spec: str, stats: tuple[str, str] = ("p50", "p99")) -> list[Column]:
+    return [(f"{label} {stat} ms", f"{key}.{stat}", spec) for stat in stats]
+
+
+def rows_table(bench: str, columns: list[Column], kinds: tuple[str, ...] | None = None,
+               where: Callable[[dict], bool] | None = None) -> Callable[[list[Record]], list[str]]:
+    """A table of every row of ``bench``'s records (a host-kind column when there are several kinds)."""
+    def render(records: list[Record]) -> list[str]:
+        chosen = select(records, bench, kinds)
+        if not chosen:
+            return ["_No results recorded yet._"]
+        several = len({r.kind for r in chosen}) > 1
+        head = (["host kind"] if several else []) + [c[0] for c in columns]
+        align = (["---"] if several else []) + ["---" if spec == "{}" else "---:" for _, _, spec in columns]
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+        for r in chosen:
+            for row in r.data["rows"]:
+                if where is not None and not where(row):
+                    continue
+                cells = ([r.kind] if several else []) + [fmt(get(row, key), spec) for _, key, spec in columns]
+                lines.append("| " + " | ".join(cells) + " |")
+        return lines + sources(chosen)
+    return render
+
+
+# ---- peers -----------------------------------------------------------------------------------------
+DTYPES = ("float32", "bfloat16", "q8_0", "q4_1")
+WORKLOADS = {"A": "A: decode, 1 x 128 + 128", "B": "B: 64 x 128 + 128", "C": "C: prefill, 16 x 512"}
+PEER_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp", "hf": "HF", "ct2": "CTranslate2"}
+
+
+def latest_peer_rows(records: list[Record]) -> dict[tuple[str, str, str], tuple[dict, Record]]:
+    """(host kind, workload, dtype) -> the row of the latest peers record that measured it."""
+    found: dict[tuple[str, str, str], tuple[dict, Record]] = {}
+    for r in select(records, "peers"):  # oldest first, so later records replace earlier ones
+        for row in r.data["rows"]:
+            found[r.kind, row["workload"], row["dtype"]] = (row, r)
+    return found
+
+
+def peers_summary(records: list[Record]) -> list[str]:
+    """kvmosaic / best peer per workload and dtype, a row per host kind and workload."""
+    found = latest_peer_rows(records)
+    kinds = sorted({k for k, _, _ in found})
+    if not kinds:
+        return ["_No results recorded yet._"]
+    lines = ["| host kind | workload | " + " | ".join(DTYPES) + " | date | host |",
+             "|---|---|" + "---:|" * len(DTYPES) + "---|---|"]
+    used: list[Record] = []
+    for kind in kinds:
+        for workload, label in WORKLOADS.items():
+            cells, recs = [], []
+            for dtype in DTYPES:
+                row, rec = found.get((kind, workload, dtype), (None, None))
+                if row is None or row.get("ratio") is None:
+                    cells.append("-")
+                    continue
+                peer = PEER_NAMES.get(row.get("best_peer"), row.get("best_peer"))
+                cells.append(f"{row['ratio']:.2f}x ({peer})")
+                recs.append(rec)
+            if not recs:
+                continue
+            used += [r for i, r in enumerate(recs) if r not in used and r not in recs[:i]]
+            dates = sorted({day(r) for r in recs})
+            when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+            lines.append(f"| {kind} | {label} | " + " | ".join(cells) + f" | {when} | {host_label(recs[-1])} |")
+    return lines + sources(used)
+
+
+def peers_latest(records: list[Record]) -> list[str]:
+    """Every engine's figure behind the summary, and kvmosaic's start-up."""
+    found = latest_peer_rows(records)
+    if not found:
+        return ["_No results recorded yet._"]
+    engines = ["kvmosaic", "vllm", "llamacpp"]
+    lines = ["| host kind | workload | metric | dtype | kvmosaic | vLLM | llama.cpp | kvmosaic / best peer |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    order = {w: i for i, w in enumerate("ABCLS")}
+    used: list[Record] = []
+    for (kind, workload, dtype), (row, rec) in sorted(
+            found.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9), DTYPES.index(kv[0][2])
+                                           if kv[0][2] in DTYPES else 9)):
+        spec = "{:.2f}" if workload == "S" else "{:.1f}"
+        cells = [fmt(row["engines"].get(e), spec) for e in engines]
+        lines.append(f"| {kind} | {workload} | {row['metric']} | {dtype} | " + " | ".join(cells)
+                     + f" | {fmt(row.get('ratio'), '{:.2f}x')} |")
+        if rec not in used:
+            used.append(rec)
+    return lines + sources(used)
+
+
+TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
+    "peers-summary": peers_summary,
+    "peers-latest": peers_latest,
+    "throughput": rows_table("throughput", [("engine", "engine", "{}"), ("dtype", "dtype", "{}"),
+                                            ("seconds", "seconds", "{:.2f}"), ("req/s", "requests_per_s", "{:.2f}"),
+                                            ("output tok/s", "output_tokens_per_s", "{:.1f}")]),
+    "linear": rows_table("linear", [("dtype", "dtype", "{}"), ("layer", "layer", "{}"), ("N", "n", "{}"),
+                                    ("K", "k", "{}"), ("rows", "rows", "{}"),
+                                    ("packed GFLOP/s", "packed_gflops", "{:.0f}"),
+                                    ("packed / best of oneDNN, F.linear", "packed_over_best_other", "{:.2f}x")]),
+    "team-barrier": rows_table("team_barrier", [("workload", "workload", "{}"), ("scheduler steps", "steps", "{}"),
+                                                ("OpenMP median tok/s", "omp_median", "{:.1f}"),
+                                                ("own median tok/s", "own_median", "{:.1f}"),
+                                                ("own / OpenMP", "ratio", "{:.3f}x")]),
+    "multistep": rows_table("multistep", [("workload", "workload", "{}"), ("num_scheduler_steps", "steps", "{}"),
+                                          ("median tok/s", "median", "{:.1f}"), ("best tok/s", "best", "{:.1f}"),
+                                          ("median ratio to 1 pass", "ratio", "{:.3f}x")]),
+    "structured": rows_table("structured", [("schema", "schema", "{}"), ("mode", "mode", "{}"),
+                                            ("output tokens", "tokens", "{}"), ("engine steps", "steps", "{}"),
+                                            ("tok/s", "tokens_per_s", "{:.1f}"),
+                                            ("vs unconstrained", "vs_unconstrained", "{:.2f}x"),
+                                            ("grammar share", "grammar_share", "{:.1%}")]),
+    "speculative": rows_table("speculative", [("workload", "workload", "{}"), ("config", "config", "{}"),
+                                              ("tok/s", "tokens_per_s", "{:.1f}"), ("speed-up", "speedup", "{:.2f}x"),
+                                              ("acceptance", "acceptance", "{:.2f}"),
+                                              ("tokens per verification", "mean_accepted_length", "{:.2f}")]),
+    "ppl-oracle": rows_table("ppl_oracle", [("weights", "weights", "{}"), ("GGUF matrices", "gguf_matrices", "{}"),
+                                            ("kvmosaic loads as", "kvmosaic_loads_as", "{}"),
+                                            ("kvmosaic PPL", "kvmosaic_ppl", "{:.4f}"),
+                                            ("llama.cpp PPL", "llamacpp_ppl", "{:.4f}"),
+                                            ("difference", "difference_pct", "{:+.2f}%")]),
+    "disagg": rows_table("disagg", [("mode", "mode", "{}"), ("class", "class", "{}"),
+                                    *pair("TTFT", "ttft_ms", "{:,.0f}"), *pair("TPOT", "tpot_ms", "{:.0f}"),
+                                    *pair("ITL", "itl_ms", "{:,.0f}", ("p99", "max")),
+                                    ("goodput req/s", "goodput_rps", "{:.2f}")]),
+    "distkv-stream": rows_table("distkv_stream", [
+        ("instances", "instances", "{}"), ("mode", "mode", "{}"), ("output tok/s", "output_tok_s", "{:.1f}"),
+        ("long served", "long_served", "{}"), ("long rejected", "long_rejected", "{}"),
+        ("longest context", "longest_context", "{:,}"), ("loans", "loans", "{}"), ("K/V pulls", "kv_pulls", "{:,}"),
+        ("TPOT p99 alone ms", "tpot_alone_ms.p99", "{:.1f}"),
+        ("TPOT p99 on a creditor ms", "tpot_on_creditor_ms.p99", "{:.1f}"),
+        ("creditor p99 ratio", "creditor_p99_ratio", "{:.2f}x"),
+        ("remote decode row, rings us", "probe_us.rings", "{:.1f}"), ("local us", "probe_us.local", "{:.1f}")]),
+    "kv-quality": rows_table("kv_quality", [("kv_cache_dtype", "mode", "{}"), ("perplexity", "perplexity", "{:.4f}"),
+                                            ("bits/value", "bits_per_value", "{:.2f}")]),
+    "kv-capacity": rows_table("kv_capacity", [("kv_cache_dtype", "mode", "{}"),
+                                              ("bits/value", "bits_per_value", "{:.2f}"),
+                                              ("blocks", "num_blocks", "{}"), ("max batch", "max_batch", "{}"),
+                                              ("decode tok/s at max batch", "tok_s", "{:.1f}"),
+                                              ("equal batch", "equal_batch", "{}"),
+                                              ("decode tok/s at equal batch", "equal_tok_s", "{:.1f}"),
+                                              ("preemptions", "preemptions", "{}")]),
+    "serving": rows_table("serving", [("rate req/s", "request_rate", "{}"), ("requests", "num_prompts", "{}"),
+                                      ("errors", "errors", "{}"), ("req/s", "request_throughput", "{:.2f}"),
+                                      ("out tok/s", "output_throughput", "{:.1f}"),
+                                      *pair("TTFT", "ttft_ms", "{:.0f}"), *pair("TPOT", "tpot_ms", "{:.0f}"),
+                                      *pair("E2E", "e2e_ms", "{:,.0f}")]),
+    "serving-soak": rows_table("serving_soak", [
+        ("requests", "completed", "{:,}"), ("errors", "errors", "{}"),
+        ("KV blocks max", "soak.kv_blocks_used_max", "{:.0f}"),
+        ("KV blocks after drain", "soak.kv_blocks_used_after_drain", "{:.0f}"),
+        ("RSS after warm-up MiB", "soak.rss_after_warmup_mib", "{:.0f}"),
+        ("RSS after drain MiB", "soak.rss_after_drain_mib", "{:.0f}"),
+        ("growth after warm-up", "soak.rss_growth_after_warmup_pct", "{:+.1f}%"),
+        ("MiB/min", "soak.rss_slope_mib_per_min", "{:.1f}"),
+        *pair("TTFT", "ttft_ms", "{:.0f}", ("mean", "p99")), *pair("E2E", "e2e_ms", "{:.0f}", ("mean", "p99"))]),
+}

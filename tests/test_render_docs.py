@@ -1,0 +1,105 @@
+"""scripts/render_docs.py: the docs' tables rendered from results records, and the repository's docs in
+sync with its committed results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import render_docs  # noqa: E402
+
+
+def peers_row(workload, dtype, ours, peer, name="llamacpp"):
+    return {"workload": workload, "metric": "decode tok/s", "dtype": dtype, "engines": {"kvmosaic": ours, name: peer},
+            "best_peer": name, "ratio": ours / peer}
+
+
+def record(bench, rows, date, **extra):
+    return {"schema": 1, "bench": bench, "provenance": "measured", "date": date,
+            "host": {"kind": "test-host", "cpu_model": "Test CPU", "isa_summary": "AVX2+FMA"},
+            "git": {"commit": "0123456789abcdef", "dirty": False}, "command": f"python benchmarks/{bench}.py",
+            "rows": rows, **extra}
+
+
+@pytest.fixture
+def repo(tmp_path):
+    results = tmp_path / "benchmarks" / "results" / "test-host"
+    results.mkdir(parents=True)
+    (results / "peers-old.json").write_text(json.dumps(record(
+        "peers", [peers_row("A", "float32", 10.0, 8.0), peers_row("A", "q4_1", 30.0, 10.0)], "2026-01-01T00:00:00Z")))
+    (results / "peers.json").write_text(json.dumps(record(
+        "peers", [peers_row("A", "float32", 12.0, 8.0)], "2026-02-01T00:00:00Z")))
+    (results / "team_barrier.json").write_text(json.dumps(record(
+        "team_barrier", [{"workload": "single stream", "steps": 1, "omp_median": 100.0, "own_median": 101.0,
+                          "ratio": 1.01}], "2026-02-02T00:00:00Z")))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# t\n\n<!-- results:peers-summary -->\nstale\n<!-- /results -->\ntail\n")
+    (tmp_path / "docs" / "kernels.md").write_text("x\n<!-- results:team-barrier -->\n<!-- /results -->\n")
+    return tmp_path
+
+
+def test_render_fills_the_blocks_and_check_then_passes(repo, capsys):
+    assert render_docs.main(["--root", str(repo), "--check"]) == 1
+    assert "README.md" in capsys.readouterr().out
+    assert render_docs.main(["--root", str(repo)]) == 0
+    readme = (repo / "README.md").read_text()
+    # float32 from the newer record (12 / 8), q4_1 only in the older one (30 / 10)
+    assert "| test-host | A: decode, 1 x 128 + 128 | 1.50x (llama.cpp) | - | - | 3.00x (llama.cpp) |" in readme
+    assert "stale" not in readme and readme.endswith("<!-- /results -->\ntail\n")
+    assert "`benchmarks/results/test-host/peers.json`" in readme
+    assert "`benchmarks/results/test-host/peers-old.json`" in readme
+    kernels = (repo / "docs" / "kernels.md").read_text()
+    assert "| single stream | 1 | 100.0 | 101.0 | 1.010x |" in kernels
+    assert "`python benchmarks/team_barrier.py`" in kernels
+    assert render_docs.main(["--root", str(repo), "--check"]) == 0
+
+
+def test_check_writes_nothing(repo):
+    before = (repo / "README.md").read_text()
+    render_docs.main(["--root", str(repo), "--check"])
+    assert (repo / "README.md").read_text() == before
+
+
+def test_a_changed_result_makes_the_docs_stale(repo):
+    render_docs.main(["--root", str(repo)])
+    path = repo / "benchmarks" / "results" / "test-host" / "team_barrier.json"
+    data = json.loads(path.read_text())
+    data["rows"][0]["own_median"] = 99.0
+    path.write_text(json.dumps(data))
+    assert render_docs.main(["--root", str(repo), "--check"]) == 1
+
+
+def test_transcribed_records_are_marked(repo):
+    path = repo / "benchmarks" / "results" / "test-host" / "team_barrier.json"
+    data = json.loads(path.read_text())
+    data.update(provenance="transcribed from the benchmark log of commit abc1234", date=None,
+                logged={"commit": "abc1234", "date": "2025-12-31T00:00:00Z"})
+    path.write_text(json.dumps(data))
+    render_docs.main(["--root", str(repo)])
+    kernels = (repo / "docs" / "kernels.md").read_text()
+    assert "transcribed from the benchmark log of commit abc1234; date 2025-12-31*" in kernels
+
+
+@pytest.mark.parametrize("doc, message", [
+    ("<!-- results:no-such-table -->\n<!-- /results -->\n", "unknown results table"),
+    ("<!-- results:team-barrier -->\nnever closed\n", "has no '<!-- /results -->'"),
+])
+def test_bad_documents_are_errors(repo, capsys, doc, message):
+    (repo / "docs" / "bad.md").write_text(doc)
+    assert render_docs.main(["--root", str(repo)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_results_file_is_an_error(repo, capsys):
+    (repo / "benchmarks" / "results" / "test-host" / "broken.json").write_text("{not json")
+    assert render_docs.main(["--root", str(repo), "--check"]) == 2
+    assert "broken.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_repository_docs_are_in_sync_with_committed_results(capsys):
+    assert render_docs.main(["--check"]) == 0, capsys.readouterr().out
