@@ -23,6 +23,11 @@ class Record:
         return self.data.get("date") or (self.data.get("logged") or {}).get("date") or ""
 
     @property
+    def order(self) -> tuple[str, int, str]:
+        """Oldest first; figures logged by one commit keep the log's order (later lines were measured later)."""
+        return self.when, (self.data.get("logged") or {}).get("log_line") or 0, self.path
+
+    @property
     def transcribed(self) -> bool:
         return not str(self.data.get("provenance", "measured")).startswith("measured")
 
@@ -57,7 +62,7 @@ def host_label(record: Record) -> str:
 def sources(records: list[Record]) -> list[str]:
     """One line per record the table read: file, provenance, date, host and command."""
     lines = [""]
-    for r in sorted(records, key=lambda r: (r.kind, r.when, r.path)):
+    for r in sorted(records, key=lambda r: (r.kind, r.order)):
         command = r.data.get("command")
         tree = (r.data.get("git") or {}).get("commit")
         bits = [f"`{r.path}`", r.data.get("provenance", "measured"), f"date {day(r)}", f"host: {host_label(r)}"]
@@ -75,7 +80,7 @@ def sources(records: list[Record]) -> list[str]:
 
 def select(records: list[Record], bench: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
     chosen = [r for r in records if r.data.get("bench") == bench and (kinds is None or r.kind in kinds)]
-    return sorted(chosen, key=lambda r: (r.kind, r.when, r.path))
+    return sorted(chosen, key=lambda r: (r.kind, r.order))
 
 
 Column = tuple[str, str, str]  # header, field (dotted), format
