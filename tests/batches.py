@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan, build_causal_mask
 
 
 def mixed_batch_metadata(seqs: list[tuple[int, int]], tables: list[list[int]], block_size: int,

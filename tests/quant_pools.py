@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from kvmosaic.attention.kv_cache import KVCache
+from kvmosaic.attention.quantized import QuantizedAttention, QuantizedPoolRows
 from kvmosaic.config import CacheConfig, ModelConfig
-from kvmosaic.distributed.pool_rows import QuantizedPoolRows
-from kvmosaic.model.layers.quant_attention import QuantizedAttention
 from kvmosaic.ops import Kernels
 from kvmosaic.quant import thresholds as kvt
-from kvmosaic.worker.kv_cache import KVCache
 
 BS, HQ, HK, BLOCKS, LAYERS = 16, 9, 3, 12, 2
 
@@ -28,7 +27,7 @@ def quantized_rows(kernels: Kernels, mode: str, dtype: torch.dtype, head_dim: in
                                       0.1 * torch.randn(LAYERS, HK, head_dim, generator=gen))
     cache = KVCache(config, CacheConfig(num_blocks=BLOCKS, block_size=BS, kv_cache_dtype=mode, swap_space=0), dtype,
                     thresholds, group_size=group)
-    rows = QuantizedPoolRows(QuantizedAttention(config, cache, kernels, thresholds))
+    rows = QuantizedAttention(config, cache, kernels, thresholds).lendable_rows()
     for layer in range(LAYERS):
         k, v = (torch.randn(BLOCKS * BS, HK, head_dim, generator=gen).to(dtype) for _ in range(2))
         rows.write(layer, k, v, torch.arange(BLOCKS * BS))

@@ -7,10 +7,8 @@ import torch
 from batches import mixed_batch_metadata
 from tile_modes import amx, tile_modes
 
-from kvmosaic.model.layers.attention import (
-    AttentionMetadata,
-    PrefillSpan,
-    build_causal_mask,
+from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.attention.paged import (
     paged_attention_kernel,
     paged_attention_reference,
     rotate_and_cache_kernel,

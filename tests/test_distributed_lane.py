@@ -16,18 +16,24 @@ import pytest
 import torch
 from quant_pools import BLOCKS, BS, HK, HQ, LAYERS, quantized_rows
 
-from kvmosaic.config import DistributedConfig
-from kvmosaic.distributed.auth import LANE_LABEL, server_handshake
-from kvmosaic.distributed.channel import ChannelError
-from kvmosaic.distributed.data_plane import DataPlaneAccess
-from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient, open_lane
-from kvmosaic.distributed.dist_attention import (
+from kvmosaic.attention.dist_attention import (
     DistAttention,
     RemoteKVAttention,
     _key_positions,
     creditor_micro_attention,
 )
-from kvmosaic.distributed.pool_rows import FloatPoolRows
+from kvmosaic.attention.paged import FloatPoolRows
+from kvmosaic.config import DistributedConfig
+from kvmosaic.distributed.auth import LANE_LABEL, server_handshake
+from kvmosaic.distributed.channel import ChannelError
+from kvmosaic.distributed.data_plane import DataPlaneAccess
+from kvmosaic.distributed.decode_lane import (
+    DecodeLane,
+    DecodeLaneClient,
+    folded_outliers,
+    open_decode_lane,
+    open_lane,
+)
 
 SECRET = b"the cluster secret of these tests"
 ACCESS = DataPlaneAccess(SECRET)
@@ -267,7 +273,7 @@ def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(
     rows, cache = quantized_rows(level_kernels, mode, dtype, head_dim)
     twin, twin_cache = quantized_rows(level_kernels, mode, dtype, head_dim)
     assert torch.equal(cache.device_pool, twin_cache.device_pool)
-    server, lane = rows.open_decode_lane("127.0.0.1", 100, ACCESS)
+    server, lane = open_decode_lane(rows, "127.0.0.1", 100, ACCESS)
     client = DecodeLaneClient(lane, 10.0, level_kernels.ops, 100, secret=SECRET)
     try:
         gen = torch.Generator().manual_seed(11)
@@ -293,12 +299,12 @@ def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(
 def test_oaken_outliers_folded_by_lane_writes_are_counted(level_kernels) -> None:
     """New rows of mostly outliers overflow Oaken's sparse lists: the server counts the outliers it
     folds as the Python handler's writes count them in the pool's layers, and the creditor's
-    attention backend reports them with its own (``RemoteKVAttention.folded_outliers``)."""
+    instance reports them with its attention backend's own (``RemoteKVAttention.folded_outliers``)."""
     rows, _ = quantized_rows(level_kernels, "oaken", torch.float32, 64)
     twin, _ = quantized_rows(level_kernels, "oaken", torch.float32, 64)
     backend = RemoteKVAttention(rows.local, DistAttention(None, BS, BLOCKS))
     own = backend.folded_outliers
-    server, lane = backend.open_decode_lane("127.0.0.1", 0, ACCESS)
+    server, lane = open_decode_lane(backend.rows, "127.0.0.1", 0, ACCESS)
     client = DecodeLaneClient(lane, 10.0, level_kernels.ops, secret=SECRET)
     try:
         gen = torch.Generator().manual_seed(13)
@@ -308,10 +314,10 @@ def test_oaken_outliers_folded_by_lane_writes_are_counted(level_kernels) -> None
         before = sum(layer.folded_outliers for layer in twin.local.layers)
         creditor_micro_attention(twin, 1, items, 0.125)
         folded = sum(layer.folded_outliers for layer in twin.local.layers) - before
-        assert server.folded_outliers == 0 and backend.folded_outliers == own
+        assert folded_outliers(server) == 0 and backend.folded_outliers == own
         client.call("attention", 1, items, 0.125)
-        assert folded > 0 and server.folded_outliers == folded
-        assert backend.folded_outliers == own + folded
+        assert folded > 0 and folded_outliers(server) == folded
+        assert backend.folded_outliers + folded_outliers(server) == own + folded
     finally:
         client.close()
         server.close()
@@ -319,7 +325,7 @@ def test_oaken_outliers_folded_by_lane_writes_are_counted(level_kernels) -> None
 
 def test_pools_of_head_sub_vectors_have_no_lane(level_kernels) -> None:
     rows, _ = quantized_rows(level_kernels, "int8", torch.float32, 64, group=32)
-    assert rows.open_decode_lane("127.0.0.1", 0, ACCESS) is None  # records of 32-value groups: the channel serves them
+    assert open_decode_lane(rows, "127.0.0.1", 0, ACCESS) is None  # records of 32-value groups: the channel serves them
 
 
 def test_lane_spin_is_a_checked_setting() -> None:

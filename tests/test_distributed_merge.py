@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvmosaic.attention.merge import PartialAttention, merge_partials, partial_attention, reference_attention
 from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.distributed.ledger import DebtLedger, SwapPlan
-from kvmosaic.distributed.merge import PartialAttention, merge_partials, partial_attention, reference_attention
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
 
@@ -180,7 +180,7 @@ def test_serve_parses_cluster_flags() -> None:
     from kvmosaic.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--instances", "3", "--ray-address", "auto", "--no-borrowing"])
-    assert (args.instances, args.ray_address, args.no_borrowing) == (3, "auto", True)
+    assert (args.instances, args.ray_address, args.enable_borrowing) == (3, "auto", False)
     assert build_parser().parse_args(["serve"]).instances == 1
 
 
@@ -208,11 +208,33 @@ def test_gmanager_declares_silent_instances_dead_and_writes_off_their_debts() ->
     assert gm.snapshot()["total_debt"] == 0
 
 
-def test_only_backends_with_a_pool_adapter_can_lend() -> None:
-    from kvmosaic.distributed.pool_rows import pool_rows
+def test_only_backends_that_say_what_they_lend_can_lend(level_kernels) -> None:
+    """A backend lends what its ``lendable_rows()`` returns (float and quantized pools); one that
+    returns None cannot back an instance of the distributed cache."""
+    from quant_pools import quantized_rows
 
-    with pytest.raises(ValueError, match="cannot lend blocks of object"):
-        pool_rows(object())
+    from kvmosaic.attention.backend import AttentionBackend
+    from kvmosaic.attention.dist_attention import RemoteKVAttention
+    from kvmosaic.attention.kv_cache import KVCache
+    from kvmosaic.attention.paged import FloatPoolRows, KernelAttention
+    from kvmosaic.attention.quantized import QuantizedPoolRows
+    from kvmosaic.config import CacheConfig
+
+    rows, cache = quantized_rows(level_kernels, "int8", torch.float32, 64)
+    assert type(rows) is QuantizedPoolRows and rows.local.kv_cache is cache
+
+    class Unlendable(AttentionBackend):
+        def write(self, layer, qkv, rotary, meta):
+            raise NotImplementedError
+
+        def attend(self, layer, q, meta):
+            raise NotImplementedError
+
+    float_cache = KVCache(rows.local.model, CacheConfig(num_blocks=4, block_size=16, swap_space=0), torch.float32)
+    kernel = KernelAttention(rows.local.model, float_cache, level_kernels.ops)
+    assert type(kernel.lendable_rows()) is FloatPoolRows and kernel.lendable_rows().float_ops is level_kernels.ops
+    with pytest.raises(ValueError, match="cannot lend blocks of Unlendable"):
+        RemoteKVAttention(Unlendable(rows.local.model, float_cache), dist=None)
 
 
 def test_requests_go_to_the_least_committed_pool() -> None:
@@ -230,7 +252,7 @@ def test_requests_go_to_the_least_committed_pool() -> None:
 
 
 def test_creditors_return_kv_rows_when_they_are_smaller_than_queries_and_partials() -> None:
-    from kvmosaic.distributed.dist_attention import pull_kv
+    from kvmosaic.attention.dist_attention import pull_kv
 
     hq, hk, d = 9, 3, 64  # the default model: GQA 9/3
     # a decode query: 9 * 130 floats against 384 a key, so only under 4 keys (less than a block) come back
@@ -245,8 +267,8 @@ def _check_decode_partials(rows, gen: torch.Generator, hq: int, head_dim: int, d
     """A holder's decode-row partial (``rows.partial``, on a kernel) against gathering its lent blocks'
     rows and attending in PyTorch, with the query inside the last lent block (a prefix of its slots
     visible), past all of them, and before the first (nothing visible); returns the last query."""
-    from kvmosaic.distributed.dist_attention import _key_positions
-    from kvmosaic.distributed.pool_rows import gathered_partial
+    from kvmosaic.attention.dist_attention import _key_positions
+    from kvmosaic.attention.pool_rows import gathered_partial
 
     bs = 16
     lent = torch.tensor([7, 2, 10])  # physical blocks holding logical blocks 1, 4 and 5 of a sequence
@@ -275,7 +297,7 @@ def test_creditor_decode_partial_on_the_kernel_equals_pytorchs(level_kernels, dt
     before the first (nothing visible)."""
     from types import SimpleNamespace
 
-    from kvmosaic.distributed.pool_rows import FloatPoolRows
+    from kvmosaic.attention.paged import FloatPoolRows
 
     gen = torch.Generator().manual_seed(head_dim)
     bs, hq, hk, blocks = 16, 9, 3, 12
@@ -298,7 +320,7 @@ def test_quantized_creditor_partial_runs_the_quantized_kernel_in_place(level_ker
     whole sequence is its plain output."""
     from quant_pools import HQ, quantized_rows
 
-    from kvmosaic.model.layers.quant_attention import kernel_decode_args
+    from kvmosaic.attention.quantized import kernel_decode_args
 
     rows, _ = quantized_rows(level_kernels, mode, dtype, head_dim)
     gen = torch.Generator().manual_seed(3)
@@ -314,7 +336,7 @@ def test_quantized_creditor_partial_runs_the_quantized_kernel_in_place(level_ker
 def test_the_merge_kernel_combines_partials_as_merge_partials_does(level_kernels) -> None:
     """ops.merge_attention_partials (the debtor's merge of its own and its creditors' partials) against
     merge_partials: one to three holders, a holder that saw no keys, a row no holder saw, a strided input."""
-    from kvmosaic.distributed.merge import merge_on
+    from kvmosaic.attention.merge import merge_on
 
     gen = torch.Generator().manual_seed(5)
     n, hq, d = 3, 9, 64
@@ -343,7 +365,7 @@ def test_a_quantized_pools_partials_merge_on_the_float_kernel(level_kernels) -> 
     (its float kernels), as a float instance does, not with the PyTorch reference."""
     from quant_pools import quantized_rows
 
-    from kvmosaic.distributed.dist_attention import RemoteKVAttention
+    from kvmosaic.attention.dist_attention import RemoteKVAttention
 
     rows, _ = quantized_rows(level_kernels, "int8", torch.float32, 64)
     attention = RemoteKVAttention(rows.local, dist=None)
@@ -359,7 +381,7 @@ def test_an_instance_backend_hands_on_its_local_kernel_calls() -> None:
     runner runs them only for steps that span no other instance), so an instance's local steps run
     on the kernels as a lone engine's do."""
     from kvmosaic import LLM
-    from kvmosaic.distributed.dist_attention import RemoteKVAttention
+    from kvmosaic.attention.dist_attention import RemoteKVAttention
 
     local = LLM(kv_cache_memory="16MiB").engine.executor.worker.runner.attention
     attention = RemoteKVAttention(local, dist=None)

@@ -150,8 +150,8 @@ def test_weight_arena_opens_a_new_slab_when_full_and_big_tensors_go_elsewhere(mo
 def test_kv_pool_is_resident_at_start_only_when_prefaulted(prefault):
     """CacheConfig.prefault writes every page of the device pool when the KV cache is made (as
     vLLM and llama.cpp reserve theirs); without it the pool costs memory only as blocks are written."""
+    from kvmosaic.attention.kv_cache import KVCache
     from kvmosaic.config import CacheConfig, ModelConfig
-    from kvmosaic.worker.kv_cache import KVCache
 
     model = ModelConfig("llama", 64, 64, 128, 2, 2, 2)  # a block: 2 layers x K/V x 16 slots x 2 x 32 floats
     gc.collect()

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from kvmosaic.attention.paged import KernelAttention
 from kvmosaic.config import CacheConfig, EngineConfig
-from kvmosaic.model.layers.attention import KernelAttention
 from kvmosaic.model.loader import load_model
 from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ def _write_random_checkpoint(out_dir, arch: str, tokenizer_json: str, head_dim: 
 def _worker(loaded, block_size: int = 4, num_blocks: int = 64, kernels=None, dtype: str = "float32") -> Worker:
     """The engine's own assembly (kernels as built unless given, backend chosen by the worker) over ``loaded``."""
     config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
-    return Worker(config, loader=lambda path, dtype: loaded, kernels=kernels)
+    return Worker.start(config, loader=lambda path, dtype: loaded, kernels=kernels)
 
 
 def _runner(loaded, block_size: int = 4, num_blocks: int = 64) -> ModelRunner:

@@ -162,7 +162,7 @@ def test_rows_moved_one_slot_on_equal_a_fresh_build(float_engines):
 
 def _worker(level_kernels, loaded, dtype: str) -> Worker:
     config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=8))
-    return Worker(config, loader=lambda path, d: loaded, kernels=level_kernels)
+    return Worker.start(config, loader=lambda path, d: loaded, kernels=level_kernels)
 
 
 def _greedy_step(worker: Worker, new: list[int], start: int) -> int:

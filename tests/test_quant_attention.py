@@ -7,8 +7,8 @@ import pytest
 import torch
 from batches import mixed_batch_metadata
 
-from kvmosaic.model.layers.attention import AttentionMetadata
-from kvmosaic.model.layers.quant_attention import (
+from kvmosaic.attention.metadata import AttentionMetadata
+from kvmosaic.attention.quantized import (
     MODE_IDS,
     QuantizedKVLayer,
     dequantize_blocks,
@@ -156,9 +156,9 @@ def test_rotate_and_cache_quantized_writes_the_rotated_keys(kernels):
 def test_int4_groups_quantize_sub_vectors_and_attend_like_whole_heads():
     """group_size 16: every 16 values of a head vector get their own (lo, scale); attention reshapes
     the sub-vectors back into heads (decode through the reference path)."""
+    from kvmosaic.attention.kv_cache import kv_format
     from kvmosaic.config import ModelConfig
     from kvmosaic.quant import int_quant
-    from kvmosaic.worker.kv_cache import kv_format
 
     fmt = kv_format(ModelConfig("llama", 100, HQ * D, 4 * D, 1, HQ, HK), "int4", group_size=16)
     assert (fmt.num_kv_heads, fmt.head_dim, fmt.record_bytes, fmt.bits_per_value) == (HK * 4, 16, HK * 4 * 12, 6.0)

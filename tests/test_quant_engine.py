@@ -8,10 +8,10 @@ import torch
 from batches import check_prefix_cache_reuse
 
 from kvmosaic import LLM, SamplingParams
+from kvmosaic.attention.kv_cache import KVCache
+from kvmosaic.attention.quantized import QuantizedAttention
 from kvmosaic.config import CacheConfig, ModelConfig
-from kvmosaic.model.layers.quant_attention import QuantizedAttention
 from kvmosaic.ops import Kernels
-from kvmosaic.worker.kv_cache import KVCache
 
 PROMPTS = [
     "The capital of France is",

@@ -100,9 +100,9 @@ def test_greedy_decode_equals_pytorch_reference(native_model, dtype, quantizatio
                 if name.endswith("down_proj.weight")}
         loaded = dataclasses.replace(loaded, weights={**loaded.weights, **down})
         assert loaded.weights["model.layers.3.mlp.down_proj.weight"].kind == "q6"
-    fast = Worker(config, loader=lambda path, d: loaded, kernels=kernels)
+    fast = Worker.start(config, loader=lambda path, d: loaded, kernels=kernels)
     slow_kernels = Kernels(_WithoutQuantizedLinear(kernels.ops), kernels.quant, kernels.level)
-    slow = Worker(config, loader=lambda path, d: loaded, kernels=slow_kernels)
+    slow = Worker.start(config, loader=lambda path, d: loaded, kernels=slow_kernels)
     assert fast.model._packed_weights is not None and slow.model._packed_weights is None
     ids = fast.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     ours, ref = _step(fast, ids, 0), _step(slow, ids, 0)
@@ -120,8 +120,8 @@ def test_prefill_logits_match_full_reference(native_model):
     if not kernels.has("quantized_linear"):
         pytest.skip("no C++ kernels built")
     config = EngineConfig(dtype="float32", cache=CacheConfig(block_size=16, num_blocks=8))
-    fast = Worker(config, loader=lambda path, d: native_model, kernels=kernels)
-    slow = Worker(config, loader=lambda path, d: native_model, kernels=Kernels.reference())
+    fast = Worker.start(config, loader=lambda path, d: native_model, kernels=kernels)
+    slow = Worker.start(config, loader=lambda path, d: native_model, kernels=Kernels.reference())
     ids = fast.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     ours, ref = _step(fast, ids, 0), _step(slow, ids, 0)
     error = ((ours - ref).norm() / ref.norm()).item()

@@ -12,6 +12,7 @@ import torch
 from test_spec_engine import GREEDY, PASSAGE, PROMPTS
 
 from kvmosaic import LLM, SamplingParams
+from kvmosaic.attention.kv_cache import KVCache
 from kvmosaic.config import CacheConfig, ModelConfig
 from kvmosaic.model.loader import LoadedModel, load_model
 from kvmosaic.sample import verify as verify_module
@@ -20,7 +21,6 @@ from kvmosaic.spec.config import SpeculativeConfig, SpeculativeConfigError
 from kvmosaic.spec.draft_model import check_same_vocab, load_draft
 from kvmosaic.spec.drafted import DraftedProposer
 from kvmosaic.spec.proposer import Proposal, ProposalRequest
-from kvmosaic.worker.kv_cache import KVCache
 
 SELF = {"method": "self", "num_speculative_tokens": 4}  # q8_0 of the float32 target
 

@@ -34,7 +34,8 @@ from kvmosaic.distributed.channel import ChannelClient, ChannelError
 from kvmosaic.distributed.data_plane import DataPlaneAccess
 
 if TYPE_CHECKING:
-    from kvmosaic.model.layers.quant_attention import QuantizedKVLayer
+    from kvmosaic.attention.pool_rows import PoolRows
+    from kvmosaic.attention.quantized import QuantizedKVLayer
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,42 @@ def open_quantized_lane(layers: list[QuantizedKVLayer], num_heads: int, head_dim
     lane = DecodeLane(("", 0), dtype, num_heads, kv_heads, head_dim)
     return _start(lambda: server_type(pools, mode, kv_heads, head_dim, capacity, dtype, num_heads, host, spin_us,
                                       *_server_access(access)), lane, host)
+
+
+@dataclass(frozen=True, slots=True)
+class _Opener:
+    """The ``LaneOpener`` a pool calls back with its own layout (kvmosaic.attention.pool_rows)."""
+
+    host: str
+    spin_us: int
+    access: DataPlaneAccess
+
+    def float_pool(self, layers: list[torch.Tensor], num_heads: int, ops: Any) -> tuple[Any, DecodeLane] | None:
+        return open_lane(layers, num_heads, ops, self.host, self.spin_us, self.access)
+
+    def quantized_pool(self, layers: list[QuantizedKVLayer], num_heads: int, head_dim: int, dtype: torch.dtype,
+                       quant_ops: Any) -> tuple[Any, DecodeLane] | None:
+        return open_quantized_lane(layers, num_heads, head_dim, dtype, quant_ops, self.host, self.spin_us, self.access)
+
+
+def open_decode_lane(rows: PoolRows, host: str, spin_us: int, access: DataPlaneAccess) -> tuple[Any, DecodeLane] | None:
+    """A C++ server answering debtors' decode rows over this pool (its handle, where it listens), or
+    None when this pool's rows need Python. Its threads poll spin_us microseconds before sleeping; it
+    admits peers that pass ``access``."""
+    return rows.open_decode_lane(_Opener(host, spin_us, access))
+
+
+def lane_client(lane: DecodeLane, ops: Any, timeout: float, spin_us: int, shared_memory: bool,
+                secret: bytes) -> DecodeLaneClient | None:
+    """A client for another instance's decode lane over these float kernels, or None when they have none."""
+    if not DecodeLaneClient.available(ops):
+        return None
+    return DecodeLaneClient(lane, timeout, ops, spin_us, shared_memory, secret=secret)
+
+
+def folded_outliers(server: Any) -> int:
+    """Oaken outliers folded by the rows debtors wrote through a lane server (float servers fold none)."""
+    return getattr(server, "folded_outliers", 0)
 
 
 def _server_access(access: DataPlaneAccess) -> tuple[bytes, float, int]:

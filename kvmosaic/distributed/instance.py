@@ -6,10 +6,12 @@ step waits only for its creditors' micro-attention answers, never for their step
 serve creditor calls from other instances (lend, repay; micro-attention on the data plane's
 threads) and a daemon thread sends heartbeats. ``hold``/``release`` pause the loop between steps
 (DGFM moves blocks then). The
-engine is built with this instance's lock (held around its scheduling and bookkeeping), a
-``BorrowingAllocator`` and a worker whose attention backend is wrapped in ``RemoteKVAttention``;
-everything else goes through the engine's public KV verbs. Lent blocks are out of the local free
-pool, so remote attention writing into them never races with the local forward pass.
+worker starts in its phases (weights, memory, KV cache and backend): the rManager is built over the
+pool the memory phase sized, and the backend is wrapped in ``RemoteKVAttention`` before the worker
+is assembled. The engine is built with this instance's lock (held around its scheduling and
+bookkeeping) and a ``BorrowingAllocator``; what the instance does to its engine's KV books goes
+through ``EngineLending``. Lent blocks are out of the local free pool, so remote attention writing
+into them never races with the local forward pass.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ import time
 import ray
 import torch
 
+from kvmosaic.attention.dist_attention import DistAttention, RemoteKVAttention
 from kvmosaic.config import DistributedConfig, EngineConfig
 from kvmosaic.distributed.channel import ChannelClient, ChannelServer
 from kvmosaic.distributed.data_plane import DataPlaneAccess, bind_host, message_limit
-from kvmosaic.distributed.decode_lane import DecodeLane
-from kvmosaic.distributed.dist_attention import CreditorLost, DistAttention, RemoteKVAttention
-from kvmosaic.distributed.rmanager import BorrowingAllocator, RManager
-from kvmosaic.model.layers.backend import AttentionBackend
+from kvmosaic.distributed.decode_lane import DecodeLane, folded_outliers, lane_client, open_decode_lane
+from kvmosaic.distributed.lending import EngineLending
+from kvmosaic.distributed.rmanager import BorrowingAllocator, CreditorLost, RManager
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
+from kvmosaic.spec.config import SpeculativeConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +45,27 @@ class Instance:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from kvmosaic.engine.engine import Engine  # the model loads in the actor process
         from kvmosaic.executor.local import LocalExecutor
+        from kvmosaic.worker import startup
+        from kvmosaic.worker.worker import Worker
 
         self.instance_id = instance_id
         self.config = config
         self.gmanager = gmanager
         self.lock = threading.RLock()
-        executor = LocalExecutor(engine_config, attention_wrapper=self._remote_kv)
+        weights = startup.load_weights(engine_config)
+        if weights.draft is not None:
+            raise SpeculativeConfigError("a draft model keeps its K/V in the local pool only: "
+                                         "not with blocks borrowed from other instances")
+        plan = startup.plan_kv_cache(weights)
+        block_size = weights.config.cache.block_size
+        self.rmanager = RManager(instance_id, plan.num_blocks, block_size, config, gmanager)
+        local = startup.build_attention(weights, plan)
+        self.kv_cache = local.kv_cache
+        dist = DistAttention(self.rmanager, block_size, plan.num_blocks, pull=config.kv_pull)
+        self.attention = RemoteKVAttention(local, dist)
+        executor = LocalExecutor(worker=Worker(weights, plan, self.attention))
         self.engine = Engine(engine_config, executor, allocator=BorrowingAllocator(self.rmanager), kv_lock=self.lock)
+        self.lending = EngineLending(self.engine)
         self.errors: dict[str, str] = {}  # request id -> why it failed, reported with the next step
         self._stop = threading.Event()
         self.fenced = threading.Event()  # the gManager declared us dead: our loans are gone, stop serving
@@ -56,7 +73,7 @@ class Instance:
         host, access = bind_host(config), self._access(self.rmanager.num_local_blocks)
         self.channel = ChannelServer(self._serve_channel, access.secret, host, access.max_message_bytes,
                                      access.handshake_timeout)
-        lane = self.attention.open_decode_lane(host, config.lane_spin_us, access) if config.decode_lane else None
+        lane = open_decode_lane(self.attention.rows, host, config.lane_spin_us, access) if config.decode_lane else None
         self.decode_server, self.decode_lane = lane if lane is not None else (None, None)
         ray.get(gmanager.register.remote(instance_id, self.rmanager.num_local_blocks, node), timeout=config.rpc_timeout)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvmosaic-heartbeat", daemon=True)
@@ -71,16 +88,6 @@ class Instance:
         self._outbox_errors: dict[str, str] = {}
         self._failure: BaseException | None = None
         self._held = False
-
-    def _remote_kv(self, local: AttentionBackend) -> AttentionBackend:
-        """The worker's attention wrapper: built once its KV pool exists, with the rManager that
-        keeps this instance's books over that pool."""
-        cache = local.kv_cache
-        self.rmanager = RManager(self.instance_id, cache.num_blocks, cache.block_size, self.config, self.gmanager)
-        self.kv_cache = cache
-        dist = DistAttention(self.rmanager, cache.block_size, cache.num_blocks, pull=self.config.kv_pull)
-        self.attention = RemoteKVAttention(local, dist)
-        return self.attention
 
     def _access(self, num_blocks: int) -> DataPlaneAccess:
         """What a data-plane server of ``num_blocks`` blocks admits (ours, or a peer's for our clients)."""
@@ -104,15 +111,15 @@ class Instance:
         plane, its data plane and its decode lane."""
         client = ChannelClient(channel, self.config.rpc_timeout, secret=self.config.cluster_secret,
                                max_message_bytes=self._access(capacity).max_message_bytes)
-        lane_client = None if lane is None else self.attention.decode_lane_client(
-            lane, self.config.rpc_timeout, self.config.lane_spin_us, self.config.lane_shared_memory,
-            self.config.cluster_secret)
+        client_lane = None if lane is None else lane_client(
+            lane, self.attention.rows.float_ops, self.config.rpc_timeout, self.config.lane_spin_us,
+            self.config.lane_shared_memory, self.config.cluster_secret)
         with self.lock:  # the scheduler reads these maps (lendable blocks) under the lock
             self.rmanager.peers[peer_id] = handle
             self.rmanager.peer_capacity[peer_id] = capacity
             self.rmanager.channels[peer_id] = client
-            if lane_client is not None:
-                self.rmanager.decode_lanes[peer_id] = lane_client
+            if client_lane is not None:
+                self.rmanager.decode_lanes[peer_id] = client_lane
 
     def info(self) -> dict:
         engine = self.engine
@@ -224,13 +231,13 @@ class Instance:
     def _recompute_lost(self) -> None:
         """Requests whose borrowed blocks died with their creditor run again from the start, or fail."""
         with self.lock:
-            lost = self.engine.requests_holding(self.rmanager.lost) if self.rmanager.lost else set()
+            lost = self.lending.requests_holding(self.rmanager.lost) if self.rmanager.lost else set()
             if lost:
-                self.errors.update(self.engine.recompute_lost(lost))
+                self.errors.update(self.lending.recompute_lost(lost))
 
     def _mark_dead(self, instance_ids: set[int]) -> None:
         with self.lock:
-            self.engine.reclaim_blocks(self.rmanager.mark_dead(set(instance_ids)))
+            self.lending.reclaim(self.rmanager.mark_dead(set(instance_ids)))
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
@@ -239,12 +246,12 @@ class Instance:
         with self.lock:
             stats = self.engine.stats()
             stats.update(self.rmanager.stats())
-            stats["dist_table_blocks"] = self.engine.num_table_blocks()
+            stats["dist_table_blocks"] = self.lending.num_table_blocks()
         d = self.attention.dist.stats
         stats.update({"dist_remote_steps": d.steps, "dist_remote_calls": d.layer_calls,
                       "dist_remote_seconds": d.seconds, "dist_remote_wait_seconds": d.wait_seconds,
                       "dist_remote_merge_seconds": d.merge_seconds, "dist_kv_pulls": d.kv_pulls,
-                      "kv_folded_outliers": self.attention.folded_outliers})
+                      "kv_folded_outliers": self.attention.folded_outliers + folded_outliers(self.decode_server)})
         return stats
 
     # ------------------------------------------------------------- creditor side
@@ -257,7 +264,7 @@ class Instance:
         try:
             if debtor in self.rmanager.dead:
                 return None
-            physical = self.engine.lend_blocks(num_blocks)
+            physical = self.lending.lend(num_blocks)
             if physical:
                 self.rmanager.record_lent(debtor, physical)
             return physical
@@ -266,7 +273,7 @@ class Instance:
 
     def repay(self, debtor: int, physical: list[int]) -> None:
         with self.lock:
-            self.engine.reclaim_blocks(self.rmanager.repay(debtor, physical))
+            self.lending.reclaim(self.rmanager.repay(debtor, physical))
 
     def _serve_channel(self, method: str, args: tuple) -> tuple[list[tuple], float]:
         """The data plane's calls: a debtor's micro-attention for one layer -> (partials, seconds spent)."""
@@ -291,7 +298,7 @@ class Instance:
     def bring_home(self, rblock_ids: list[int], lender_to: int, local_blocks: list[int], data: torch.Tensor) -> None:
         with self.lock:
             self.kv_cache.write_blocks(local_blocks, data)
-            self.engine.replace_blocks(self.rmanager.bring_home(rblock_ids, lender_to, local_blocks))
+            self.lending.replace(self.rmanager.bring_home(rblock_ids, lender_to, local_blocks))
 
     # -------------------------------------------------------------------- faults
     def _heartbeat_loop(self) -> None:

@@ -6,9 +6,9 @@ Debtor side: when the local pool cannot grow a request, the KV manager's allocat
 blocks get rBlock ids >= the local pool size, recorded as (rBlock id, owner instance, tier,
 physical id). Freed borrowed blocks are repaid to their owner.
 
-Creditor side: the instance takes blocks from its engine (``Engine.lend_blocks``) and records them
+Creditor side: the instance takes blocks from its engine (``EngineLending.lend``) and records them
 here with ``record_lent``; ``repay`` says which to give back. The rManager never touches the engine:
-it keeps the books, its instance applies them through the engine's public verbs.
+it keeps the books, its instance applies them through ``EngineLending`` (lending.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvmosaic.config import DistributedConfig
 from kvmosaic.core.block_allocator import BlockAllocator
 from kvmosaic.distributed.channel import ChannelClient, ChannelError
 from kvmosaic.distributed.decode_lane import DecodeLaneClient
-from kvmosaic.distributed.dist_attention import CreditorLost
+from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 DEVICE_TIER = 0
+
+
+class CreditorLost(RetryableStepError):
+    """A creditor holding KV blocks of this step's sequences is unreachable (the instance marks it
+    dead and recomputes what it held; the step itself runs again)."""
+
+    def __init__(self, instance_ids: set[int], detail: str) -> None:
+        super().__init__(f"KV blocks on instance(s) {sorted(instance_ids)} are lost: {detail}")
+        self.instance_ids = instance_ids
 
 
 @dataclass(slots=True, frozen=True)

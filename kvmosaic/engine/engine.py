@@ -185,50 +185,9 @@ class Engine:
         self.scheduler.finish_requests(self.processor.sequence_ids(group_id), RequestStatus.FINISHED_ABORTED)
         return self.processor.finish_failed(group_id, message)
 
-    # ------------------------------------------------ KV verbs for kvmosaic.distributed
-    def lend_blocks(self, num_blocks: int) -> list[int] | None:
-        """Free local blocks reserved for another instance, or None when there are not enough."""
-        with self.kv_lock:
-            return self.kv_manager.lend_blocks(num_blocks)
-
-    def reclaim_blocks(self, block_ids: list[int]) -> None:
-        with self.kv_lock:
-            self.kv_manager.reclaim_blocks(block_ids)
-
-    def replace_blocks(self, mapping: dict[int, int]) -> None:
-        """Block-table entries ``old -> new`` everywhere (blocks brought home from another instance)."""
-        with self.kv_lock:
-            self.kv_manager.replace_blocks(mapping)
-
-    def requests_holding(self, block_ids: set[int]) -> set[str]:
-        with self.kv_lock:
-            return self.kv_manager.requests_holding(block_ids)
-
-    def num_table_blocks(self) -> int:
-        """Blocks in all block tables (the distributed stats' denominator; not part of stats(), which
-        the server reads every loop iteration)."""
-        with self.kv_lock:
-            return self.kv_manager.num_table_blocks()
-
     def reset_prefix_cache(self) -> None:
         with self.kv_lock:
             self.kv_manager.reset_prefix_cache()
-
-    def recompute_lost(self, request_ids: set[str]) -> dict[str, str]:
-        """Sequences whose KV was lost run again from their first token; a request that no longer
-        fits the reachable pool is aborted. Returns {request id: why} for those."""
-        errors: dict[str, str] = {}
-        with self.kv_lock:
-            self.scheduler.recompute(request_ids)
-            reachable = self.kv_manager.num_reachable_blocks * self.kv_manager.block_size
-            for request_id in request_ids:
-                request = self.scheduler.get_request(request_id)
-                if request is not None and request.num_tokens > reachable:
-                    errors[request.group_id] = (
-                        f"the KV blocks of request {request.group_id} were lost with a failed instance and it "
-                        f"no longer fits the {reachable} KV slots still reachable")
-                    self.abort(request.group_id, emit_output=True)
-        return errors
 
     def stats(self) -> dict:
         cache = self.kv_manager.prefix_cache_stats()

@@ -57,7 +57,7 @@ def eval_worker(em: EvalModel, kv_cache_dtype: str, max_tokens: int, block_size:
     config = EngineConfig(model=em.path, dtype="bfloat16" if em.dtype == torch.bfloat16 else "float32", cache=cache,
                           scheduler=SchedulerConfig(max_model_len=max(em.max_len, max_tokens + 1)))
     in_memory = thresholds if isinstance(thresholds, kv_thresholds.KVThresholds) else None
-    return Worker(config, loader=lambda *args, **kwargs: em.loaded, thresholds=in_memory)
+    return Worker.start(config, loader=lambda *args, **kwargs: em.loaded, thresholds=in_memory)
 
 
 def forward_chunk(worker: Worker, token_ids: list[int], start: int) -> torch.Tensor:

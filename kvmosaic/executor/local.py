@@ -6,13 +6,17 @@ from kvmosaic.config import EngineConfig
 from kvmosaic.executor.base import Executor
 from kvmosaic.ops import Kernels
 from kvmosaic.outputs import ModelOutput, SchedulerOutput
-from kvmosaic.worker.worker import AttentionWrapper, ModelLoader, Worker
+from kvmosaic.worker.startup import ModelLoader
+from kvmosaic.worker.worker import Worker
 
 
 class LocalExecutor(Executor):
-    def __init__(self, config: EngineConfig, loader: ModelLoader | None = None, kernels: Kernels | None = None,
-                 attention_wrapper: AttentionWrapper | None = None) -> None:
-        self.worker = Worker(config, loader, kernels, attention_wrapper)
+    def __init__(self, config: EngineConfig | None = None, loader: ModelLoader | None = None,
+                 kernels: Kernels | None = None, *, worker: Worker | None = None) -> None:
+        """A worker started from ``config`` (and ``loader``, ``kernels``), or ``worker``, built already."""
+        if (worker is None) == (config is None):
+            raise ValueError("a LocalExecutor takes a config to start a worker from, or a worker, not both")
+        self.worker = worker if worker is not None else Worker.start(config, loader, kernels)
         self.config = self.worker.config
         self.model_config = self.worker.model_config
         self.tokenizer = self.worker.tokenizer

@@ -11,9 +11,9 @@ import copy
 import torch
 from torch import nn
 
+from kvmosaic.attention.backend import AttentionBackend
+from kvmosaic.attention.metadata import AttentionMetadata
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.attention import AttentionMetadata
-from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.model.layers.embedding import TokenEmbedding
 from kvmosaic.model.layers.linear import make_gated, make_linear
 from kvmosaic.model.layers.linear_methods import PackedFloat, Placement, fuse_rows

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmosaic.model.layers.attention import AttentionMetadata
+from kvmosaic.attention.metadata import AttentionMetadata
 from kvmosaic.outputs import ScheduledRequest
 
 

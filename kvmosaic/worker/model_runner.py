@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvmosaic.attention.backend import AttentionBackend
+from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan
 from kvmosaic.core.sequence_rules import ends_on_token, stop_tokens
-from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan
-from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from kvmosaic.sample.prompt_logprobs import first_rows, prompt_targets, score_prompt_rows
 from kvmosaic.sample.sampler import Argmax, SamplingRow, argmax_only, sample, torch_argmax

@@ -28,24 +28,12 @@ from typing import Protocol
 
 import torch
 
-from kvmosaic.distributed.data_plane import DataPlaneAccess
-from kvmosaic.distributed.decode_lane import DecodeLane, DecodeLaneClient
-from kvmosaic.distributed.merge import PartialAttention, merge_on, partial_attention
-from kvmosaic.distributed.pool_rows import PoolRows, pool_rows
-from kvmosaic.engine.errors import RetryableStepError
-from kvmosaic.model.layers.attention import AttentionMetadata
-from kvmosaic.model.layers.backend import AttentionBackend, DecodePasses, LayerStack
+from kvmosaic.attention.backend import AttentionBackend, DecodePasses, LayerStack
+from kvmosaic.attention.merge import PartialAttention, merge_on, partial_attention
+from kvmosaic.attention.metadata import AttentionMetadata
+from kvmosaic.attention.pool_rows import PoolRows
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.outputs import ScheduledRequest
-
-
-class CreditorLost(RetryableStepError):
-    """A creditor holding KV blocks of this step's sequences is unreachable (the instance marks it
-    dead and recomputes what it held; the step itself runs again)."""
-
-    def __init__(self, instance_ids: set[int], detail: str) -> None:
-        super().__init__(f"KV blocks on instance(s) {sorted(instance_ids)} are lost: {detail}")
-        self.instance_ids = instance_ids
 
 
 class BlockDirectory(Protocol):
@@ -154,11 +142,13 @@ class RemoteKVAttention(AttentionBackend):
 
     def __init__(self, local: AttentionBackend, dist: DistAttention) -> None:
         super().__init__(local.model, local.kv_cache)
+        rows = local.lendable_rows()
+        if rows is None:
+            raise ValueError(f"the distributed KV cache cannot lend blocks of {type(local).__name__}")
         self.local = local
-        self.rows = pool_rows(local)
-        self.merge = merge_on(self.rows.float_ops)  # quantized pools merge on the float kernels too
+        self.rows: PoolRows = rows  # the pool as float rows: creditor calls and the decode lane go through it
+        self.merge = merge_on(rows.float_ops)  # quantized pools merge on the float kernels too
         self.dist = dist
-        self._lane_server: object | None = None
 
     def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
         return self.local.write(layer, qkv, rotary, meta)
@@ -181,25 +171,10 @@ class RemoteKVAttention(AttentionBackend):
             return self.local
         return self.dist.bind(batch, meta, self.local, self.rows, self.merge)
 
-    def open_decode_lane(self, host: str, spin_us: int, access: DataPlaneAccess) -> tuple[object, DecodeLane] | None:
-        lane = self.rows.open_decode_lane(host, spin_us, access)
-        self._lane_server = None if lane is None else lane[0]
-        return lane
-
     @property
     def folded_outliers(self) -> int:
-        """The pool's Oaken outliers folded for want of room: its own steps' and the channel's writes,
-        plus the rows debtors wrote through the decode lane (counted by its server)."""
-        lane = getattr(self._lane_server, "folded_outliers", 0)
-        return self.local.folded_outliers + lane
-
-    def decode_lane_client(self, lane: DecodeLane, timeout: float, spin_us: int, shared_memory: bool,
-                           secret: bytes) -> DecodeLaneClient | None:
-        """A client for another instance's decode lane, or None when this instance's kernels have none."""
-        ops = self.rows.float_ops
-        if not DecodeLaneClient.available(ops):
-            return None
-        return DecodeLaneClient(lane, timeout, ops, spin_us, shared_memory, secret=secret)
+        """The pool's Oaken outliers folded for want of room, by its own steps and the creditor calls."""
+        return self.local.folded_outliers
 
     def serve_micro_attention(self, layer: int, items: list[dict], scale: float) -> list[tuple]:
         """Creditor side: a debtor's queries over the blocks it borrowed from us, for one layer."""

@@ -14,10 +14,11 @@ import torch
 from kvmosaic.config import ModelConfig
 
 if TYPE_CHECKING:
-    from kvmosaic.model.layers.attention import AttentionMetadata
+    from kvmosaic.attention.kv_cache import KVCache
+    from kvmosaic.attention.metadata import AttentionMetadata
+    from kvmosaic.attention.pool_rows import PoolRows
     from kvmosaic.model.layers.rotary import RotaryEmbedding
     from kvmosaic.outputs import ScheduledRequest
-    from kvmosaic.worker.kv_cache import KVCache
 
 # ops.layer_stack bound to this backend's caches:
 # (residual, weights, rotary, meta, eps, keep_rows) -> (residual, delta), or [logits] when the weights
@@ -68,6 +69,11 @@ class AttentionBackend(ABC):
         """Requests of the batch whose KV this backend reaches outside the local block tables (their
         rows are left out of the decode tables and prefill spans the runner builds)."""
         return frozenset()
+
+    def lendable_rows(self) -> PoolRows | None:
+        """This backend's pool as rows other instances may write into and attend over (the blocks it
+        lends them), or None when it cannot lend."""
+        return None
 
     def bind(self, batch: list[ScheduledRequest], meta: AttentionMetadata) -> AttentionBackend:
         """The backend the model uses for this step (a wrapper binds its per-step plan here)."""

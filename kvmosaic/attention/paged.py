@@ -16,49 +16,23 @@ write in one pass; decode and prefill attention reading blocks in place, with an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from kvmosaic.attention.backend import AttentionBackend, DecodePasses, LayerStack
+from kvmosaic.attention.merge import PartialAttention
+from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.attention.pool_rows import gather_blocks, gathered_partial
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.backend import AttentionBackend, DecodePasses, LayerStack
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from kvmosaic.worker.kv_cache import KVCache
+    from kvmosaic.attention.kv_cache import KVCache
 
 QUERY_CHUNK = 64  # prefill queries per SDPA call when a chunk is long
-
-
-@dataclass(slots=True)
-class PrefillSpan:
-    token_start: int  # offset of the chunk in the packed batch
-    num_tokens: int
-    context_len: int  # tokens of context after this chunk (cached + new)
-    block_table: torch.Tensor  # [num_blocks_for_context] long
-    mask: torch.Tensor | None = None  # [num_tokens * g, context_len] bool, True = may attend; built when needed
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset)
-    num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] long (padded with block 0)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool; None: from decode_context_lens
-    prefills: list[PrefillSpan] = field(default_factory=list)
-    decode_context_lens: torch.Tensor | None = None  # [D] long
-    positions: torch.Tensor | None = None  # [num_tokens] long
-
-
-def build_causal_mask(start_pos: int, num_tokens: int, group: int) -> torch.Tensor:
-    """Mask for a chunk at positions [start_pos, start_pos + num_tokens) over its whole context."""
-    context = start_pos + num_tokens
-    rows = start_pos + torch.arange(num_tokens)
-    mask = torch.arange(context)[None, :] <= rows[:, None]
-    return mask.repeat_interleave(group, dim=0)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -178,6 +152,10 @@ class ReferenceAttention(AttentionBackend):
     def __init__(self, model: ModelConfig, kv_cache: KVCache) -> None:
         super().__init__(model, kv_cache)
         self.layers = kv_cache.layer_pools()  # per layer [2, num_blocks, block_size, Hk, D]
+        self.ops: ModuleType | None = None  # the float kernels (KernelAttention), or None
+
+    def lendable_rows(self) -> FloatPoolRows:
+        return FloatPoolRows(self)
 
     def rotate_and_cache(self, qkv: torch.Tensor, rotary: RotaryEmbedding, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -199,7 +177,7 @@ class KernelAttention(ReferenceAttention):
 
     def __init__(self, model: ModelConfig, kv_cache: KVCache, ops: ModuleType) -> None:
         super().__init__(model, kv_cache)
-        self.ops = ops
+        self.ops: ModuleType = ops
         self._spans_on_kernel = ops.prefill_attention_supports(model.head_dim)
         self._stack_caches = ops.StackCaches(self.layers)  # checked once for every layer_stack call
 
@@ -240,6 +218,56 @@ class KernelAttention(ReferenceAttention):
         return self.ops.layer_stack(residual, weights, self._stack_caches, meta.positions, rotary.cos, rotary.sin,
                                     meta.slot_mapping, tables, lens, spans, [p.block_table for p in meta.prefills],
                                     keep_rows, self.num_heads, self.num_kv_heads, eps, self.scale)
+
+
+class FloatPoolRows:
+    """A float cache lent as rows: written, gathered and attended over in place."""
+
+    def __init__(self, local: ReferenceAttention) -> None:
+        self.local = local
+
+    def rotate_and_write(self, layer, qkv, rotary, positions, slots):
+        k_cache, v_cache = self.local.layers[layer]
+        return self.local.rotate_and_cache(qkv, rotary, k_cache, v_cache, positions, slots)
+
+    def rotate(self, qkv, rotary, positions):
+        # the cache-writing kernel into a scratch "cache" of one-token blocks
+        n, local = qkv.shape[0], self.local
+        k = torch.empty(n, 1, local.num_kv_heads, local.head_dim, dtype=local.layers[0].dtype)
+        v = torch.empty_like(k)
+        q = local.rotate_and_cache(qkv, rotary, k, v, positions, torch.arange(n))
+        return q, k[:, 0], v[:, 0]
+
+    def write(self, layer, k, v, slots):
+        k_cache, v_cache = self.local.layers[layer]
+        hk, dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, hk, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, hk, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def gather(self, layer, block_ids, dtype):
+        k_cache, v_cache = self.local.layers[layer]
+        return gather_blocks(k_cache, block_ids).to(dtype), gather_blocks(v_cache, block_ids).to(dtype)
+
+    def partial(self, layer, q, q_pos, block_ids, k_pos, scale):
+        """A decode row (one query, the blocks' first slots up to its position visible) runs the decode
+        attention kernel over the blocks in place, returning its partial sums; anything else, or no
+        kernel, gathers the rows and attends in PyTorch."""
+        k_cache, v_cache = self.local.layers[layer]
+        kernel = getattr(self.local.ops, "paged_decode_attention_partial", None)  # a kernel build may lack it
+        if (kernel is None or q.shape[0] != 1 or q.dtype != k_cache.dtype or q.shape[-1] not in (64, 128)
+                or not len(block_ids)):
+            return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
+        visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
+        return PartialAttention(*kernel(q.contiguous(), k_cache, v_cache, block_ids[None], visible, scale))
+
+    def open_decode_lane(self, opener):
+        return opener.float_pool(self.local.layers, self.local.num_heads, self.local.ops)
+
+    @property
+    def float_ops(self):
+        return self.local.ops
+
+
 
 
 _NO_DECODE_TABLES = torch.zeros((0, 1), dtype=torch.long)

@@ -18,16 +18,18 @@ from types import ModuleType
 
 import torch
 
+from kvmosaic.attention import paged
+from kvmosaic.attention.backend import AttentionBackend
+from kvmosaic.attention.kv_cache import KVCache
+from kvmosaic.attention.merge import PartialAttention
+from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan, build_causal_mask
+from kvmosaic.attention.pool_rows import gathered_partial
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers import attention
-from kvmosaic.model.layers.attention import AttentionMetadata, PrefillSpan, build_causal_mask
-from kvmosaic.model.layers.backend import AttentionBackend
 from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.ops import Kernels
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat
 from kvmosaic.quant.thresholds import KVThresholds
-from kvmosaic.worker.kv_cache import KVCache
 
 MODE_IDS = {"int8": 0, "int4": 1, "oaken": 2}
 _NO_THRESHOLDS = torch.zeros(0)
@@ -123,7 +125,7 @@ def _decode_reference(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionM
     k = dequantize_blocks(layer.k_pool, ids, layer, layer.k_thresholds, q.dtype, qops).view(shape)
     v = dequantize_blocks(layer.v_pool, ids, layer, layer.v_thresholds, q.dtype, qops).view(shape)
     local = dataclasses.replace(meta, decode_block_tables=torch.arange(len(ids)).view(tables.shape))
-    return attention._decode_attention(q, k, v, local, scale)
+    return paged._decode_attention(q, k, v, local, scale)
 
 
 def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale: float,
@@ -139,7 +141,7 @@ def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale:
         span.mask = build_causal_mask(span.context_len - span.num_tokens, span.num_tokens,
                                       q.shape[1] // layer.fmt.num_kv_heads)
     local = PrefillSpan(0, span.num_tokens, span.context_len, local_table, span.mask)
-    return attention._prefill_attention(q, k, v, local, scale)
+    return paged._prefill_attention(q, k, v, local, scale)
 
 
 def kernel_decode_args(layer: QuantizedKVLayer, scale: float) -> tuple:
@@ -187,6 +189,9 @@ class QuantizedAttention(AttentionBackend):
         """Oaken outliers folded into the middle group because a sparse list was full."""
         return sum(layer.folded_outliers for layer in self.layers)
 
+    def lendable_rows(self) -> QuantizedPoolRows:
+        return QuantizedPoolRows(self)
+
     def write(self, layer: int, qkv: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
         return rotate_and_cache_quantized(qkv, rotary, self.layers[layer], meta, self.num_heads, self.num_kv_heads,
                                           self.kernels)
@@ -204,3 +209,50 @@ def _quantized_layer(fmt: KVFormat, index: int, pools: torch.Tensor,
         if thresholds.k_center[index].any():
             layer.k_center = thresholds.k_center[index].clone()
     return layer
+
+
+class QuantizedPoolRows:
+    """Rows quantized into the records of an int8 / int4 / Oaken pool as they are written, and
+    dequantized as lent blocks are read; the same codec (and kernels) as the instance's own steps."""
+
+    def __init__(self, local: QuantizedAttention) -> None:
+        self.local = local
+
+    def rotate_and_write(self, layer, qkv, rotary, positions, slots):
+        q, k, v = self.rotate(qkv, rotary, positions)
+        self.write(layer, k, v, slots)
+        return q
+
+    def rotate(self, qkv, rotary, positions):
+        local = self.local
+        return rotate_rows(qkv, rotary, positions, local.num_heads, local.num_kv_heads, local.kernels)
+
+    def write(self, layer, k, v, slots):
+        write_quantized(self.local.layers[layer], k, v, slots, self.local.kernels.quant)
+
+    def partial(self, layer, q, q_pos, block_ids, k_pos, scale):
+        """A decode row runs the quantized decode kernel over the blocks' records in place, returning its
+        partial sums; anything else, or no kernel, dequantizes the blocks and attends in PyTorch."""
+        pools = self.local.layers[layer]
+        kernel = getattr(self.local.kernels.quant, "quant_decode_attention_partial", None)  # a build may lack it
+        if kernel is None or q.shape[0] != 1 or pools.fmt.head_dim != q.shape[-1] or not len(block_ids):
+            return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
+        visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
+        return PartialAttention(*kernel(q.contiguous(), pools.k_pool, pools.v_pool, block_ids[None], visible,
+                                        *kernel_decode_args(pools, scale)))
+
+    def open_decode_lane(self, opener):
+        local = self.local
+        return opener.quantized_pool(local.layers, local.num_heads, local.head_dim, local.kv_cache.dtype,
+                                     local.kernels.quant)
+
+    @property
+    def float_ops(self):
+        return self.local.kernels.ops
+
+    def gather(self, layer, block_ids, dtype):
+        pools, qops = self.local.layers[layer], self.local.kernels.quant
+        k = dequantize_blocks(pools.k_pool, block_ids, pools, pools.k_thresholds, dtype, qops)
+        v = dequantize_blocks(pools.v_pool, block_ids, pools, pools.v_thresholds, dtype, qops)
+        hk, dim = self.local.num_kv_heads, self.local.head_dim
+        return k.reshape(-1, hk, dim), v.reshape(-1, hk, dim)
