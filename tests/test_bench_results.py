@@ -83,3 +83,22 @@ def test_output_flag():
     bench_results.add_output_arg(parser, "probe")
     assert parser.parse_args([]).out is None
     assert parser.parse_args(["--out", "a/b.json"]).out == Path("a/b.json")
+
+
+def test_peers_summary_rows_pick_the_fastest_peer():
+    from peer_runners.report import summary_rows
+
+    results = [
+        {"engine": "kvmosaic", "dtype": "float32", "workload": "A", "tokens_per_s": 30.0},
+        {"engine": "llamacpp", "dtype": "float32", "workload": "A", "tokens_per_s": 20.0},
+        {"engine": "vllm", "dtype": "float32", "workload": "A", "tokens_per_s": 24.0},
+        {"engine": "hf", "dtype": "float32", "workload": "A", "error": "timeout after 10 s"},
+        {"engine": "kvmosaic", "dtype": "q4_1", "workload": "A", "tokens_per_s": 50.0},
+    ]
+    startup = [{"engine": "kvmosaic", "dtype": "float32", "workload": "S", "seconds": 3.5}]
+    rows = summary_rows(results, startup)
+    a32, a41, s = rows
+    assert a32["engines"] == {"kvmosaic": 30.0, "llamacpp": 20.0, "vllm": 24.0, "hf": None}
+    assert (a32["best_peer"], a32["ratio"], a32["metric"]) == ("vllm", 1.25, "decode tok/s")
+    assert (a41["best_peer"], a41["ratio"]) == (None, None)  # no peer ran it
+    assert s["workload"] == "S" and s["engines"] == {"kvmosaic": 3.5} and s["ratio"] is None
