@@ -197,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     reports = {mode: summarize(args, rounds[mode], transfers[mode]) for mode in args.modes}
     print_table(args, reports, isa)
     config = {k: v for k, v in vars(args).items() if k not in ("launch", "base_url", "server_pid")}
-    write_record("disagg", [{"mode": mode, **rep} for mode, rep in reports.items()], out=args.out, config=config,
-                 extra={"modes": MODES})
+    rows = [{"mode": mode, "class": kind, **rep[kind], "goodput_rps": rep["goodput_rps"],
+             "slo_attainment": rep["slo_attainment"], "errors": rep["errors"]}
+            for mode, rep in reports.items() for kind in ("short", "long")]
+    write_record("disagg", rows, out=args.out, config=config, extra={"modes": MODES, "reports": reports})
     return 0 if all(rep["errors"] == 0 for rep in reports.values()) else 1
 
 

@@ -226,6 +226,8 @@ def stream_run(args: argparse.Namespace, mode: str, instances: int) -> dict:
         tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in rids if counts[r] > 1]
         report[name] = {"n": len(rids), **{f"ttft_p{q}_ms": _pct(ttft, q) for q in (50, 99)},
                          **{f"tpot_p{q}_ms": _pct(tpot, q) for q in (50, 99)}}
+    alone, creditor = report["short_alone"]["tpot_p99_ms"], report["short_on_creditor"]["tpot_p99_ms"]
+    report["creditor_tpot_p99_ratio"] = round(creditor / alone, 2) if alone and creditor else None
     steps, calls = stats.get("dist_remote_steps", 0), stats.get("dist_remote_calls", 0)
     report["dist_attn_ms_per_step"] = round(1000 * stats.get("dist_remote_seconds", 0.0) / steps, 1) if steps else 0
     report["ms_per_creditor_call"] = round(1000 * stats.get("dist_remote_seconds", 0.0) / calls, 2) if calls else 0

@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
     print_report(report)
     config = report.pop("config")
-    write_record("serving_soak" if args.soak else "serving", [report], out=args.out, config=config)
+    row = {"request_rate": config["request_rate"], **report}
+    write_record("serving_soak" if args.soak else "serving", [row], out=args.out, config=config)
     return 0 if report["errors"] == 0 else 1
 
 

@@ -136,6 +136,7 @@ def main() -> None:
     if not args.skip_hf:
         rows.append(run_hf(prompts, args.output_len, args.dtype, args.hf_batch_size))
     for row in rows:
+        row["dtype"] = args.dtype
         row["requests_per_s"] = args.num_requests / row["seconds"]
         row["output_tokens_per_s"] = row["output_tokens"] / row["seconds"]
     base = rows[0]["output_tokens_per_s"]
