@@ -35,8 +35,8 @@ def repo(tmp_path):
     (results / "peers.json").write_text(json.dumps(record(
         "peers", [peers_row("A", "float32", 12.0, 8.0)], "2026-02-01T00:00:00Z")))
     (results / "team_barrier.json").write_text(json.dumps(record(
-        "team_barrier", [{"workload": "single stream", "steps": 1, "omp_median": 100.0, "own_median": 101.0,
-                          "ratio": 1.01}], "2026-02-02T00:00:00Z")))
+        "team_barrier", [{"workload": "single stream", "steps": 1, "barrier": "own", "median": 101.0, "ratio": 1.01}],
+        "2026-02-02T00:00:00Z")))
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text("# t\n\n<!-- results:peers-summary -->\nstale\n<!-- /results -->\ntail\n")
     (tmp_path / "docs" / "kernels.md").write_text("x\n<!-- results:team-barrier -->\n<!-- /results -->\n")
@@ -54,7 +54,7 @@ def test_render_fills_the_blocks_and_check_then_passes(repo, capsys):
     assert "`benchmarks/results/test-host/peers.json`" in readme
     assert "`benchmarks/results/test-host/peers-old.json`" in readme
     kernels = (repo / "docs" / "kernels.md").read_text()
-    assert "| single stream | 1 | 100.0 | 101.0 | 1.010x |" in kernels
+    assert "| single stream | 1 | own | 101.0 | 1.010x |" in kernels
     assert "`python benchmarks/team_barrier.py`" in kernels
     assert render_docs.main(["--root", str(repo), "--check"]) == 0
 
@@ -69,7 +69,7 @@ def test_a_changed_result_makes_the_docs_stale(repo):
     render_docs.main(["--root", str(repo)])
     path = repo / "benchmarks" / "results" / "test-host" / "team_barrier.json"
     data = json.loads(path.read_text())
-    data["rows"][0]["own_median"] = 99.0
+    data["rows"][0]["median"] = 99.0
     path.write_text(json.dumps(data))
     assert render_docs.main(["--root", str(repo), "--check"]) == 1
 
