@@ -4,6 +4,7 @@ sync with its committed results."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -103,3 +104,16 @@ def test_bad_results_file_is_an_error(repo, capsys):
 
 def test_repository_docs_are_in_sync_with_committed_results(capsys):
     assert render_docs.main(["--check"]) == 0, capsys.readouterr().out
+
+
+# speed-ups, rates and sub-millisecond latencies: what a benchmark measures, never a setting
+MEASURED = re.compile(r"\b\d+(?:\.\d+)?x\b|\d[\d.,]*\s*(?:tok/s|GB/s|GFLOP/s|TFLOP/s|req/s)|\d+\.\d+\s*(?:ms|us)\b")
+
+
+def test_docs_state_measured_numbers_only_in_rendered_tables():
+    found = []
+    for path in render_docs.documents(ROOT):
+        text = re.sub(r"<!-- results:.*?<!-- /results -->", "", path.read_text(), flags=re.S)
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        found += [f"{path.name}: {m.group()}" for m in MEASURED.finditer(text)]
+    assert not found, "put measured numbers in a results record and a rendered table: " + ", ".join(found)
