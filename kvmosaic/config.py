@@ -33,6 +33,7 @@ _SIZE_UNITS = {
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COMPUTE_DTYPES = ("auto", *_DTYPES)  # auto: bfloat16 where the CPU has AVX512-BF16, else float32
 
 
 def parse_memory_size(value: int | float | str) -> int:
@@ -69,9 +70,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture hyper-parameters, in Hugging Face naming."""
+    """Architecture hyper-parameters, in Hugging Face naming (frozen: a changed one is a new config,
+    ``dataclasses.replace``)."""
 
     architecture: str
     vocab_size: int
@@ -97,10 +99,10 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
             )
         if self.head_dim == 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        self.eos_token_ids = tuple(self.eos_token_ids)
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -178,7 +180,7 @@ MAX_SCHEDULER_STEPS = 64
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    max_model_len: int = 2048
+    max_model_len: int = 8192  # within what the model supports (EngineConfig.for_model)
     preemption_mode: str = "recompute"
     # A single prefill chunk never exceeds this (chunked prefill); 0 means the token budget.
     long_prefill_token_threshold: int = 0

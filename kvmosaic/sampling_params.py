@@ -1,16 +1,19 @@
-"""Per-request sampling parameters, validated on creation (temperature 0 = greedy)."""
+"""Per-request sampling parameters, validated on creation (temperature 0 = greedy). Frozen: a
+changed copy is ``dataclasses.replace(params, ...)``, validated again."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 
 from kvmosaic.structured.params import GuidedDecoding
 
 _GREEDY_EPS = 1e-5
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     n: int = 1
     best_of: int | None = None
@@ -22,8 +25,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | Sequence[str] = ()  # kept as a tuple
+    stop_token_ids: Sequence[int] = ()  # kept as a tuple
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
@@ -43,19 +46,18 @@ class SamplingParams:
     final_only: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        normalize = partial(object.__setattr__, self)  # frozen: the normal forms are set once, here
+        normalize("stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
+        normalize("stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.best_of is None:
-            self.best_of = self.n
+            normalize("best_of", self.n)
         if self.logit_bias is not None:
             # JSON object keys arrive as strings ("1234": 5.0)
-            self.logit_bias = {_token_key(t): b for t, b in self.logit_bias.items()}
+            normalize("logit_bias", {_token_key(t): b for t, b in self.logit_bias.items()})
         if self.top_k == -1:
-            self.top_k = 0
+            normalize("top_k", 0)
         if self.use_beam_search:
-            self.temperature = 0.0  # beams follow logprobs; nothing is drawn
+            normalize("temperature", 0.0)  # beams follow logprobs; nothing is drawn
         self._validate()
         if self.use_beam_search:
             _check_beam_search(self)

@@ -47,7 +47,7 @@ def test_bad_configs_raise_a_typed_error(value, message):
 
 def test_cli_flag(capsys):
     args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"num_speculative_tokens": 3}'])
-    assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    assert args.speculative == SpeculativeConfig(num_speculative_tokens=3)
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "nope"}'])
     assert exit_info.value.code == 2 and "method must be one of" in capsys.readouterr().err

@@ -2,117 +2,41 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvmosaic.config import (
-    CacheConfig,
-    DisaggConfig,
-    DistributedConfig,
-    EngineConfig,
-    RestartPolicy,
-    SchedulerConfig,
-)
 from kvmosaic.engine.factory import build_engine
 from kvmosaic.engine.protocol import EngineClient
+from kvmosaic.engine_args import EngineArgs
+from kvmosaic.options import check_keywords, keyword_parameters
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.spec.config import SpeculativeConfig
 
 Prompt = str | list[int]
 Messages = list[dict]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        kv_cache_memory: int | str = "auto",
-        memory_utilization: float = 0.5,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
-        max_model_len: int = 8192,
-        preemption_mode: str = "recompute",
-        swap_space: int | str = "1GiB",
-        long_prefill_token_threshold: int = 0,
-        num_scheduler_steps: int = 1,
-        num_blocks: int | None = None,
-        num_host_blocks: int | None = None,
-        num_threads: int | None = None,
-        seed: int = 0,
-        kv_cache_dtype: str = "auto",
-        kv_thresholds: str | None = None,
-        kv_cache_prefault: bool = False,
-        instances: int = 1,
-        ray_address: str | None = None,
-        enable_borrowing: bool = True,
-        cluster_secret_file: str | None = None,
-        prefill_workers: int = 0,
-        decode_workers: int = 0,
-        kv_transfer_dtype: str = "auto",
-        max_worker_restarts: int = 3,
-        quantization: str | None = "auto",
-        speculative: SpeculativeConfig | dict | str | None = None,
-        model_loader=None,
-    ) -> None:
-        """``instances > 1`` (or a ``ray_address``) runs that many engine instances as Ray actors that
-        lend each other KV blocks (``kvmosaic.distributed``); each gets the full ``kv_cache_memory``, and
-        their data plane admits only holders of the cluster secret (``cluster_secret_file``, else
-        ``KVMOSAIC_CLUSTER_SECRET``, else a new one; docs/security.md).
-        ``kv_cache_memory="auto"`` sizes the pool from a profiling run (``memory_utilization`` of the
-        RAM still available); ``kv_cache_prefault`` makes the whole pool resident at start (as vLLM and
-        llama.cpp reserve theirs) instead of page by page as blocks are first written. ``quantization``:
-        the weight format (``auto``: a GGUF's Q8_0 / Q4_x / Q6_K matrices run natively, an HF directory
-        stays float; None: every weight dequantized to ``dtype``;
-        ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k``: quantized at load). ``speculative``: speculative
-        decoding, e.g.
-        ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``
-        (``SpeculativeConfig``; a bad one raises ``SpeculativeConfigError``). ``num_scheduler_steps``: forward
-        passes a decode-only step runs, each sequence feeding its sampled token back, before the scheduler
-        runs again (vLLM's multi-step scheduling: less Python per token, output arrives in runs).
-        ``model_loader(path, dtype)`` reads the weights of an in-process engine instead (its own weight
-        format). ``prefill_workers`` / ``decode_workers`` > 0: disaggregated prefill and decode, that many
-        workers of each as Ray actors (``kvmosaic.disagg``; the prompt's K/V moves from a prefill to a
-        decode worker, as int8 records of a float cache with ``kv_transfer_dtype="int8"``).
-        ``max_worker_restarts``: how often an instance or worker actor that died or hung is replaced (per slot,
-        within ``RestartPolicy.window``; 0: a lost one stays lost)."""
-        distributed = instances > 1 or (bool(ray_address) and not (prefill_workers or decode_workers))
-        if distributed and num_threads is None:  # the instances share the cores
-            num_threads = max(1, (os.cpu_count() or 1) // instances)
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            quantization=quantization,
-            seed=seed,
-            num_threads=num_threads,
-            cache=CacheConfig(
-                block_size=block_size, kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
-                swap_space=swap_space,
-                enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
-                kv_cache_dtype=kv_cache_dtype, kv_thresholds=kv_thresholds, prefault=kv_cache_prefault,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len, preemption_mode=preemption_mode,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                num_scheduler_steps=num_scheduler_steps,
-            ),
-            speculative=SpeculativeConfig.parse(speculative),
-        )
-        restart = RestartPolicy(max_restarts=max_worker_restarts)
-        dist = DistributedConfig(num_instances=instances, ray_address=ray_address, enable_borrowing=enable_borrowing,
-                                 cluster_secret_file=cluster_secret_file, restart=restart) if distributed else None
-        disagg = (DisaggConfig(prefill_workers=max(1, prefill_workers), decode_workers=max(1, decode_workers),
-                               ray_address=ray_address, kv_transfer_dtype=kv_transfer_dtype, restart=restart)
-                  if prefill_workers or decode_workers else None)
-        if disagg is not None:
-            dist = None  # ray_address goes to the workers
-        self.engine: EngineClient = build_engine(config, dist, model_loader, disagg)
+    def __init__(self, model: str | None = None, *, model_loader: Callable | None = None, **options: Any) -> None:
+        """An engine for ``model`` with ``options``: exactly the fields of ``EngineArgs``, where each is
+        described (``kvmosaic serve --help`` lists the same options as flags); an unknown one is a
+        TypeError. ``model_loader(path, dtype)`` reads the weights of an in-process engine instead of
+        ``load_model`` (its own weight format).
+
+        ``instances > 1`` runs that many engine instances as Ray actors that lend each other KV blocks
+        (``kvmosaic.distributed``); ``prefill_workers`` / ``decode_workers`` > 0 disaggregate prefill and
+        decode (``kvmosaic.disagg``)."""
+        check_keywords(EngineArgs, options, "LLM()", others=["model_loader"])
+        self.engine_args = EngineArgs(model=model, **options)
+        configs = self.engine_args.create_engine_configs()
+        self.engine: EngineClient = build_engine(configs.engine, configs.distributed, model_loader, configs.disagg)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, model_loader: Callable | None = None) -> LLM:
+        return cls(model_loader=model_loader, **args.as_kwargs())
 
     def shutdown(self) -> None:
         """Stop the instance actors of a cluster (a no-op for one in-process engine)."""
@@ -210,3 +134,15 @@ def _params_per_prompt(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return params
+
+
+def _signature() -> inspect.Signature:
+    """``LLM(model=None, *, <every EngineArgs option>, model_loader=None)``, for help() and editors."""
+    options = {p.name: p for p in keyword_parameters(EngineArgs)}
+    model = options.pop("model").replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    loader = inspect.Parameter("model_loader", inspect.Parameter.KEYWORD_ONLY, default=None)
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return inspect.Signature([this, model, *options.values(), loader], return_annotation=None)
+
+
+LLM.__init__.__signature__ = _signature()

@@ -7,7 +7,7 @@ whatever the source format, so the model code has one layout to read.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,7 +79,8 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, quantizatio
     check_weights(config, weights)
     # One stop set for both: the config's EOS ids plus the tokenizer's end-of-turn tokens.
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *config.eos_token_ids)))
-    config.eos_token_ids = tokenizer.eos_token_ids = eos
+    config = replace(config, eos_token_ids=eos)
+    tokenizer.eos_token_ids = eos
     return LoadedModel(config, weights, tokenizer)
 
 
