@@ -117,3 +117,18 @@ def test_docs_state_measured_numbers_only_in_rendered_tables():
         text = re.sub(r"```.*?```", "", text, flags=re.S)
         found += [f"{path.name}: {m.group()}" for m in MEASURED.finditer(text)]
     assert not found, "put measured numbers in a results record and a rendered table: " + ", ".join(found)
+
+
+def test_committed_records_say_where_their_numbers_come_from():
+    records = render_docs.load_records(ROOT)
+    assert records, "benchmarks/results/ holds no records"
+    for r in records:
+        data = r.data
+        assert data["host"]["kind"] == r.kind, f"{r.path}: host kind differs from its directory"
+        assert isinstance(data["rows"], list) and data["rows"], f"{r.path}: no rows"
+        provenance = data.get("provenance", "")
+        assert provenance == "measured" or provenance.startswith("transcribed from "), r.path
+        if provenance == "measured":
+            assert data["date"] and data["git"]["commit"] and data["command"], r.path
+        else:  # no run date in the old log: the commit that logged the figures stands in for it
+            assert data["date"] is None and data["logged"]["commit"] and data["logged"]["date"], r.path
