@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmosaic.config_spec import SpeculativeConfig
 from kvmosaic.config_values import WEIGHT_QUANTIZATIONS
 from kvmosaic.config_workers import (  # noqa: F401  (declared there; importable from here as before)
     KV_TRANSFER_DTYPES,
@@ -21,7 +22,6 @@ from kvmosaic.config_workers import (  # noqa: F401  (declared there; importable
     check_kv_transfer_dtype,
 )
 from kvmosaic.quant.format import KV_CACHE_DTYPES
-from kvmosaic.spec.config import SpeculativeConfig
 
 _SIZE_UNITS = {
     "": 1, "b": 1,

@@ -24,11 +24,11 @@ class ScheduledRequest:
     sample_seeds: list[int | None] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalty
     output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency penalties
-    # Proposed tokens to verify: the last len(spec_token_ids) of token_ids (kvmosaic.spec).
+    # Proposed tokens to verify: the last len(spec_token_ids) of token_ids (kvmosaic.core.speculation).
     spec_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None  # a draft model's q for them ([k, vocab] tensor); None: one-hot proposals
     # Tokens the worker's draft model should propose after this step, for the sequence's next one
-    # (kvmosaic.spec.draft_model; 0: none, or proposals that need no model work).
+    # (kvmosaic.worker.draft_model; 0: none, or proposals that need no model work).
     num_draft_tokens: int = 0
     # Tokens a prompt lookup may propose instead, tried first (no model work when it finds them).
     num_lookup_tokens: int = 0
@@ -91,7 +91,8 @@ class ModelOutput:
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
-    # What a draft model in the worker proposes each sequence verify next step (kvmosaic.spec.Proposal).
+    # What a draft model in the worker proposes each sequence verify next step
+    # (kvmosaic.core.speculation.proposer.Proposal).
     proposals: dict[str, Any] = field(default_factory=dict)
     draft_passes: int = 0  # the draft model's forward passes that proposed, this step
     draft_seconds: float = 0.0  # the draft model's time within the step (not the target's)

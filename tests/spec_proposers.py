@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
+from kvmosaic.config_spec import SpeculativeConfig
+from kvmosaic.core.speculation.proposer import Proposal, ProposalRequest, Proposer
+from kvmosaic.core.speculation.speculator import Speculator
 from kvmosaic.executor.mock import next_token
-from kvmosaic.spec.config import SpeculativeConfig
-from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
-from kvmosaic.spec.speculator import Speculator
 
 
 class OracleProposer(Proposer):

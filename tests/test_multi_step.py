@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kvmosaic.config import EngineConfig, SchedulerConfig
+from kvmosaic.config_spec import SpeculativeConfig
 from kvmosaic.engine.engine import Engine
 from kvmosaic.executor.mock import MockExecutor
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.spec.config import SpeculativeConfig
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
 

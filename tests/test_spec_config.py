@@ -6,12 +6,12 @@ import pytest
 from spec_proposers import ScriptedProposer
 
 from kvmosaic.config import EngineConfig
+from kvmosaic.config_spec import SpeculativeConfig, SpeculativeConfigError
+from kvmosaic.core.speculation.ngram import NgramProposer
+from kvmosaic.core.speculation.speculator import Speculator, build_speculator
 from kvmosaic.entrypoints.cli import build_parser
 from kvmosaic.request import Request
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.spec.config import SpeculativeConfig, SpeculativeConfigError
-from kvmosaic.spec.ngram import NgramProposer
-from kvmosaic.spec.speculator import Speculator, build_speculator
 
 
 def test_parse_dict_json_and_off():

@@ -14,13 +14,13 @@ from test_spec_engine import GREEDY, PASSAGE, PROMPTS
 from kvmosaic import LLM, SamplingParams
 from kvmosaic.attention.kv_cache import KVCache
 from kvmosaic.config import CacheConfig, ModelConfig
+from kvmosaic.config_spec import SpeculativeConfig, SpeculativeConfigError
+from kvmosaic.core.speculation.drafted import DraftedProposer
+from kvmosaic.core.speculation.proposer import Proposal, ProposalRequest
 from kvmosaic.model.loader import LoadedModel, load_model
 from kvmosaic.sample import verify as verify_module
 from kvmosaic.sample.rejection import verify_dense
-from kvmosaic.spec.config import SpeculativeConfig, SpeculativeConfigError
-from kvmosaic.spec.draft_model import check_same_vocab, load_draft
-from kvmosaic.spec.drafted import DraftedProposer
-from kvmosaic.spec.proposer import Proposal, ProposalRequest
+from kvmosaic.worker.draft_model import check_same_vocab, load_draft
 
 SELF = {"method": "self", "num_speculative_tokens": 4}  # q8_0 of the float32 target
 
@@ -220,7 +220,7 @@ def test_cache_sharing_drafter_runs_only_the_new_token_and_its_guesses():
     chunk); a drafting one runs its new token at its position (after the tokens it kept: accepted
     proposals count, rejected ones do not), then its guesses, past its blocks in scratch blocks."""
     from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest
-    from kvmosaic.spec.drafter import CacheSharingDrafter
+    from kvmosaic.worker.drafter import CacheSharingDrafter
 
     runner = _RecordingRunner()
     drafter = CacheSharingDrafter(runner, num_blocks=8, num_scratch_blocks=2, max_positions=64)
@@ -242,7 +242,7 @@ def test_prompt_lookup_comes_before_drafting():
     """With lookup sizes, a sequence whose last tokens (after this step's new one) occurred earlier
     takes what followed them (up to its lookup k) and is not drafted; one without a match is."""
     from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest
-    from kvmosaic.spec.drafter import CacheSharingDrafter
+    from kvmosaic.worker.drafter import CacheSharingDrafter
 
     runner = _RecordingRunner()
     drafter = CacheSharingDrafter(runner, num_blocks=8, num_scratch_blocks=4, max_positions=64, lookup_sizes=(2, 3))
@@ -265,7 +265,7 @@ def test_decode_tokens_are_mirrored_only_when_the_sequence_drafts():
     # Prefill chunks are mirrored at once; decode tokens drafting nothing (k = 0) wait and go with
     # the next drafting step, as one row from the first unmirrored position.
     from kvmosaic.outputs import ModelOutput, SampledToken, ScheduledRequest
-    from kvmosaic.spec.drafter import MirroringDrafter
+    from kvmosaic.worker.drafter import MirroringDrafter
 
     runner = _RecordingRunner()
     drafter = MirroringDrafter(runner, num_blocks=8, num_scratch_blocks=2, max_positions=64)
@@ -292,7 +292,7 @@ def test_decode_tokens_are_mirrored_only_when_the_sequence_drafts():
 def test_self_draft_of_a_quantized_target_warns(default_model, caplog):
     """A Q4_0 self-draft of the shipped Q4_1 weights streams as many bytes as the target: a warning
     says so; of the float32 target it reads far fewer and says nothing."""
-    with caplog.at_level("WARNING", logger="kvmosaic.spec.draft_model"):
+    with caplog.at_level("WARNING", logger="kvmosaic.worker.draft_model"):
         load_draft(SpeculativeConfig(method="self"), default_model, torch.float32)
         assert not caplog.records
         load_draft(SpeculativeConfig(method="self"), load_model(None, torch.float32), torch.float32)

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmosaic.spec.ngram import NgramProposer, lookup
-from kvmosaic.spec.proposer import ProposalRequest
+from kvmosaic.core.speculation.ngram import NgramProposer, lookup
+from kvmosaic.core.speculation.proposer import ProposalRequest
 
 
 def test_proposes_what_followed_the_suffix():

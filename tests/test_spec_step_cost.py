@@ -1,14 +1,14 @@
-"""The measured cost of a verified token (kvmosaic/spec/step_cost.py) and adaptive k following it."""
+"""The measured cost of a verified token (kvmosaic/core/speculation/step_cost.py) and adaptive k following it."""
 
 import pytest
 from spec_proposers import ScriptedProposer
 
+from kvmosaic.config_spec import SpeculativeConfig
 from kvmosaic.core.spec_steps import SpeculationSteps
+from kvmosaic.core.speculation.speculator import Speculator
+from kvmosaic.core.speculation.step_cost import SPIKE, DraftCost, StepCost
 from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.spec.config import SpeculativeConfig
-from kvmosaic.spec.speculator import Speculator
-from kvmosaic.spec.step_cost import SPIKE, DraftCost, StepCost
 
 
 def test_line_through_exact_steps():

@@ -6,7 +6,7 @@ one byte record per token and layer (codes, scales and Oaken's sparse lists fuse
 prefix caching move every byte of it, and the memory budget buys as many more blocks as the record
 is smaller.
 
-A draft model of another shape (speculative decoding, ``kvmosaic.spec.drafter``) keeps its K/V in a companion
+A draft model of another shape (speculative decoding, ``kvmosaic.worker.drafter``) keeps its K/V in a companion
 pool of its own shape (compute dtype) over the same block ids: a block holds the target's and the
 draft's K/V of the same tokens, so its bytes count both, and every swap and copy moves both. The
 companion has some extra blocks past the shared ones: scratch for the draft's own guesses beyond a

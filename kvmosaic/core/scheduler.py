@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from kvmosaic.config import SchedulerConfig
     from kvmosaic.core.kv_cache_manager import KVCacheManager
-    from kvmosaic.spec.speculator import Speculator
+    from kvmosaic.core.speculation.speculator import Speculator
 
 class Scheduler:
     def __init__(

@@ -10,8 +10,8 @@ from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from kvmosaic.core.speculation.proposer import Proposal
     from kvmosaic.sampling_params import SamplingParams
-    from kvmosaic.spec.proposer import Proposal
 
 _FORK_SEED_STRIDE = 0x9E3779B1  # golden-ratio stride keeps sibling seeds far apart
 

@@ -14,8 +14,8 @@ from kvmosaic.request import Request
 
 if TYPE_CHECKING:
     from kvmosaic.core.kv_cache_manager import KVCacheManager
-    from kvmosaic.spec.proposer import Proposal
-    from kvmosaic.spec.speculator import Speculator
+    from kvmosaic.core.speculation.proposer import Proposal
+    from kvmosaic.core.speculation.speculator import Speculator
 
 
 class NoSpeculation:

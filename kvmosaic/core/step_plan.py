@@ -10,7 +10,7 @@ from kvmosaic.outputs import KVLoad
 from kvmosaic.request import Request
 
 if TYPE_CHECKING:
-    from kvmosaic.spec.proposer import Proposal
+    from kvmosaic.core.speculation.proposer import Proposal
 
 
 @dataclass(slots=True)

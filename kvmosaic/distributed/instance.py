@@ -27,6 +27,7 @@ import torch
 
 from kvmosaic.attention.dist_attention import DistAttention, RemoteKVAttention
 from kvmosaic.config import DistributedConfig, EngineConfig
+from kvmosaic.config_spec import SpeculativeConfigError
 from kvmosaic.distributed.channel import ChannelClient, ChannelServer
 from kvmosaic.distributed.data_plane import DataPlaneAccess, bind_host, message_limit
 from kvmosaic.distributed.decode_lane import DecodeLane, folded_outliers, lane_client, open_decode_lane
@@ -34,7 +35,6 @@ from kvmosaic.distributed.lending import EngineLending
 from kvmosaic.distributed.rmanager import BorrowingAllocator, CreditorLost, RManager
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.spec.config import SpeculativeConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from kvmosaic.core.block_allocator import BlockAllocator
 from kvmosaic.core.kv_arrivals import ArrivedKV, KVArrivals
 from kvmosaic.core.kv_cache_manager import KVCacheManager
 from kvmosaic.core.scheduler import Scheduler
+from kvmosaic.core.speculation.speculator import Speculator, build_speculator
 from kvmosaic.engine.errors import RetryableStepError
 from kvmosaic.engine.output_processor import OutputProcessor
 from kvmosaic.engine.protocol import SERVING, ServingState
@@ -22,7 +23,6 @@ from kvmosaic.executor.base import Executor
 from kvmosaic.outputs import ModelOutput, RequestOutput, SampledToken, SchedulerOutput
 from kvmosaic.request import Request, RequestStatus
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.spec.speculator import Speculator, build_speculator
 from kvmosaic.structured.grammar_guide import GuideFactory
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from kvmosaic.sampling_params import SamplingParams
 from kvmosaic.worker.decode_rows import DecodeRows
 
 if TYPE_CHECKING:
-    from kvmosaic.spec.drafter import Drafter
+    from kvmosaic.worker.drafter import Drafter
 
 # A sequence's tokens in a step of up to this many are computed as decode rows, each over the context up
 # to itself: a speculative verification, a drafter's catch-up, the short tail of a prompt. They then run

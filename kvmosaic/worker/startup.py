@@ -29,8 +29,8 @@ from kvmosaic.ops import Kernels
 from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.quant import thresholds as kv_thresholds
 from kvmosaic.sampling_params import SamplingParams
-from kvmosaic.spec.draft_model import load_draft, num_scratch_blocks
 from kvmosaic.worker import kv_sizing
+from kvmosaic.worker.draft_model import load_draft, num_scratch_blocks
 from kvmosaic.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from kvmosaic.ops import Kernels
 from kvmosaic.ops.memory import release_free_memory
 from kvmosaic.outputs import ModelOutput, SchedulerOutput
 from kvmosaic.quant import thresholds as kv_thresholds
-from kvmosaic.spec.drafter import CacheSharingDrafter, Drafter, MirroringDrafter
+from kvmosaic.worker.drafter import CacheSharingDrafter, Drafter, MirroringDrafter
 from kvmosaic.worker.model_runner import ModelRunner
 from kvmosaic.worker.startup import (
     KVCachePlan,

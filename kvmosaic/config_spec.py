@@ -29,7 +29,7 @@ class SpeculativeConfig:
     weight format (WEIGHT_QUANTIZATIONS; default "auto" for ``draft``: the file's own). ``adaptive``: each sequence's k
     follows its measured acceptance (down to 0) and shrinks as the batch grows; ``token_cost`` is
     what one more verified token costs relative to one sequence's decode step (weights read once):
-    None fits it to the engine's timed steps (kvmosaic/spec/step_cost.py; 0.1 until they determine
+    None fits it to the engine's timed steps (kvmosaic/core/speculation/step_cost.py; 0.1 until they determine
     it), a number fixes it (reproducible choices of k, whatever the host's speed),
     ``step_overhead`` what a step with proposals costs on top (it leaves the one-token decode path);
     ``draft_cost`` what one pass of a draft model costs relative to the target's decode step: None

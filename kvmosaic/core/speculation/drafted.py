@@ -1,12 +1,12 @@
 """The scheduler's side of a draft model: the model runs in the worker after each step (see
-``kvmosaic.spec.draft_model``) and returns its proposals in the ModelOutput; this proposer keeps
+``kvmosaic.worker.draft_model``) and returns its proposals in the ModelOutput; this proposer keeps
 the latest ones and hands them over when the scheduler asks, so the scheduler never calls a model."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
+from kvmosaic.core.speculation.proposer import Proposal, ProposalRequest, Proposer
 
 
 class DraftedProposer(Proposer):

@@ -35,16 +35,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from kvmosaic.spec.drafted import DraftedProposer
-from kvmosaic.spec.ngram import NgramProposer
-from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
-from kvmosaic.spec.step_cost import BatchCosts
+from kvmosaic.core.speculation.drafted import DraftedProposer
+from kvmosaic.core.speculation.ngram import NgramProposer
+from kvmosaic.core.speculation.proposer import Proposal, ProposalRequest, Proposer
+from kvmosaic.core.speculation.step_cost import BatchCosts
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from kvmosaic.config_spec import SpeculativeConfig
     from kvmosaic.request import Request
-    from kvmosaic.spec.config import SpeculativeConfig
 
 _DECAY = 0.9  # weight of the evidence one step older
 PRIOR_TOKEN_COST = 0.1  # r before the timed steps determine it

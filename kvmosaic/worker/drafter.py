@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmosaic.core.speculation.ngram import lookup
+from kvmosaic.core.speculation.proposer import Proposal
 from kvmosaic.outputs import ModelOutput, ScheduledRequest
 from kvmosaic.sample.sampler import Argmax, SamplingRow, random_sample, target_probs, torch_argmax
-from kvmosaic.spec.ngram import lookup
-from kvmosaic.spec.proposer import Proposal
 
 
 @dataclass(slots=True)

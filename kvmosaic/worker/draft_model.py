@@ -1,5 +1,5 @@
 """Loading a draft model for speculation: the target's own weights requantized (``self``) or a
-model file with the target's tokenizer (``draft``). What runs it each step: ``kvmosaic.spec.drafter``."""
+model file with the target's tokenizer (``draft``). What runs it each step: ``kvmosaic.worker.drafter``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from kvmosaic.config_spec import SpeculativeConfig, SpeculativeConfigError
 from kvmosaic.model.loader import LoadedModel, is_matrix, load_model
 from kvmosaic.quant import weights as qw
-from kvmosaic.spec.config import SpeculativeConfig, SpeculativeConfigError
 
 logger = logging.getLogger(__name__)
 SLOW_DRAFT_SHARE = 0.6  # a draft reading more than this share of the target's matrix bytes cannot pay

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmosaic.spec.proposer import Proposal, ProposalRequest, Proposer
+from kvmosaic.core.speculation.proposer import Proposal, ProposalRequest, Proposer
 
 
 def lookup(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

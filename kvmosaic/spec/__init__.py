@@ -1,1 +1,0 @@
-"""Speculative decoding: proposers guess the next tokens, the target verifies them in one pass."""
