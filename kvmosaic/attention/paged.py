@@ -253,7 +253,8 @@ class FloatPoolRows:
         attention kernel over the blocks in place, returning its partial sums; anything else, or no
         kernel, gathers the rows and attends in PyTorch."""
         k_cache, v_cache = self.local.layers[layer]
-        kernel = getattr(self.local.ops, "paged_decode_attention_partial", None)  # a kernel build may lack it
+        ops = self.local.ops
+        kernel = None if ops is None else ops.paged_decode_attention_partial
         if (kernel is None or q.shape[0] != 1 or q.dtype != k_cache.dtype or q.shape[-1] not in (64, 128)
                 or not len(block_ids)):
             return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)

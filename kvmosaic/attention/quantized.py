@@ -234,7 +234,8 @@ class QuantizedPoolRows:
         """A decode row runs the quantized decode kernel over the blocks' records in place, returning its
         partial sums; anything else, or no kernel, dequantizes the blocks and attends in PyTorch."""
         pools = self.local.layers[layer]
-        kernel = getattr(self.local.kernels.quant, "quant_decode_attention_partial", None)  # a build may lack it
+        qops = self.local.kernels.quant
+        kernel = None if qops is None else qops.quant_decode_attention_partial
         if kernel is None or q.shape[0] != 1 or pools.fmt.head_dim != q.shape[-1] or not len(block_ids):
             return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
         visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
