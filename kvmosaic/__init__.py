@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 # Lazy so that `import kvmosaic.core...` stays light (no torch/model imports).
 _EXPORTS = {
     "LLM": "kvmosaic.entrypoints.llm",
+    "EngineArgs": "kvmosaic.engine_args",
     "SamplingParams": "kvmosaic.sampling_params",
     "RequestOutput": "kvmosaic.outputs",
     "CompletionOutput": "kvmosaic.outputs",

@@ -121,15 +121,14 @@ def _shown_default(spec: OptionSpec) -> str:
     return f" (default: {spec.default})".replace("%", "%%")
 
 
-def from_namespace(cls: type, namespace: argparse.Namespace, **overrides: Any):
+def from_namespace(cls: type, namespace: argparse.Namespace):
     """``cls`` built from the parsed flags of its options (a repeatable one's list becomes a tuple);
-    options the parser did not define keep their defaults, ``overrides`` win."""
+    options the parser did not define keep their defaults."""
     values = {}
     for spec in option_specs(cls):
         if hasattr(namespace, spec.name):
             value = getattr(namespace, spec.name)
             values[spec.name] = tuple(value) if spec.kind == "list" else value
-    values.update(overrides)
     return cls(**values)
 
 
