@@ -15,7 +15,7 @@ from kvmosaic.attention.paged import (
     rotate_and_cache_reference,
     write_kv,
 )
-from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.attention.rotary import RotaryEmbedding
 from kvmosaic.ops import Kernels, available_levels
 
 

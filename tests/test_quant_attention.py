@@ -16,7 +16,7 @@ from kvmosaic.attention.quantized import (
     rotate_and_cache_quantized,
     write_quantized,
 )
-from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.attention.rotary import RotaryEmbedding
 from kvmosaic.ops import Kernels, available_levels
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat

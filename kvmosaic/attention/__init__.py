@@ -2,7 +2,8 @@
 attention about its batch, and every backend that writes and attends over them.
 
 - ``kv_cache``: the physical blocks (device pool, host swap tier, a draft's companion pool)
-- ``metadata``: ``AttentionMetadata`` / ``PrefillSpan`` of a packed batch
+- ``metadata``: ``AttentionMetadata`` / ``PrefillSpan`` of a packed batch; ``rotary``: the position rotation
+  the backends apply to q and k as they write the cache
 - ``backend``: the ``AttentionBackend`` interface the model calls
 - ``paged`` / ``quantized``: compute-dtype caches (PyTorch reference, C++ kernels) and int8 / int4 /
   Oaken records; ``build.make_attention_backend`` picks one, once per worker

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvmosaic.attention.kv_cache import KVCache
     from kvmosaic.attention.metadata import AttentionMetadata
     from kvmosaic.attention.pool_rows import PoolRows
-    from kvmosaic.model.layers.rotary import RotaryEmbedding
+    from kvmosaic.attention.rotary import RotaryEmbedding
     from kvmosaic.outputs import ScheduledRequest
 
 # ops.layer_stack bound to this backend's caches:

@@ -32,7 +32,7 @@ from kvmosaic.attention.backend import AttentionBackend, DecodePasses, LayerStac
 from kvmosaic.attention.merge import PartialAttention, merge_on, partial_attention
 from kvmosaic.attention.metadata import AttentionMetadata
 from kvmosaic.attention.pool_rows import PoolRows
-from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.attention.rotary import RotaryEmbedding
 from kvmosaic.outputs import ScheduledRequest
 
 

@@ -26,8 +26,8 @@ from kvmosaic.attention.backend import AttentionBackend, DecodePasses, LayerStac
 from kvmosaic.attention.merge import PartialAttention
 from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan, build_causal_mask
 from kvmosaic.attention.pool_rows import gather_blocks, gathered_partial
+from kvmosaic.attention.rotary import RotaryEmbedding
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from kvmosaic.attention.kv_cache import KVCache

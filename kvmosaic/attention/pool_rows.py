@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from kvmosaic.attention.merge import PartialAttention, partial_attention
-from kvmosaic.model.layers.rotary import RotaryEmbedding
+from kvmosaic.attention.rotary import RotaryEmbedding
 
 Lane = TypeVar("Lane")
 

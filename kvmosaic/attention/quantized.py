@@ -24,8 +24,8 @@ from kvmosaic.attention.kv_cache import KVCache
 from kvmosaic.attention.merge import PartialAttention
 from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan, build_causal_mask
 from kvmosaic.attention.pool_rows import gathered_partial
+from kvmosaic.attention.rotary import RotaryEmbedding
 from kvmosaic.config import ModelConfig
-from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.ops import Kernels
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat

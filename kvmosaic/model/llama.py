@@ -13,12 +13,12 @@ from torch import nn
 
 from kvmosaic.attention.backend import AttentionBackend
 from kvmosaic.attention.metadata import AttentionMetadata
+from kvmosaic.attention.rotary import RotaryEmbedding
 from kvmosaic.config import ModelConfig
 from kvmosaic.model.layers.embedding import TokenEmbedding
 from kvmosaic.model.layers.linear import make_gated, make_linear
 from kvmosaic.model.layers.linear_methods import PackedFloat, Placement, fuse_rows
 from kvmosaic.model.layers.norm import RMSNorm
-from kvmosaic.model.layers.rotary import RotaryEmbedding
 from kvmosaic.ops import Kernels
 from kvmosaic.ops.memory import WeightArena
 
