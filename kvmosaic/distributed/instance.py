@@ -21,6 +21,7 @@ import os
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -36,6 +37,9 @@ from kvmosaic.distributed.rmanager import BorrowingAllocator, CreditorLost, RMan
 from kvmosaic.outputs import RequestOutput
 from kvmosaic.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvmosaic.engine.engine import Engine
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,28 +47,11 @@ class Instance:
     def __init__(self, instance_id: int, engine_config: EngineConfig, config: DistributedConfig,
                  gmanager) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from kvmosaic.engine.engine import Engine  # the model loads in the actor process
-        from kvmosaic.executor.local import LocalExecutor
-        from kvmosaic.worker import startup
-        from kvmosaic.worker.worker import Worker
-
         self.instance_id = instance_id
         self.config = config
         self.gmanager = gmanager
         self.lock = threading.RLock()
-        weights = startup.load_weights(engine_config)
-        if weights.draft is not None:
-            raise SpeculativeConfigError("a draft model keeps its K/V in the local pool only: "
-                                         "not with blocks borrowed from other instances")
-        plan = startup.plan_kv_cache(weights)
-        block_size = weights.config.cache.block_size
-        self.rmanager = RManager(instance_id, plan.num_blocks, block_size, config, gmanager)
-        local = startup.build_attention(weights, plan)
-        self.kv_cache = local.kv_cache
-        dist = DistAttention(self.rmanager, block_size, plan.num_blocks, pull=config.kv_pull)
-        self.attention = RemoteKVAttention(local, dist)
-        executor = LocalExecutor(worker=Worker(weights, plan, self.attention))
-        self.engine = Engine(engine_config, executor, allocator=BorrowingAllocator(self.rmanager), kv_lock=self.lock)
+        self.engine = self._start_engine(engine_config)
         self.lending = EngineLending(self.engine)
         self.errors: dict[str, str] = {}  # request id -> why it failed, reported with the next step
         self._stop = threading.Event()
@@ -88,6 +75,28 @@ class Instance:
         self._outbox_errors: dict[str, str] = {}
         self._failure: BaseException | None = None
         self._held = False
+
+    def _start_engine(self, engine_config: EngineConfig) -> Engine:
+        """The worker's phases, with this instance's books between them: the rManager over the pool the
+        memory phase sized, the backend wrapped in RemoteKVAttention before the worker is assembled."""
+        from kvmosaic.engine.engine import Engine  # the model loads in the actor process
+        from kvmosaic.executor.local import LocalExecutor
+        from kvmosaic.worker import startup
+        from kvmosaic.worker.worker import Worker
+
+        weights = startup.load_weights(engine_config)
+        if weights.draft is not None:
+            raise SpeculativeConfigError("a draft model keeps its K/V in the local pool only: "
+                                         "not with blocks borrowed from other instances")
+        plan = startup.plan_kv_cache(weights)
+        block_size = weights.config.cache.block_size
+        self.rmanager = RManager(self.instance_id, plan.num_blocks, block_size, self.config, self.gmanager)
+        local = startup.build_attention(weights, plan)
+        self.kv_cache = local.kv_cache
+        dist = DistAttention(self.rmanager, block_size, plan.num_blocks, pull=self.config.kv_pull)
+        self.attention = RemoteKVAttention(local, dist)
+        executor = LocalExecutor(worker=Worker(weights, plan, self.attention))
+        return Engine(engine_config, executor, allocator=BorrowingAllocator(self.rmanager), kv_lock=self.lock)
 
     def _access(self, num_blocks: int) -> DataPlaneAccess:
         """What a data-plane server of ``num_blocks`` blocks admits (ours, or a peer's for our clients)."""
