@@ -70,6 +70,15 @@ def test_a_failed_build_names_the_level_and_the_command(scratch):
     assert scratch.calls == [["portable"]]
 
 
+def test_a_build_directory_that_cannot_be_written_is_a_clear_error(scratch, monkeypatch):
+    def read_only(levels=None, verbose=False):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(build, "build", read_only)
+    with pytest.raises(ValueError, match=r"portable kernels are not built and building them failed"):
+        Kernels.load("portable")
+
+
 def test_building_on_use_can_be_turned_off(scratch, monkeypatch):
     monkeypatch.setenv(ops.BUILD_ON_USE_ENV, "0")
     with pytest.raises(ValueError, match=r"portable kernels are not built .*--levels portable"):

@@ -176,7 +176,11 @@ def _ensure_built(level: Level) -> None:
     from kvmosaic.ops import build as builder
 
     logger.warning("kvmosaic: building the C++ kernels for %s (about a minute, once)", level.name)
-    built = builder.build([level])
+    try:
+        built = builder.build([level])
+    except OSError as exc:  # e.g. an install whose build directory is read-only
+        logger.warning("kvmosaic: cannot build in %s: %s", BUILD_DIR, exc)
+        built = False
     _load.cache_clear()  # a library that was missing or stale before the build
     if not built or _built_library(NAME, level) is None:
         raise ValueError(f"the {level.name} kernels are not built and building them failed (errors above); "
