@@ -2,10 +2,12 @@
 prefill attention, the whole decode step; quantized KV cache).
 
 Each source in ``csrc/`` is written once over the vector type of ``csrc/isa/vec.h`` and compiled once
-per ISA level (``levels.py``: AVX-512, AVX2+FMA, portable) at install
-(`python -m kvmosaic.ops.build`, run by the Makefile) into ``kvmosaic/ops/_build/<level>``. The
-best level this CPU runs is loaded unless ``KVMOSAIC_ISA`` or ``Kernels.load(level=...)`` names
-another. When the kernels are missing, or when ``KVMOSAIC_DISABLE_OPS=1``, the pure-PyTorch
+per ISA level (``levels.py``: AVX-512, AVX2+FMA, portable) by ``python -m kvmosaic.ops.build`` into
+``kvmosaic/ops/_build/<level>`` (``make run`` builds the best level this CPU runs, ``make test``
+every level it runs). The best built level this CPU runs is loaded unless ``KVMOSAIC_ISA`` or
+``Kernels.load(level=...)`` names another; a named level that is not built yet is built then (about
+a minute; ``KVMOSAIC_BUILD_ON_USE=0`` turns that off). When the best level is not built, a warning
+says so. When the kernels are missing, or when ``KVMOSAIC_DISABLE_OPS=1``, the pure-PyTorch
 reference path runs instead; the tests check every built level against it.
 
 Code that runs kernels never looks them up itself: it is handed a ``Kernels`` object when it is
@@ -36,6 +38,7 @@ BUILD_DIR = Path(__file__).parent / "_build"
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 NAME = "kvmosaic_ops"
 QUANT_NAME = "kvmosaic_kvquant"  # the quantized-KV kernels (kvmosaic/quant formats), built by the same step
+BUILD_ON_USE_ENV = "KVMOSAIC_BUILD_ON_USE"  # "0": a named level that is not built is an error, not a build
 
 
 def extension_sources() -> dict[str, tuple[Path, ...]]:
@@ -75,8 +78,8 @@ def _built_library(extension: str, level: Level) -> Path | None:
     library = candidates[0]
     newest = max(path.stat().st_mtime for path in (*extension_sources()[extension], *headers()))
     if library.stat().st_mtime < newest:
-        logger.warning("kvmosaic C++ ops (%s) are older than their source; rebuild with "
-                       "`python -m kvmosaic.ops.build`", level.name)
+        logger.warning("kvmosaic C++ ops (%s) are older than their source; rebuild with `%s`", level.name,
+                       build_command(level))
         return None
     return library
 
@@ -92,19 +95,28 @@ class Kernels:
     @classmethod
     def load(cls, level: str | None = None) -> Kernels:
         """The kernels of ``level`` (default: ``KVMOSAIC_ISA``, else the best built level this CPU runs);
-        either module may be missing. A named level that was not built is an error."""
+        either module may be missing. A named level that is not built is built now (unless
+        ``KVMOSAIC_BUILD_ON_USE=0``); one that cannot be is an error."""
         if os.environ.get("KVMOSAIC_DISABLE_OPS", "") not in ("", "0"):
             return cls()
         chosen = resolve_level(level)
         if chosen is not None:
-            if _load(NAME, chosen) is None:
-                raise ValueError(f"the {chosen.name} kernels are not built (built here: "
-                                 f"{', '.join(available_levels()) or 'none'}); run `python -m kvmosaic.ops.build`")
-            return cls(_load(NAME, chosen), _load(QUANT_NAME, chosen), chosen.name)
-        for candidate in runnable_levels():
+            _ensure_built(chosen)
+            ops = _load(NAME, chosen)
+            if ops is None:
+                raise ValueError(f"the {chosen.name} kernels were built but do not load; "
+                                 f"rebuild them with `{build_command(chosen)}`")
+            return cls(ops, _load(QUANT_NAME, chosen), chosen.name)
+        runnable = runnable_levels()
+        for candidate in runnable:
             ops = _load(NAME, candidate)
             if ops is not None:
+                if candidate != runnable[0]:
+                    _warn_once(f"the {runnable[0].name} kernels (the best this CPU runs) are not built: running "
+                               f"the slower {candidate.name} ones; build them with `{build_command(runnable[0])}`")
                 return cls(ops, _load(QUANT_NAME, candidate), candidate.name)
+        _warn_once(f"no C++ kernels are built: running the slower PyTorch reference path; build them with "
+                   f"`{build_command(runnable[0])}`")
         return cls()
 
     @classmethod
@@ -144,14 +156,48 @@ def get_quant_ops() -> ModuleType | None:
     return Kernels.load().quant
 
 
+def build_command(level: Level) -> str:
+    return f"python -m kvmosaic.ops.build --levels {level.name}"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning("kvmosaic: %s", message)
+
+
+def _ensure_built(level: Level) -> None:
+    """Builds ``level`` when it is not built (or older than its sources), unless building on use is off."""
+    if all(_built_library(extension, level) is not None for extension in (NAME, QUANT_NAME)):
+        return
+    if os.environ.get(BUILD_ON_USE_ENV, "") == "0":
+        built = ", ".join(available_levels()) or "none"
+        raise ValueError(f"the {level.name} kernels are not built (built here: {built}); build them with "
+                         f"`{build_command(level)}` ({BUILD_ON_USE_ENV}=0: not on first use)")
+    from kvmosaic.ops import build as builder
+
+    logger.warning("kvmosaic: building the C++ kernels for %s (about a minute, once)", level.name)
+    try:
+        built = builder.build([level])
+    except OSError as exc:  # e.g. an install whose build directory is read-only
+        logger.warning("kvmosaic: cannot build in %s: %s", BUILD_DIR, exc)
+        built = False
+    _load.cache_clear()  # a library that was missing or stale before the build
+    if not built or _built_library(NAME, level) is None:
+        raise ValueError(f"the {level.name} kernels are not built and building them failed (errors above); "
+                         f"build them with `{build_command(level)}`")
+
+
 @functools.cache
 def _load(extension: str, level: Level) -> ModuleType | None:
     library = _built_library(extension, level)
     if library is None:
         return None
+    return _import(module_name(extension, level), library)
+
+
+def _import(name: str, library: Path) -> ModuleType:
     import torch  # noqa: F401  (the extension links against libtorch)
 
-    name = module_name(extension, level)
     loader = importlib.machinery.ExtensionFileLoader(name, str(library))
     spec = importlib.util.spec_from_file_location(name, library, loader=loader)
     module = importlib.util.module_from_spec(spec)
@@ -159,5 +205,5 @@ def _load(extension: str, level: Level) -> ModuleType | None:
     return module
 
 
-__all__ = ["Kernels", "NO_KERNELS", "available_levels", "extension_sources", "get_ops", "get_quant_ops",
-           "levels_to_build", "module_name", "level_dir"]
+__all__ = ["Kernels", "NO_KERNELS", "available_levels", "build_command", "extension_sources", "get_ops",
+           "get_quant_ops", "levels_to_build", "module_name", "level_dir"]

@@ -1,6 +1,6 @@
 """ISA levels the C++ kernels are compiled for, and which of them this CPU can run.
 
-Every kernel source is written once over ``csrc/vec.h`` and compiled once per level with that
+Every kernel source is written once over ``csrc/isa/vec.h`` and compiled once per level with that
 level's flags; at run time the best level the CPU supports is loaded (``KVMOSAIC_ISA`` or
 ``Kernels.load(level=...)`` forces another, e.g. so an AVX-512 host also tests the AVX2 build).
 The portable level has no machine flags at all, so it compiles on any architecture.
@@ -55,9 +55,10 @@ def runnable_levels() -> list[Level]:
 
 
 def levels_to_build() -> list[Level]:
-    """What an install compiles: every level this CPU runs, so that the tests run each variant the
-    host can (an AVX-512 host tests its AVX2 build too, and AVX2+VNNI where the CPU has AVX-VNNI),
-    down to portable (the fallback every test can force)."""
+    """What ``make test`` compiles (``--levels all``): every level this CPU runs, so that the tests run
+    each variant the host can (an AVX-512 host tests its AVX2 build too, and AVX2+VNNI where the CPU
+    has AVX-VNNI), down to portable (the fallback every test can force). ``make run`` compiles only
+    the first, the best."""
     return runnable_levels()
 
 

@@ -1,23 +1,20 @@
 // A debtor's connection to a creditor's decode lane (lane_client.cpp). Compiled into both extensions
-// with the server; the float one binds it.
+// with the server; the float one binds it (bind/lane_bind.h). No PyTorch and no socket header here.
 #pragma once
 
-#include <sys/socket.h>
-#include <torch/extension.h>
-
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "lane_transport.h"
-
 namespace kvops {
+
+class LaneTransport;  // lane_transport.h
 
 struct LaneAnswer {
   double seconds;  // the creditor's compute time
-  // on success out [items, hq, d], reference [items, hq] and sum of exps [items, hq] (views of one buffer)
-  at::Tensor out, reference, sum_exp;
-  std::string error;  // the creditor's message when it failed the call
+  std::string error;  // the creditor's message when it failed the call (else the partial is in the buffer)
 };
 
 class LaneClient {
@@ -31,24 +28,24 @@ class LaneClient {
              bool shared_memory, const std::string& secret);
   bool local() const { return local_; }  // connected through the Unix socket
   // "shared memory", "unix socket" or "tcp"
-  std::string transport() const {
-    return !local_ ? "tcp" : (link_ != nullptr && link_->shared_memory() ? "shared memory" : "unix socket");
-  }
+  std::string transport() const;
+  bool closed() const { return fd_ < 0; }
   ~LaneClient();
   LaneClient(const LaneClient&) = delete;
   LaneClient& operator=(const LaneClient&) = delete;
-  // one call: ints are [context[items], slot[items], table[items * width]]; q is [items, hq, head_dim]
-  // and k_new, v_new [items, hk, head_dim] in the lane's dtype, or none when no item has a new row
-  // (every slot -1; the server then reads zeros it ignores)
-  void send(int64_t layer, double scale, const std::vector<int64_t>& ints, const at::Tensor& q,
-            const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new, int64_t kv_heads);
-  // the answer to the oldest call sent and not yet received
-  LaneAnswer receive(int64_t items, int64_t num_heads, int64_t head_dim);
+  // one call of `items` rows: ints are [context[items], slot[items], table[items * width]]; q is
+  // q_bytes of [items, hq, head_dim] and k_new, v_new row_bytes each of [items, hk, head_dim], in the
+  // lane's dtype, or null when no item has a new row (every slot -1; the server then reads zeros it ignores)
+  void send(int64_t layer, double scale, const std::vector<int64_t>& ints, int64_t items, const void* q,
+            size_t q_bytes, const void* k_new, const void* v_new, size_t row_bytes);
+  // the answer to the oldest call sent and not yet received; on success its partial is in
+  // floats [items * num_heads * (head_dim + 2)]: out [items, num_heads, head_dim], then the
+  // references and the sums of exps [items, num_heads]
+  LaneAnswer receive(int64_t items, int64_t num_heads, int64_t head_dim, float* floats);
   void close();
 
  private:
   void read_exactly(void* buffer, size_t bytes);
-  int connect_within(const sockaddr* addr, socklen_t len);  // 0, or the errno of a failed connect
 
   int fd_ = -1;
   bool local_ = true;

@@ -47,7 +47,9 @@
 #include <string>
 #include <vector>
 
+#include "common/check.h"
 #include "lane_server.h"
+#include "lane_transport.h"
 
 namespace kvops {
 
@@ -108,16 +110,16 @@ bool send_all(int fd, iovec* parts, size_t count) {
 LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const std::string& host, int64_t spin_us,
                        LaneAccess access)
     : pool_(std::move(pool)), num_heads_(num_heads), spin_us_(spin_us), access_(std::move(access)) {
-  TORCH_CHECK(pool_ != nullptr && pool_->layers() > 0, "LaneServer needs a pool of at least one layer");
-  TORCH_CHECK(access_.secret.size() >= 16 && access_.handshake_timeout_ms > 0 && access_.max_message_bytes > 0,
+  KV_CHECK(pool_ != nullptr && pool_->layers() > 0, "LaneServer needs a pool of at least one layer");
+  KV_CHECK(access_.secret.size() >= 16 && access_.handshake_timeout_ms > 0 && access_.max_message_bytes > 0,
               "LaneServer needs a secret of 16+ bytes, a handshake timeout and a message limit");
-  TORCH_CHECK(spin_us >= 0 && spin_us <= 100000, "LaneServer: spin_us must be in [0, 1e5]");
-  TORCH_CHECK(num_heads > 0 && num_heads % pool_->kv_heads() == 0, "LaneServer: bad number of query heads");
-  TORCH_CHECK(::pipe(wake_) == 0, "LaneServer: cannot open a pipe");
+  KV_CHECK(spin_us >= 0 && spin_us <= 100000, "LaneServer: spin_us must be in [0, 1e5]");
+  KV_CHECK(num_heads > 0 && num_heads % pool_->kv_heads() == 0, "LaneServer: bad number of query heads");
+  KV_CHECK(::pipe(wake_) == 0, "LaneServer: cannot open a pipe");
   listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
   if (listener_ < 0) {
     close_fds();
-    TORCH_CHECK(false, "LaneServer: cannot open a socket");
+    KV_CHECK(false, "LaneServer: cannot open a socket");
   }
   const int one = 1;
   ::setsockopt(listener_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -126,13 +128,13 @@ LaneServer::LaneServer(std::unique_ptr<LanePool> pool, int64_t num_heads, const 
   addr.sin_port = 0;
   if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
     close_fds();
-    TORCH_CHECK(false, "LaneServer: not an IPv4 address: ", host);
+    KV_CHECK(false, "LaneServer: not an IPv4 address: ", host);
   }
   socklen_t len = sizeof(addr);
   if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(listener_, 16) != 0 ||
       ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     close_fds();
-    TORCH_CHECK(false, "LaneServer: cannot listen on ", host);
+    KV_CHECK(false, "LaneServer: cannot listen on ", host);
   }
   port_ = ntohs(addr.sin_port);
   listen_local();
@@ -223,6 +225,7 @@ void LaneServer::reap_finished() {
 void LaneServer::serve(int fd, uint64_t id) {
   omp_set_num_threads(1);  // a call is one row's attention: this thread alone, beside the instance's own team
   std::vector<int64_t> body;  // a call's block tables and rows, kept for the next one
+  std::vector<float> answer;  // a call's partial, likewise
   LaneRequestHeader head{};
   std::string why;
   const bool trusted = accept_handshake(fd, access_.secret, access_.handshake_timeout_ms, &why);
@@ -233,7 +236,7 @@ void LaneServer::serve(int fd, uint64_t id) {
   // the socket, or the shared rings a debtor on this machine brought in its hello
   const std::unique_ptr<LaneTransport> link = trusted ? accept_transport(fd, &head, spin_us_) : nullptr;
   int64_t spin_us = spin_us_;
-  while (link != nullptr && !closed_ && serve_one(*link, head, body)) {
+  while (link != nullptr && !closed_ && serve_one(*link, head, body, answer)) {
     iovec part{&head, sizeof(head)};
     const auto answered = std::chrono::steady_clock::now();
     const ssize_t got = link->receive_some(&part, 1, spin_us, -1);
@@ -252,62 +255,67 @@ void LaneServer::serve(int fd, uint64_t id) {
   finished_.push_back(id);
 }
 
-bool LaneServer::serve_one(LaneTransport& link, const LaneRequestHeader& head, std::vector<int64_t>& body) {
+bool LaneServer::serve_one(LaneTransport& link, const LaneRequestHeader& head, std::vector<int64_t>& body,
+                           std::vector<float>& answer) {
   if (head.magic != kLaneMagic) return false;
-  const LanePool& pool = *pool_;
+  LanePool& pool = *pool_;
   const int64_t hk = pool.kv_heads(), d = pool.head_dim(), bs = pool.block_size(), slots = pool.blocks() * bs;
   if (head.items < 1 || head.items > kMaxItems || head.width < 1 || head.width > pool.blocks()) return false;
-  const int64_t n = head.items, width = head.width, elem = c10::elementSize(pool.dtype());
+  const int64_t n = head.items, width = head.width, elem = element_size(pool.dtype());
   const int64_t num_ints = n * (2 + width), row_bytes = n * (num_heads_ + 2 * hk) * d * elem;
   if (num_ints * static_cast<int64_t>(sizeof(int64_t)) + row_bytes > access_.max_message_bytes) return false;
   body.resize(num_ints + (row_bytes + 7) / 8);  // int64 words: the rows start 8-byte aligned
   if (receive_exactly(link, body.data(), num_ints * sizeof(int64_t) + row_bytes, 0, -1) <= 0) return false;
   const int64_t* ints = body.data();
   char* rows = reinterpret_cast<char*>(body.data() + num_ints);
+  const int64_t partial_rows = n * num_heads_;
+  answer.resize(partial_rows * (d + 2));  // out [n, heads, d], reference [n, heads], sum of exps [n, heads]
 
   const auto started = std::chrono::steady_clock::now();
   std::string error;
-  std::vector<at::Tensor> partial;
   try {
-    TORCH_CHECK(head.layer >= 0 && head.layer < pool.layers(), "layer ", head.layer, " out of range");
-    TORCH_CHECK(std::isfinite(head.scale), "the scale is not a finite number");
+    KV_CHECK(head.layer >= 0 && head.layer < pool.layers(), "layer ", head.layer, " out of range");
+    KV_CHECK(std::isfinite(head.scale), "the scale is not a finite number");
     const int64_t* context = ints;
     const int64_t* slot = ints + n;
     const int64_t* table = ints + 2 * n;
     std::vector<int64_t> written;  // the items that bring a new row
     for (int64_t i = 0; i < n; ++i) {  // all of a call is checked before any of it is written
-      TORCH_CHECK(slot[i] >= -1 && slot[i] < slots, "slot ", slot[i], " out of range");
-      TORCH_CHECK(context[i] >= 0 && context[i] <= width * bs, "a context exceeds its blocks");
+      KV_CHECK(slot[i] >= -1 && slot[i] < slots, "slot ", slot[i], " out of range");
+      KV_CHECK(context[i] >= 0 && context[i] <= width * bs, "a context exceeds its blocks");
       for (int64_t j = 0; j < (context[i] + bs - 1) / bs; ++j)
-        TORCH_CHECK(table[i * width + j] >= 0 && table[i * width + j] < pool.blocks(), "block id out of range");
+        KV_CHECK(table[i * width + j] >= 0 && table[i * width + j] < pool.blocks(), "block id out of range");
       if (slot[i] >= 0) written.push_back(i);
     }
-    const auto longs = at::TensorOptions().dtype(at::kLong);
-    const auto wire = at::TensorOptions().dtype(pool.dtype());
-    char* k_new = rows + n * num_heads_ * d * elem;
-    char* v_new = k_new + n * hk * d * elem;
-    if (!written.empty()) {
-      at::Tensor k = at::from_blob(k_new, {n, hk, d}, wire), v = at::from_blob(v_new, {n, hk, d}, wire);
-      at::Tensor at_slots = at::from_blob(const_cast<int64_t*>(slot), {n}, longs);
-      if (static_cast<int64_t>(written.size()) < n) {
-        const at::Tensor index = at::tensor(written, longs);
-        k = k.index_select(0, index), v = v.index_select(0, index), at_slots = at_slots.index_select(0, index);
+    const int64_t row = hk * d * elem;
+    const char* k_new = rows + n * num_heads_ * d * elem;
+    const char* v_new = k_new + n * row;
+    if (static_cast<int64_t>(written.size()) == n) {
+      pool.write(head.layer, k_new, v_new, slot, n);
+    } else if (!written.empty()) {  // the items with a new row, gathered
+      const int64_t m = static_cast<int64_t>(written.size());
+      std::vector<char> k(m * row), v(m * row);
+      std::vector<int64_t> at(m);
+      for (int64_t j = 0; j < m; ++j) {
+        std::memcpy(k.data() + j * row, k_new + written[j] * row, row);
+        std::memcpy(v.data() + j * row, v_new + written[j] * row, row);
+        at[j] = slot[written[j]];
       }
-      pool_->write(head.layer, k, v, at_slots);
+      pool.write(head.layer, k.data(), v.data(), at.data(), m);
     }
-    const at::Tensor q = at::from_blob(rows, {n, num_heads_, d}, wire);
-    partial = pool_->partial(head.layer, q, at::from_blob(const_cast<int64_t*>(table), {n, width}, longs),
-                             at::from_blob(const_cast<int64_t*>(context), {n}, longs), head.scale);
+    float* out = answer.data();
+    pool.partial(head.layer, {rows, n, num_heads_, width, table, context, head.scale},
+                 {out, out + partial_rows * d, out + partial_rows * (d + 1)});
   } catch (const std::exception& e) {
     error = e.what();
     error = error.substr(0, error.find('\n'));  // the first line: c10 appends a C++ backtrace
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  LaneAnswerHeader answer{kLaneMagic, error.empty() ? 0 : 1, seconds};
-  std::vector<iovec> parts{{&answer, sizeof(answer)}};
+  LaneAnswerHeader reply{kLaneMagic, error.empty() ? 0 : 1, seconds};
+  std::vector<iovec> parts{{&reply, sizeof(reply)}};
   int32_t length = static_cast<int32_t>(error.size());
   if (error.empty()) {
-    for (const at::Tensor& t : partial) parts.push_back({t.data_ptr(), static_cast<size_t>(t.nbytes())});
+    parts.push_back({answer.data(), answer.size() * sizeof(float)});
   } else {
     parts.push_back({&length, sizeof(length)});
     parts.push_back({error.data(), error.size()});

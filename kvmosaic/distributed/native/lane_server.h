@@ -1,11 +1,11 @@
 // The creditor's C++ micro-attention server for decode rows (lane_server.cpp), over any pool that
-// can take new K/V rows and answer a decode row's partial: the float caches (attention_pool.cpp) or
-// the quantized records (kvquant_lane.cpp). Compiled into both extensions.
+// can take new K/V rows and answer a decode row's partial (lane_pool.h): the float caches
+// (float_lane_pool.cpp) or the quantized records (kvquant_lane.cpp). Compiled into both extensions;
+// no PyTorch and no socket header here, so the binding files include it as they are.
 #pragma once
 
-#include <torch/extension.h>
-
 #include <atomic>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -13,11 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include <sys/socket.h>
-#include <sys/uio.h>
-
 #include "lane_auth.h"
-#include "lane_transport.h"
+#include "lane_pool.h"
 
 namespace kvops {
 
@@ -34,24 +31,7 @@ struct LaneAnswerHeader {
   double seconds;
 };
 
-// One instance's KV pool as the server reads and writes it. Rows cross in dtype() (the compute dtype).
-class LanePool {
- public:
-  virtual ~LanePool() = default;
-  virtual int64_t layers() const = 0;
-  virtual int64_t blocks() const = 0;
-  virtual int64_t block_size() const = 0;
-  virtual int64_t kv_heads() const = 0;
-  virtual int64_t head_dim() const = 0;
-  virtual at::ScalarType dtype() const = 0;
-  // new rows k, v [m, kv_heads, head_dim] into slots [m] of `layer` (checked in range by the server)
-  virtual void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) = 0;
-  // queries [n, hq, head_dim] over tables [n, width] up to lens [n]: {out, reference, sum of exps}, float32
-  virtual std::vector<at::Tensor> partial(int64_t layer, const at::Tensor& q, const at::Tensor& tables,
-                                          const at::Tensor& lens, double scale) = 0;
-  // Oaken outliers of written rows folded into the middle group because a sparse list was full
-  virtual int64_t folded_outliers() const { return 0; }
-};
+class LaneTransport;  // lane_transport.h
 
 class LaneServer {
  public:
@@ -79,7 +59,9 @@ class LaneServer {
   void accept_loop();
   void serve(int fd, uint64_t id);
   void reap_finished();  // joins the threads of connections that ended (the caller holds mutex_)
-  bool serve_one(LaneTransport& link, const LaneRequestHeader& head, std::vector<int64_t>& body);
+  // one call; body and answer are the connection's buffers, kept for the next call
+  bool serve_one(LaneTransport& link, const LaneRequestHeader& head, std::vector<int64_t>& body,
+                 std::vector<float>& answer);
 
   std::unique_ptr<LanePool> pool_;
   int64_t num_heads_;
@@ -99,17 +81,5 @@ class LaneServer {
   uint64_t next_id_ = 0;
   std::thread accept_thread_;
 };
-
-// A server over the float KV caches, one [2, blocks, block_size, kv_heads, head_dim] tensor a layer
-// (float_lane_pool.cpp, in the float extension).
-std::shared_ptr<LaneServer> float_lane_server(std::vector<at::Tensor> caches, int64_t num_heads,
-                                              const std::string& host, int64_t spin_us, LaneAccess access);
-
-// Reads what has arrived on fd into parts, at least one byte: polls without sleeping for up to
-// spin_us microseconds, then sleeps in poll() for up to timeout_ms (-1: no limit). Returns the bytes
-// read, 0 when the peer closed, -1 on an error, -2 on a timeout.
-ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeout_ms);
-// Sends every byte of parts (a closed peer is an error, not SIGPIPE); false on an error.
-bool send_all(int fd, iovec* parts, size_t count);
 
 }  // namespace kvops

@@ -30,6 +30,7 @@
 #include <sys/syscall.h>
 #endif
 
+#include "common/check.h"
 #include "lane_server.h"
 
 namespace kvops {
@@ -328,7 +329,7 @@ std::unique_ptr<LaneTransport> offer_shared_rings(int fd, size_t ring_bytes, int
   const ssize_t got = sent ? receive_exactly(*socket, &consent, sizeof(consent), 0, timeout_ms) : -1;
   if (got != 1 || consent.magic != kLaneMagic) {
     ::munmap(mapping, bytes);
-    TORCH_CHECK(false, "LaneClient: the creditor did not answer the hello",
+    KV_CHECK(false, "LaneClient: the creditor did not answer the hello",
                 got == -2 ? " within the timeout" : "");
   }
   if (consent.status != 0) {

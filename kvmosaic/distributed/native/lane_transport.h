@@ -28,8 +28,15 @@ class LaneTransport {
   virtual bool shared_memory() const = 0;
 };
 
-// The connection's socket itself (the functions of lane_server.h).
+// The connection's socket itself (over the two functions below).
 std::unique_ptr<LaneTransport> socket_transport(int fd);
+
+// Reads what has arrived on fd into parts, at least one byte: polls without sleeping for up to
+// spin_us microseconds, then sleeps in poll() for up to timeout_ms (-1: no limit). Returns the bytes
+// read, 0 when the peer closed, -1 on an error, -2 on a timeout.
+ssize_t receive_some(int fd, iovec* parts, int count, int64_t spin_us, int timeout_ms);
+// Sends every byte of parts (a closed peer is an error, not SIGPIPE); false on an error.
+bool send_all(int fd, iovec* parts, size_t count);
 
 // Fills buffer from transport, waiting for each piece as receive_some does: 1, or receive_some's
 // 0 / -1 / -2.

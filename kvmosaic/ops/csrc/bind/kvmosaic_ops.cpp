@@ -5,9 +5,7 @@
 // decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
 #include "isa/amx.h"
 #include "bind/bindings.h"
-#include "hmac_sha256.h"
-#include "lane_client.h"
-#include "lane_server.h"
+#include "bind/lane_bind.h"
 #include "team/layer_stack.h"
 
 using kvops::no_gil;
@@ -61,52 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "StackCaches", "the decoder layers' KV caches for layer_stack, checked once", py::module_local())
       .def(py::init<std::vector<at::Tensor>>())
       .def_property_readonly("layers", &kvops::StackCaches::layers);
-  py::class_<kvops::LaneServer, std::shared_ptr<kvops::LaneServer>>(
-      m, "AttentionServer", "a creditor's micro-attention server for decode rows (kvmosaic.distributed)",
-      py::module_local())
-      .def(py::init([](std::vector<at::Tensor> caches, int64_t num_heads, const std::string& host, int64_t spin_us,
-                       const py::bytes& secret, double handshake_timeout, int64_t max_message_bytes) {
-             return kvops::float_lane_server(std::move(caches), num_heads, host, spin_us,
-                                             kvops::lane_access(secret, handshake_timeout, max_message_bytes));
-           }),
-           py::arg("caches"), py::arg("num_heads"), py::arg("host"), py::arg("spin_us"), py::arg("secret"),
-           py::arg("handshake_timeout"), py::arg("max_message_bytes"))
-      .def_property_readonly("refused_connections", &kvops::LaneServer::refused_connections)
-      .def_property_readonly("port", &kvops::LaneServer::port)
-      .def_property_readonly("local_name", &kvops::LaneServer::local_name)
-      .def_property_readonly("folded_outliers", &kvops::LaneServer::folded_outliers)
-      .def("close", &kvops::LaneServer::close, no_gil);
-  py::class_<kvops::LaneClient, std::shared_ptr<kvops::LaneClient>>(
-      m, "AttentionClient", "a debtor's connection to a creditor's AttentionServer (kvmosaic.distributed)",
-      py::module_local())
-      .def(py::init([](const std::string& host, int64_t port, const std::string& local_name, double timeout,
-                       int64_t spin_us, bool shared_memory, const py::bytes& secret) {
-             std::string key = secret;
-             py::gil_scoped_release released;  // the connection and its handshake wait on the network
-             return std::make_shared<kvops::LaneClient>(host, port, local_name, timeout, spin_us, shared_memory, key);
-           }),
-           py::arg("host"), py::arg("port"), py::arg("local_name"), py::arg("timeout"), py::arg("spin_us"),
-           py::arg("shared_memory"), py::arg("secret"))
-      .def_property_readonly("local", &kvops::LaneClient::local)
-      .def_property_readonly("transport", &kvops::LaneClient::transport)
-      .def("send", &kvops::LaneClient::send, no_gil, py::arg("layer"), py::arg("scale"), py::arg("ints"),
-           py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("kv_heads"))
-      .def("receive", [](kvops::LaneClient& client, int64_t items, int64_t num_heads, int64_t head_dim) -> py::tuple {
-             kvops::LaneAnswer answer;
-             {
-               py::gil_scoped_release released;
-               answer = client.receive(items, num_heads, head_dim);
-             }
-             if (!answer.error.empty()) return py::make_tuple(answer.seconds, answer.error);
-             return py::make_tuple(answer.seconds, py::none(), answer.out, answer.reference, answer.sum_exp);
-           }, py::arg("items"), py::arg("num_heads"), py::arg("head_dim"),
-           "(creditor seconds, None, out, reference, sum of exps), or (creditor seconds, error message)")
-      .def("close", &kvops::LaneClient::close);
-  m.def("hmac_sha256", [](const py::bytes& key, const py::bytes& message) {
-    const std::string k = key, text = message;
-    const kvops::Digest digest = kvops::hmac_sha256(k.data(), k.size(), {{text.data(), text.size()}});
-    return py::bytes(reinterpret_cast<const char*>(digest.data()), digest.size());
-  }, py::arg("key"), py::arg("message"), "HMAC-SHA256 as the decode lane's handshake computes it (tests: against hmac)");
+  kvops::bind_float_lane(m, &paged_decode_attention_partial);
   m.def("layer_stack", &layer_stack, no_gil, "a step (decode rows, then spans) through all decoder layers (packed weights)");
   m.def("decode_passes", &decode_passes, no_gil,
         "greedy decode passes of one row per sequence, each feeding its argmax back (multi-step decoding)");

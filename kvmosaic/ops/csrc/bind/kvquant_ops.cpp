@@ -4,19 +4,110 @@
 // scalar kernel that dequantizes each head vector into a small buffer). The byte layout is the one documented in
 // kvmosaic/quant/format.py and kvmosaic/quant/oaken.py; encoding matches the PyTorch reference bit
 // for bit (same float32 operation order, fp16 rounding to nearest even, ties-to-even codes).
-// This file binds the entry points; the kernels live in kvquant_encode.cpp, kvquant_decode.cpp and
-// kvquant_decode_fast.cpp, the record format in kvquant_format.h.
+// This file is the extension's only one with the PyTorch headers: it checks the tensors, allocates
+// the outputs and calls the kernels (kvquant_encode.cpp, kvquant_decode.cpp, kvquant_decode_fast.cpp,
+// through kvquant/kvquant.h) with their pointers.
 #include "bind/bindings.h"
-#include "kvquant/kvquant_format.h"
-#include "lane_server.h"
+#include "bind/kvquant_tensors.h"
+#include "bind/lane_bind.h"
+#include "bind/parallel_impl.h"
 
 using kvops::no_gil;
+using namespace kvquant;
 
-// kvquant_lane.cpp: a decode lane server over the layers' (k_pool, v_pool, k_thresholds, v_thresholds, k_center)
-std::shared_ptr<kvops::LaneServer> quant_lane_server(const std::vector<std::vector<at::Tensor>>& layers, int64_t mode,
-                                                     int64_t hk, int64_t d, int64_t capacity, at::ScalarType dtype,
-                                                     int64_t num_heads, const std::string& host, int64_t spin_us,
-                                                     kvops::LaneAccess access);
+namespace {
+
+// Quantize K/V rows [N, hk, d] and write their records into the pools' slots; K rows are encoded
+// with k_center [hk, d] subtracted (empty: none). Returns the number of Oaken outliers folded into
+// the middle group (0 for int8/int4).
+int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool, at::Tensor v_pool,
+                    const at::Tensor& slot_mapping, int64_t mode, int64_t hk, int64_t d, int64_t capacity,
+                    const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, const at::Tensor& k_center) {
+  const Format f = make_format(mode, hk, d, capacity, k_pool.size(-1));
+  check_pool(k_pool, f);
+  check_pool(v_pool, f);
+  auto kc = k.contiguous(), vc = v.contiguous();
+  TORCH_CHECK(kc.numel() == kc.size(0) * hk * d && vc.sizes() == kc.sizes(), "K/V rows must be [N, hk, d]");
+  auto slots = slot_mapping.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == kc.size(0), "slot_mapping must be int64 [N]");
+  const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
+  TORCH_CHECK(k_center.numel() == 0 || k_center.numel() == hk * d, "k_center must be empty or [hk, d]");
+  const auto center = k_center.to(at::kFloat).contiguous();
+  TORCH_CHECK(is_row_dtype(kc.scalar_type()) && vc.scalar_type() == kc.scalar_type(),
+              "quant_write supports float32 and bfloat16");
+  const NewRows rows{kc.data_ptr(), vc.data_ptr(), rows_of(kc.scalar_type()), kc.size(0), slots.data_ptr<int64_t>()};
+  return write_rows(rows, k_pool.data_ptr<uint8_t>(), v_pool.data_ptr<uint8_t>(), f, kt, vt, floats_or_null(center));
+}
+
+// Dequantize whole blocks: pool [NB, bs, R] -> [len(block_ids), bs, hk, d] in `dtype`.
+at::Tensor dequantize_blocks(const at::Tensor& pool, const at::Tensor& block_ids, int64_t mode, int64_t hk,
+                             int64_t d, int64_t capacity, const at::Tensor& thresholds, at::ScalarType dtype) {
+  const Format f = make_format(mode, hk, d, capacity, pool.size(-1));
+  check_pool(pool, f);
+  auto ids = block_ids.contiguous();
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "block ids must be int64 [n]");
+  auto out = at::empty({ids.size(0), pool.size(1), hk, d}, pool.options().dtype(dtype));
+  const Thresholds t = read_thresholds(thresholds);
+  TORCH_CHECK(is_row_dtype(dtype), "dequantize_blocks supports float32 and bfloat16");
+  dequantize(pool.data_ptr<uint8_t>(), pool.size(1), ids.data_ptr<int64_t>(), ids.size(0), f, t, out.data_ptr(),
+             rows_of(dtype));
+  return out;
+}
+
+void check_decode(const at::Tensor& q, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hk) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) % hk == 0, "q must be contiguous [B, hq, d]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "tables and lengths: int64");
+  TORCH_CHECK(is_row_dtype(q.scalar_type()), "quant_decode_attention supports float32 and bfloat16");
+}
+
+void run_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode, int64_t hk,
+                int64_t capacity, const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, double scale,
+                void* out, const PartialOut* partial) {
+  check_decode(q, block_tables, context_lens, hk);
+  const Format f = make_format(mode, hk, q.size(2), capacity, k_pool.size(-1));
+  check_pool(k_pool, f);
+  check_pool(v_pool, f);
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
+  const DecodeCall call{q.data_ptr(),           rows_of(q.scalar_type()),    q.size(0),
+                        q.size(1),              tables.size(1),              k_pool.size(1),
+                        k_pool.data_ptr<uint8_t>(), v_pool.data_ptr<uint8_t>(), tables.data_ptr<int64_t>(),
+                        lens.data_ptr<int64_t>(), scale};
+  decode_attention(call, f, kt, vt, out, partial);
+}
+
+// One query token per sequence over quantized paged K/V, read in place.
+at::Tensor quant_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode,
+                                  int64_t hk, int64_t capacity, const at::Tensor& k_thresholds,
+                                  const at::Tensor& v_thresholds, double scale) {
+  auto out = at::empty_like(q);
+  run_decode(q, k_pool, v_pool, block_tables, context_lens, mode, hk, capacity, k_thresholds, v_thresholds, scale,
+             out.data_ptr(), nullptr);
+  return out;
+}
+
+// The same over one holder's keys, as a partial to merge with the other holders' (DistAttention):
+// (out [B, hq, d] float32 normalised over these keys, softmax reference [B, hq], sum of exps [B, hq]).
+std::vector<at::Tensor> quant_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_pool,
+                                                       const at::Tensor& v_pool, const at::Tensor& block_tables,
+                                                       const at::Tensor& context_lens, int64_t mode, int64_t hk,
+                                                       int64_t capacity, const at::Tensor& k_thresholds,
+                                                       const at::Tensor& v_thresholds, double scale) {
+  check_decode(q, block_tables, context_lens, hk);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor part = at::empty(q.sizes(), f32), ref = at::empty({q.size(0), q.size(1)}, f32);
+  at::Tensor sum = at::empty({q.size(0), q.size(1)}, f32);
+  const PartialOut partial{part.data_ptr<float>(), ref.data_ptr<float>(), sum.data_ptr<float>()};
+  run_decode(q, k_pool, v_pool, block_tables, context_lens, mode, hk, capacity, k_thresholds, v_thresholds, scale,
+             nullptr, &partial);
+  return {part, ref, sum};
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_write", &quant_write, "quantize K/V rows into their cache slots");
@@ -24,22 +115,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_decode_attention", &quant_decode_attention, no_gil, "decode attention over quantized paged KV");
   m.def("quant_decode_attention_partial", &quant_decode_attention_partial, no_gil,
         "decode attention over quantized paged KV as a partial (out, reference, sum of exps) to merge");
-  py::class_<kvops::LaneServer, std::shared_ptr<kvops::LaneServer>>(
-      m, "AttentionServer", "a creditor's micro-attention server for decode rows over quantized records",
-      py::module_local())
-      .def(py::init([](const std::vector<std::vector<at::Tensor>>& layers, int64_t mode, int64_t hk, int64_t d,
-                       int64_t capacity, const py::object& dtype, int64_t num_heads, const std::string& host,
-                       int64_t spin_us, const py::bytes& secret, double handshake_timeout, int64_t max_message_bytes) {
-             return quant_lane_server(layers, mode, hk, d, capacity, torch::python::detail::py_object_to_dtype(dtype),
-                                      num_heads, host, spin_us,
-                                      kvops::lane_access(secret, handshake_timeout, max_message_bytes));
-           }),
-           py::arg("layers"), py::arg("mode"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("capacity"),
-           py::arg("dtype"), py::arg("num_heads"), py::arg("host"), py::arg("spin_us"), py::arg("secret"),
-           py::arg("handshake_timeout"), py::arg("max_message_bytes"))
-      .def_property_readonly("refused_connections", &kvops::LaneServer::refused_connections)
-      .def_property_readonly("port", &kvops::LaneServer::port)
-      .def_property_readonly("local_name", &kvops::LaneServer::local_name)
-      .def_property_readonly("folded_outliers", &kvops::LaneServer::folded_outliers)
-      .def("close", &kvops::LaneServer::close, no_gil);
+  kvops::bind_quant_lane(m);
 }

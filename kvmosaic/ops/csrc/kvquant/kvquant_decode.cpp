@@ -126,13 +126,10 @@ void decode_one(const T* q, const uint8_t* kp, const uint8_t* vp, const int64_t*
 }
 
 template <typename T>
-void dequant_impl(const at::Tensor& pool, const at::Tensor& ids, const Format& f, const Thresholds& t,
-                  at::Tensor& out) {
-  const int64_t nb = ids.size(0), bs = pool.size(1), rows = nb * bs;
-  const uint8_t* src = pool.data_ptr<uint8_t>();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  T* dst = out.data_ptr<T>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+void dequant_impl(const uint8_t* src, int64_t bs, const int64_t* id, int64_t nb, const Format& f, const Thresholds& t,
+                  T* dst) {
+  const int64_t rows = nb * bs;
+  kvops::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(f.d);
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* rec = src + kvops::slot_of(id, r, bs) * f.record;
@@ -146,111 +143,48 @@ void dequant_impl(const at::Tensor& pool, const at::Tensor& ids, const Format& f
 }
 
 template <typename T>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                           const at::Tensor& tables, const at::Tensor& lens, const Format& f,
-                           const Thresholds& kt, const Thresholds& vt, double scale, at::Tensor& out,
-                           const PartialOut* partial) {
-  const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] =
-      decode_batch<T>(q, k_pool, v_pool, tables, lens, f, out);
-  if (decode_attention_fast<T>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial)) return;
-  at::parallel_for(0, batch * f.hk, 1, [&](int64_t begin, int64_t end) {
+void decode_attention_impl(const DecodeCall& call, const Format& f, const Thresholds& kt, const Thresholds& vt,
+                           void* out, const PartialOut* partial) {
+  const DecodeBatch<T> batch_of = decode_batch<T>(call, f, out);
+  if (decode_attention_fast<T>(batch_of, f, kt, vt, call.scale, partial)) return;
+  const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] = batch_of;
+  const float sc = static_cast<float>(call.scale);
+  kvops::parallel_for(0, batch * f.hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(2 * group * f.d + kTile * f.d + group * kTile + 2 * group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / f.hk, h = item % f.hk;
       const int64_t offset = (b * hq + h * group) * f.d;
-      const float sc = static_cast<float>(scale);
+      T* o = op == nullptr ? nullptr : op + offset;  // a partial writes no output
       if (f.d == 64) {
-        decode_one<T, 64>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
-                            partial, b * hq + h * group);
+        decode_one<T, 64>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, o, work, partial,
+                          b * hq + h * group);
       } else if (f.d == 128) {
-        decode_one<T, 128>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
-                            partial, b * hq + h * group);
+        decode_one<T, 128>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, o, work, partial,
+                           b * hq + h * group);
       } else {
-        decode_one<T, 0>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, op + offset, work,
-                            partial, b * hq + h * group);
+        decode_one<T, 0>(qp + offset, kp, vp, tb + b * width, ln[b], bs, h, group, f, kt, vt, sc, o, work, partial,
+                         b * hq + h * group);
       }
     }
   });
 }
 
 }  // namespace
-}  // namespace kvquant
 
-using namespace kvquant;
-
-// Dequantize whole blocks: pool [NB, bs, R] -> [len(block_ids), bs, hk, d] in `dtype`.
-at::Tensor dequantize_blocks(const at::Tensor& pool, const at::Tensor& block_ids, int64_t mode, int64_t hk,
-                             int64_t d, int64_t capacity, const at::Tensor& thresholds, at::ScalarType dtype) {
-  const Format f = make_format(mode, hk, d, capacity, pool.size(-1));
-  check_pool(pool, f);
-  auto ids = block_ids.contiguous();
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "block ids must be int64 [n]");
-  auto out = at::empty({ids.size(0), pool.size(1), hk, d}, pool.options().dtype(dtype));
-  const Thresholds t = read_thresholds(thresholds);
-  if (dtype == at::kFloat) {
-    dequant_impl<float>(pool, ids, f, t, out);
-  } else if (dtype == at::kBFloat16) {
-    dequant_impl<c10::BFloat16>(pool, ids, f, t, out);
-  } else {
-    TORCH_CHECK(false, "dequantize_blocks supports float32 and bfloat16");
-  }
-  return out;
-}
-
-namespace {
-
-void check_decode(const at::Tensor& q, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hk) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) % hk == 0, "q must be contiguous [B, hq, d]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "tables and lengths: int64");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "quant_decode_attention supports float32 and bfloat16");
-}
-
-void run_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode, int64_t hk,
-                int64_t capacity, const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, double scale,
-                at::Tensor& out, const PartialOut* partial) {
-  check_decode(q, block_tables, context_lens, hk);
-  const Format f = make_format(mode, hk, q.size(2), capacity, k_pool.size(-1));
-  check_pool(k_pool, f);
-  check_pool(v_pool, f);
-  auto tables = block_tables.contiguous();
-  auto lens = context_lens.contiguous();
-  const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
-  if (q.scalar_type() == at::kFloat)
-    decode_attention_impl<float>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+void dequantize(const uint8_t* pool, int64_t block_size, const int64_t* block_ids, int64_t n, const Format& f,
+                const Thresholds& t, void* out, Rows type) {
+  if (type == Rows::kFloat32)
+    dequant_impl(pool, block_size, block_ids, n, f, t, static_cast<float*>(out));
   else
-    decode_attention_impl<c10::BFloat16>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+    dequant_impl(pool, block_size, block_ids, n, f, t, static_cast<vec::bf16*>(out));
 }
 
-}  // namespace
-
-// One query token per sequence over quantized paged K/V, read in place.
-at::Tensor quant_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t mode,
-                                  int64_t hk, int64_t capacity, const at::Tensor& k_thresholds,
-                                  const at::Tensor& v_thresholds, double scale) {
-  auto out = at::empty_like(q);
-  run_decode(q, k_pool, v_pool, block_tables, context_lens, mode, hk, capacity, k_thresholds, v_thresholds, scale,
-             out, nullptr);
-  return out;
+void decode_attention(const DecodeCall& call, const Format& f, const Thresholds& kt, const Thresholds& vt, void* out,
+                      const PartialOut* partial) {
+  if (call.type == Rows::kFloat32)
+    decode_attention_impl<float>(call, f, kt, vt, out, partial);
+  else
+    decode_attention_impl<vec::bf16>(call, f, kt, vt, out, partial);
 }
 
-// The same over one holder's keys, as a partial to merge with the other holders' (DistAttention):
-// (out [B, hq, d] float32 normalised over these keys, softmax reference [B, hq], sum of exps [B, hq]).
-std::vector<at::Tensor> quant_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_pool,
-                                                       const at::Tensor& v_pool, const at::Tensor& block_tables,
-                                                       const at::Tensor& context_lens, int64_t mode, int64_t hk,
-                                                       int64_t capacity, const at::Tensor& k_thresholds,
-                                                       const at::Tensor& v_thresholds, double scale) {
-  check_decode(q, block_tables, context_lens, hk);
-  const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor part = at::empty(q.sizes(), f32), ref = at::empty({q.size(0), q.size(1)}, f32);
-  at::Tensor sum = at::empty({q.size(0), q.size(1)}, f32);
-  at::Tensor unused = at::empty_like(q);  // the plain output, never written
-  const PartialOut partial{part.data_ptr<float>(), ref.data_ptr<float>(), sum.data_ptr<float>()};
-  run_decode(q, k_pool, v_pool, block_tables, context_lens, mode, hk, capacity, k_thresholds, v_thresholds, scale,
-             unused, &partial);
-  return {part, ref, sum};
-}
+}  // namespace kvquant

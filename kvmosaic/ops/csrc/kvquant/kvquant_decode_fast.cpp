@@ -255,17 +255,15 @@ inline void tile_head(SequenceState<NC>& st, const uint8_t* kp, const uint8_t* v
 }
 
 template <typename T, int NC, int64_t MODE>
-void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                          const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
-                          const Thresholds& vt, double scale, at::Tensor& out, const PartialOut* partial) {
+void decode_attention_vec(const DecodeBatch<T>& call, const Format& f, const Thresholds& kt, const Thresholds& vt,
+                          double scale, const PartialOut* partial) {
   constexpr int64_t D = NC * 16;
-  const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] =
-      decode_batch<T>(q, k_pool, v_pool, tables, lens, f, out);
+  const auto [batch, hq, group, width, bs, qp, op, kp, vp, tb, ln] = call;
   // A work item is a sequence, or one KV head of a sequence when there are too few sequences to
   // keep every thread busy (a record holds all heads, so per-head items read each tile once per head).
-  const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? f.hk : 1;
+  const int64_t heads_per_item = batch >= 2 * kvops::num_threads() ? f.hk : 1;
   const int64_t items_per_seq = f.hk / heads_per_item;
-  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  kvops::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     SequenceState<NC> st(hq);
     std::vector<vec::F16> part(group * 16);
     std::vector<float> buf(17 * D);  // row 0: the Oaken row being decoded; rows 1..16: the tile's values
@@ -309,17 +307,13 @@ void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_pool, const a
 
 // The vector kernel for head_dim 64 / 128; false when it does not apply.
 template <typename T>
-bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                           const at::Tensor& tables, const at::Tensor& lens, const Format& f, const Thresholds& kt,
-                           const Thresholds& vt, double scale, at::Tensor& out, const PartialOut* partial) {
+bool decode_attention_fast(const DecodeBatch<T>& batch, const Format& f, const Thresholds& kt, const Thresholds& vt,
+                           double scale, const PartialOut* partial) {
   auto run = [&](auto nc) {
     constexpr int NC = decltype(nc)::value;
-    if (f.mode == kInt8)
-      decode_attention_vec<T, NC, kInt8>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
-    if (f.mode == kInt4)
-      decode_attention_vec<T, NC, kInt4>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
-    if (f.mode == kOaken)
-      decode_attention_vec<T, NC, kOaken>(q, k_pool, v_pool, tables, lens, f, kt, vt, scale, out, partial);
+    if (f.mode == kInt8) decode_attention_vec<T, NC, kInt8>(batch, f, kt, vt, scale, partial);
+    if (f.mode == kInt4) decode_attention_vec<T, NC, kInt4>(batch, f, kt, vt, scale, partial);
+    if (f.mode == kOaken) decode_attention_vec<T, NC, kOaken>(batch, f, kt, vt, scale, partial);
     return true;
   };
   if (f.d == 64 && (f.mode != kOaken || f.capacity <= 16)) return run(std::integral_constant<int, 4>());
@@ -327,12 +321,9 @@ bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_pool, const 
   return false;
 }
 
-template bool decode_attention_fast<float>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, const Format&, const Thresholds&, const Thresholds&,
-                                           double, at::Tensor&, const PartialOut*);
-template bool decode_attention_fast<c10::BFloat16>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, const at::Tensor&, const Format&,
-                                                   const Thresholds&, const Thresholds&, double, at::Tensor&,
-                                                   const PartialOut*);
+template bool decode_attention_fast<float>(const DecodeBatch<float>&, const Format&, const Thresholds&,
+                                           const Thresholds&, double, const PartialOut*);
+template bool decode_attention_fast<vec::bf16>(const DecodeBatch<vec::bf16>&, const Format&, const Thresholds&,
+                                               const Thresholds&, double, const PartialOut*);
 
 }  // namespace kvquant

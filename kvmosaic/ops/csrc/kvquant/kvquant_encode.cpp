@@ -216,16 +216,13 @@ int64_t encode_token(const float* x, const Format& f, const Thresholds& t, uint8
 }
 
 template <typename T>
-void write_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool, at::Tensor& v_pool,
-                const at::Tensor& slots, const Format& f, const Thresholds& kt, const Thresholds& vt,
-                const float* k_center, std::vector<int64_t>& folded) {
-  const int64_t n = k.size(0), width = f.hk * f.d;
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  uint8_t* kout = k_pool.data_ptr<uint8_t>();
-  uint8_t* vout = v_pool.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+void write_impl(const NewRows& rows, uint8_t* kout, uint8_t* vout, const Format& f, const Thresholds& kt,
+                const Thresholds& vt, const float* k_center, std::vector<int64_t>& folded) {
+  const int64_t width = f.hk * f.d;
+  const T* kp = static_cast<const T*>(rows.k);
+  const T* vp = static_cast<const T*>(rows.v);
+  const int64_t* sl = rows.slots;
+  kvops::parallel_for(0, rows.rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width), code(width);
     std::vector<uint8_t> group(width);
     for (int64_t t = begin; t < end; ++t) {
@@ -240,36 +237,17 @@ void write_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool, at
 }
 
 }  // namespace
-}  // namespace kvquant
 
-using namespace kvquant;
-
-// Quantize K/V rows [N, hk, d] and write their records into the pools' slots; K rows are encoded
-// with k_center [hk, d] subtracted (empty: none). Returns the number of Oaken outliers folded into
-// the middle group (0 for int8/int4).
-int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool, at::Tensor v_pool,
-                    const at::Tensor& slot_mapping, int64_t mode, int64_t hk, int64_t d, int64_t capacity,
-                    const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, const at::Tensor& k_center) {
-  const Format f = make_format(mode, hk, d, capacity, k_pool.size(-1));
-  check_pool(k_pool, f);
-  check_pool(v_pool, f);
-  auto kc = k.contiguous(), vc = v.contiguous();
-  TORCH_CHECK(kc.numel() == kc.size(0) * hk * d && vc.sizes() == kc.sizes(), "K/V rows must be [N, hk, d]");
-  auto slots = slot_mapping.contiguous();
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == kc.size(0), "slot_mapping must be int64 [N]");
-  std::vector<int64_t> folded(kc.size(0), 0);
-  const Thresholds kt = read_thresholds(k_thresholds), vt = read_thresholds(v_thresholds);
-  TORCH_CHECK(k_center.numel() == 0 || k_center.numel() == hk * d, "k_center must be empty or [hk, d]");
-  const auto center = k_center.to(at::kFloat).contiguous();
-  const float* cp = center.numel() ? center.data_ptr<float>() : nullptr;
-  if (kc.scalar_type() == at::kFloat) {
-    write_impl<float>(kc, vc, k_pool, v_pool, slots, f, kt, vt, cp, folded);
-  } else if (kc.scalar_type() == at::kBFloat16) {
-    write_impl<c10::BFloat16>(kc, vc, k_pool, v_pool, slots, f, kt, vt, cp, folded);
-  } else {
-    TORCH_CHECK(false, "quant_write supports float32 and bfloat16");
-  }
+int64_t write_rows(const NewRows& rows, uint8_t* k_pool, uint8_t* v_pool, const Format& f, const Thresholds& kt,
+                   const Thresholds& vt, const float* k_center) {
+  std::vector<int64_t> folded(rows.rows, 0);
+  if (rows.type == Rows::kFloat32)
+    write_impl<float>(rows, k_pool, v_pool, f, kt, vt, k_center, folded);
+  else
+    write_impl<vec::bf16>(rows, k_pool, v_pool, f, kt, vt, k_center, folded);
   int64_t total = 0;
   for (int64_t x : folded) total += x;
   return total;
 }
+
+}  // namespace kvquant
