@@ -16,7 +16,7 @@ namespace vec = kvmosaic_vec;
 
 // Widen one row to float. The bf16 case is a plain shift so the compiler vectorizes it.
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
-inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+inline void load_row(const vec::bf16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
@@ -101,12 +101,12 @@ struct QueryDot {
 
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
 template <int NC>
-struct QueryDot<c10::BFloat16, NC> {
+struct QueryDot<vec::bf16, NC> {
   __m512bh q[NC / 2];
-  void load(const c10::BFloat16* p) {
+  void load(const vec::bf16* p) {
     for (int c = 0; c < NC / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p + c * 32));
   }
-  vec::F16 dot(const c10::BFloat16* k) const {
+  vec::F16 dot(const vec::bf16* k) const {
     __m512 s = _mm512_setzero_ps();
     for (int c = 0; c < NC / 2; ++c)
       s = _mm512_dpbf16_ps(s, q[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
@@ -404,11 +404,11 @@ void merge_attention_splits(const DecodeBatch<T>& db, const AttentionWork& work,
 
 template void decode_attention_items<float>(const DecodeBatch<float>&, double, const AttentionWork&, float*, int64_t,
                                             int64_t);
-template void decode_attention_items<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, double, const AttentionWork&,
+template void decode_attention_items<vec::bf16>(const DecodeBatch<vec::bf16>&, double, const AttentionWork&,
                                                     float*, int64_t, int64_t);
 template void merge_attention_splits<float>(const DecodeBatch<float>&, const AttentionWork&, const float*, int64_t,
                                             int64_t);
-template void merge_attention_splits<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, const AttentionWork&,
+template void merge_attention_splits<vec::bf16>(const DecodeBatch<vec::bf16>&, const AttentionWork&,
                                                     const float*, int64_t, int64_t);
 
 }  // namespace kvops
@@ -451,7 +451,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   if (q.scalar_type() == at::kFloat) {
     decode_attention<float>(q, k_cache, v_cache, tables, lens, out, scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
+    decode_attention<vec::bf16>(q, k_cache, v_cache, tables, lens, out, scale);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
@@ -518,7 +518,7 @@ std::vector<at::Tensor> paged_decode_attention_partial(const at::Tensor& q, cons
   if (q.scalar_type() == at::kFloat)
     decode_partials<float>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
   else if (q.scalar_type() == at::kBFloat16)
-    decode_partials<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
+    decode_partials<vec::bf16>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
   else
     TORCH_CHECK(false, "paged_decode_attention_partial supports float32 and bfloat16");
   return {out, row_max, sum_exp};

@@ -229,8 +229,8 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t n = q.size(0), hq = q.size(1);
   const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
   const int64_t tiles = (context_len + 15) / 16;
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
+  const T* kc = data_of<T>(k_cache);
+  const T* vc = data_of<T>(v_cache);
   const int64_t* table = block_table.data_ptr<int64_t>();
 
   // K as [head][tile][dim][16], V as [head][token][dim]; zero past the context (masked keys must
@@ -247,8 +247,8 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
     }
   });
   const FloatBlocks<T, NC> blocks{static_cast<float>(scale) * kLog2e};
-  register_prefill(blocks, q.data_ptr<T>(), n, hq, hk, context_len - n, kt.data(), vf.data(), head_elems,
-                   out.data_ptr<T>());
+  register_prefill(blocks, data_of<T>(q), n, hq, hk, context_len - n, kt.data(), vf.data(), head_elems,
+                   data_of<T>(out));
 }
 
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
@@ -320,7 +320,7 @@ struct BF16Blocks {
   using Q = uint16_t;
   using Tiles = PrefillTiles<NC>;
   float scale2;  // scale * log2(e), applied to the float scores
-  void load_q(const c10::BFloat16* src, uint16_t* dst) const { std::memcpy(dst, src, NC * 16 * sizeof(uint16_t)); }
+  void load_q(const vec::bf16* src, uint16_t* dst) const { std::memcpy(dst, src, NC * 16 * sizeof(uint16_t)); }
   template <int RB>
   void scores(const uint16_t* q, const uint16_t* kp, int64_t tiles, float* sc) const {
     bf16_block_scores_tiles<NC, RB, Tiles::NT>(q, kp, tiles, scale2, sc);
@@ -342,10 +342,10 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t start = context_len - n;
   const bool on_tiles = amx::attention_takes(D);
   const int64_t tiles = (context_len + 15) / 16 + (on_tiles ? 1 : 0);  // the tiles read 32-key blocks
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
-  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const auto* kc = reinterpret_cast<const uint16_t*>(data_of<vec::bf16>(k_cache));
+  const auto* vc = reinterpret_cast<const uint16_t*>(data_of<vec::bf16>(v_cache));
   const int64_t* table = block_table.data_ptr<int64_t>();
-  auto* o_ptr = out.data_ptr<c10::BFloat16>();
+  auto* o_ptr = data_of<vec::bf16>(out);
   const int64_t tile_elems = 16 * D;  // bf16 values per packed tile of K or V
   std::vector<uint16_t> kp(hk * tiles * tile_elems, 0), vp(hk * tiles * tile_elems, 0);
   for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
@@ -369,13 +369,13 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
 
   if (on_tiles) {
-    const auto* q_bits = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+    const auto* q_bits = reinterpret_cast<const uint16_t*>(data_of<vec::bf16>(q));
     amx::prefill_attention(q_bits, n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
                            static_cast<float>(scale), o_ptr);
     return;
   }
   const BF16Blocks<NC> blocks{static_cast<float>(scale) * kLog2e};
-  register_prefill(blocks, q.data_ptr<c10::BFloat16>(), n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
+  register_prefill(blocks, data_of<vec::bf16>(q), n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
                    o_ptr);
 }
 #endif
@@ -416,8 +416,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     return out;
   }
 #endif
-  if (bf16 && d == 64) prefill_attention_vec<c10::BFloat16, 4>(q, k_cache, v_cache, table, context_len, out, scale);
-  if (bf16 && d == 128) prefill_attention_vec<c10::BFloat16, 8>(q, k_cache, v_cache, table, context_len, out, scale);
+  if (bf16 && d == 64) prefill_attention_vec<vec::bf16, 4>(q, k_cache, v_cache, table, context_len, out, scale);
+  if (bf16 && d == 128) prefill_attention_vec<vec::bf16, 8>(q, k_cache, v_cache, table, context_len, out, scale);
   if (!bf16 && d == 64) prefill_attention_vec<float, 4>(q, k_cache, v_cache, table, context_len, out, scale);
   if (!bf16 && d == 128) prefill_attention_vec<float, 8>(q, k_cache, v_cache, table, context_len, out, scale);
   return out;

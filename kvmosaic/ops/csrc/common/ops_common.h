@@ -18,7 +18,7 @@
 namespace kvops {
 
 inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(kvmosaic_vec::bf16 x) { return static_cast<float>(x); }
 
 template <typename T>
 inline void store(T* dst, float x) { *dst = static_cast<T>(x); }
@@ -52,12 +52,19 @@ struct DecodeBatch {
   int64_t head_dim;
 };
 
+// A tensor's data as T*; bfloat16 tensors as kvmosaic_vec::bf16 (the same bits as c10::BFloat16).
+template <typename T>
+T* data_of(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, kvmosaic_vec::bf16>) return reinterpret_cast<T*>(t.data_ptr<c10::BFloat16>());
+  else return t.data_ptr<T>();
+}
+
 template <typename T>
 DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out) {
   return {q.size(0), q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), block_tables.size(1), k_cache.size(1),
-          q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
-          context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(2)};
+          data_of<T>(q), data_of<T>(k_cache), data_of<T>(v_cache), block_tables.data_ptr<int64_t>(),
+          context_lens.data_ptr<int64_t>(), data_of<T>(out), q.size(2)};
 }
 
 }  // namespace kvops

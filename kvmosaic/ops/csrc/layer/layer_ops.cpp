@@ -186,9 +186,9 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, co
               "rope_and_cache supports float32 and bfloat16");
   auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    const RopeStep<T> step{qkv.data_ptr<T>(), qkv.stride(0), pos.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                           cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), k_cache.data_ptr<T>(),
-                           v_cache.data_ptr<T>(), q_out.data_ptr<T>(), hq, hk, d};
+    const RopeStep<T> step{data_of<T>(qkv), qkv.stride(0), pos.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                           cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), data_of<T>(k_cache),
+                           data_of<T>(v_cache), data_of<T>(q_out), hq, hk, d};
     at::parallel_for(0, step.items(qkv.size(0)), step.items(16), [&](int64_t i0, int64_t i1) { rope_items(step, i0, i1); });
   };
   if (qkv.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
@@ -213,10 +213,10 @@ at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& de
   const int64_t h = residual.size(1);
   auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    T* res = residual.data_ptr<T>();
-    const T* dl = delta.has_value() ? d.data_ptr<T>() : nullptr;
-    const T* wp = w.data_ptr<T>();
-    T* op = out.data_ptr<T>();
+    T* res = data_of<T>(residual);
+    const T* dl = delta.has_value() ? data_of<T>(d) : nullptr;
+    const T* wp = data_of<T>(w);
+    T* op = data_of<T>(out);
     at::parallel_for(0, residual.size(0), 8, [&](int64_t r0, int64_t r1) {
       norm_rows(res, dl, wp, op, h, static_cast<float>(eps), r0, r1);
     });
@@ -236,8 +236,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   auto out = at::empty({src.size(0), f}, src.options());
   auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    const T* gu = src.data_ptr<T>();
-    T* op = out.data_ptr<T>();
+    const T* gu = data_of<T>(src);
+    T* op = data_of<T>(out);
     at::parallel_for(0, silu_work(src.size(0), f), silu_work(4, f),
                      [&](int64_t i0, int64_t i1) { silu_items(gu, f, op, i0, i1); });
   };

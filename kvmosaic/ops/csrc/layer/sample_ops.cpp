@@ -64,7 +64,7 @@ int64_t merged_argmax(const ArgmaxPart* parts, int64_t count, int64_t stride) {
 }
 
 template ArgmaxPart argmax_part<float>(const float*, int64_t, int64_t);
-template ArgmaxPart argmax_part<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t);
+template ArgmaxPart argmax_part<kvmosaic_vec::bf16>(const kvmosaic_vec::bf16*, int64_t, int64_t);
 
 }  // namespace kvops
 

@@ -54,7 +54,7 @@ void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, 
 
 // rows [r0, r1) of float32 x [., k] rounded to bf16 into out (k % 16 == 0): the rows of a product on
 // the AMX tiles (amx.h)
-void bf16_rows(const float* x, int64_t k, c10::BFloat16* out, int64_t r0, int64_t r1);
+void bf16_rows(const float* x, int64_t k, kvmosaic_vec::bf16* out, int64_t r0, int64_t r1);
 
 template <typename T>
 void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,

@@ -245,7 +245,7 @@ inline void store_pair_row(bf16* dst, __m512 at_k, __m512 at_k1) {
 }
 
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_scales(const c10::Half* p) {
+inline __m512 load_scales(const vec::half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
@@ -349,7 +349,7 @@ bool quantized_takes(const QuantizedWeight& w, int64_t m, bool on) {
 template <typename Out>
 void quantized_bf16_groups(const QuantizedWeight& w, const bf16* x, int64_t m, Out* out, int64_t g0, int64_t g1) {
 #if defined(KVM_AMX)
-  if (w.half_scales) quantized_share<c10::Half>(w, x, m, out, g0, g1);
+  if (w.half_scales) quantized_share<vec::half>(w, x, m, out, g0, g1);
   else quantized_share<float>(w, x, m, out, g0, g1);
 #else
   (void)w, (void)x, (void)m, (void)out, (void)g0, (void)g1;

@@ -16,6 +16,7 @@ namespace {
 
 using namespace kvops::gemm;
 using kvops::PackedWeight;
+using kvops::data_of;
 
 constexpr int64_t kSlabRows = 128;  // activation rows per pass over the weights
 constexpr int64_t kSwiGLUGroup = 4;  // blocks per gate/up group of the SwiGLU packing
@@ -139,8 +140,8 @@ at::Tensor run_packed(const at::Tensor& x, const at::Tensor& packed, const float
     float* op = out.data_ptr<float>();
     at::parallel_for(0, w.panels(), 1, [&](int64_t p0, int64_t p1) { kvops::packed_panels(w, xp, m, op, p0, p1); });
   } else {
-    const bf16* xp = xc.data_ptr<bf16>();
-    bf16* op = out.data_ptr<bf16>();
+    const bf16* xp = data_of<bf16>(xc);
+    bf16* op = data_of<bf16>(out);
     at::parallel_for(0, w.panels(), 1, [&](int64_t p0, int64_t p1) { kvops::packed_panels(w, xp, m, op, p0, p1); });
   }
   return out;

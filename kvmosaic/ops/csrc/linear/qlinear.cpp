@@ -31,6 +31,7 @@ namespace {
 
 using kvops::QuantizedRows;
 using kvops::QuantizedWeight;
+using kvmosaic_vec::bf16;
 using kvmosaic_vec::F16;
 using kvmosaic_qdot::I16;
 using kvmosaic_qdot::Q4Sum;
@@ -269,7 +270,7 @@ void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, 
     quantize_row(x + r * k, k, out.codes + r * k, out.scale + r * blocks, out.sum + r * blocks);
 }
 
-void bf16_rows(const float* x, int64_t k, c10::BFloat16* out, int64_t r0, int64_t r1) {
+void bf16_rows(const float* x, int64_t k, bf16* out, int64_t r0, int64_t r1) {
   for (int64_t i = r0 * k; i < r1 * k; i += kCols) F16::load(x + i).store(out + i);
 }
 
@@ -279,8 +280,8 @@ void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t 
   if (w.super_scale != nullptr) {
     groups_of<T, int8_t, Kind::kQ6>(w, x, m, out, ldo, g0, g1);
   } else if (w.half_scales) {
-    if (w.mins != nullptr) groups_of<T, c10::Half, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
-    else groups_of<T, c10::Half, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
+    if (w.mins != nullptr) groups_of<T, kvmosaic_vec::half, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
+    else groups_of<T, kvmosaic_vec::half, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
   } else {
     if (w.mins != nullptr) groups_of<T, float, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
     else groups_of<T, float, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
@@ -288,11 +289,11 @@ void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t 
 }
 
 template void quantize_rows<float>(const float*, int64_t, const QuantizedRows&, int64_t, int64_t);
-template void quantize_rows<c10::BFloat16>(const c10::BFloat16*, int64_t, const QuantizedRows&, int64_t, int64_t);
+template void quantize_rows<bf16>(const bf16*, int64_t, const QuantizedRows&, int64_t, int64_t);
 template void quantized_groups<float>(const QuantizedWeight&, const QuantizedRows&, int64_t, float*, int64_t,
                                       int64_t, int64_t);
-template void quantized_groups<c10::BFloat16>(const QuantizedWeight&, const QuantizedRows&, int64_t,
-                                              c10::BFloat16*, int64_t, int64_t, int64_t);
+template void quantized_groups<bf16>(const QuantizedWeight&, const QuantizedRows&, int64_t,
+                                              bf16*, int64_t, int64_t, int64_t);
 
 QuantizedWeight QuantizedWeight::of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
                                     const float* bias, const char* who) {
@@ -344,23 +345,23 @@ void product(const at::Tensor& x, const QuantizedWeight& w, at::Tensor& out) {
     if (x.scalar_type() == at::kFloat) {
       xb = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
       at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-        kvops::bf16_rows(x.data_ptr<float>(), k, xb.data_ptr<c10::BFloat16>(), begin, end);
+        kvops::bf16_rows(x.data_ptr<float>(), k, kvops::data_of<bf16>(xb), begin, end);
       });
     }
-    const c10::BFloat16* xp = xb.data_ptr<c10::BFloat16>();
+    const bf16* xp = kvops::data_of<bf16>(xb);
     at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
-      kvops::amx::quantized_bf16_groups(w, xp, m, out.data_ptr<T>(), begin, end);
+      kvops::amx::quantized_bf16_groups(w, xp, m, kvops::data_of<T>(out), begin, end);
     });
     return;
   }
   std::vector<int8_t> codes(m * k);
   std::vector<float> scales(m * QuantizedRows::floats_per_row(k));
   const QuantizedRows rows = QuantizedRows::over(codes.data(), scales.data(), m, k);
-  const T* xp = x.data_ptr<T>();
+  const T* xp = kvops::data_of<T>(x);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {  // inline below 16 rows
     quantize_rows(xp, k, rows, begin, end);
   });
-  T* op = out.data_ptr<T>();
+  T* op = kvops::data_of<T>(out);
   at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
     quantized_groups(w, rows, m, op, out.size(1), begin, end);
   });
@@ -384,7 +385,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const 
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
   if (x.scalar_type() == at::kFloat) product<float>(xc, w, out);
-  else if (x.scalar_type() == at::kBFloat16) product<c10::BFloat16>(xc, w, out);
+  else if (x.scalar_type() == at::kBFloat16) product<bf16>(xc, w, out);
   else TORCH_CHECK(false, "quantized_linear: activations must be float32 or bfloat16");
   return out;
 }
@@ -441,12 +442,12 @@ namespace kvops {
 
 template <typename T>
 void dequantize_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
-  if (w.half_scales) rows_of<T, c10::Half>(w, index, count, out);
+  if (w.half_scales) rows_of<T, kvmosaic_vec::half>(w, index, count, out);
   else rows_of<T, float>(w, index, count, out);
 }
 
 template void dequantize_rows<float>(const QuantizedWeight&, const int64_t*, int64_t, float*);
-template void dequantize_rows<c10::BFloat16>(const QuantizedWeight&, const int64_t*, int64_t, c10::BFloat16*);
+template void dequantize_rows<bf16>(const QuantizedWeight&, const int64_t*, int64_t, bf16*);
 
 }  // namespace kvops
 
@@ -464,6 +465,6 @@ at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, cons
     TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "quantized_rows: index ", ip[r], " out of range for ", n, " rows");
   at::Tensor out = at::empty({idx.numel(), w.k}, scale.options().dtype(dtype));
   if (dtype == at::kFloat) kvops::dequantize_rows(w, ip, idx.numel(), out.data_ptr<float>());
-  else kvops::dequantize_rows(w, ip, idx.numel(), out.data_ptr<c10::BFloat16>());
+  else kvops::dequantize_rows(w, ip, idx.numel(), kvops::data_of<bf16>(out));
   return out;
 }
