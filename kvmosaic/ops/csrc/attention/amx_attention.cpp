@@ -11,6 +11,9 @@
 // (tmm0, 1, 3) adds the block to the sums. When a row's softmax reference moves (rarely after the
 // first blocks) the sums go through memory to be rescaled. A thread loads the tile configuration
 // once for all its items.
+#include "common/check.h"
+#include "common/ops_common.h"
+#include "common/parallel.h"
 #include "isa/amx.h"
 #include "isa/amx_tiles.h"
 
@@ -174,7 +177,7 @@ void prefill_attention(const uint16_t* q, int64_t n, int64_t hq, int64_t hk, int
   const int64_t group = hq / hk, rows_per_head = n * group;
   const int64_t row_blocks = (rows_per_head + kRows - 1) / kRows;
   const float scale2 = scale * 1.44269504088896341f;  // scores in log2 units
-  at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
     const TileScope tiles;
     alignas(64) uint16_t qrows[kRows * D];
     alignas(64) float sums[kRows * D];
@@ -201,7 +204,7 @@ void prefill_attention(const uint16_t* q, int64_t n, int64_t hq, int64_t hk, int
 #else
   (void)q, (void)n, (void)hq, (void)hk, (void)start, (void)k_tiles, (void)v_tiles, (void)head_elems, (void)scale,
       (void)out;
-  TORCH_CHECK(false, "AMX tiles are not compiled into the ", vec::kLevelName, " kernels");
+  KV_CHECK(false, "AMX tiles are not compiled into the ", vec::kLevelName, " kernels");
 #endif
 }
 

@@ -1,8 +1,12 @@
 // Decode attention over the paged float KV cache, read in place (no gather copy): one query token
 // per sequence, an online softmax in one pass over the context.
+#include "attention/attention.h"
 #include "common/ops_common.h"
-#include "layer/stack_kernels.h"
+#include "common/parallel.h"
 #include "isa/vec.h"
+#include "layer/stack_kernels.h"
+
+#include <memory>
 
 #include <unistd.h>
 
@@ -16,7 +20,7 @@ namespace vec = kvmosaic_vec;
 
 // Widen one row to float. The bf16 case is a plain shift so the compiler vectorizes it.
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
-inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+inline void load_row(const vec::bf16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
@@ -101,12 +105,12 @@ struct QueryDot {
 
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
 template <int NC>
-struct QueryDot<c10::BFloat16, NC> {
+struct QueryDot<vec::bf16, NC> {
   __m512bh q[NC / 2];
-  void load(const c10::BFloat16* p) {
+  void load(const vec::bf16* p) {
     for (int c = 0; c < NC / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p + c * 32));
   }
-  vec::F16 dot(const c10::BFloat16* k) const {
+  vec::F16 dot(const vec::bf16* k) const {
     __m512 s = _mm512_setzero_ps();
     for (int c = 0; c < NC / 2; ++c)
       s = _mm512_dpbf16_ps(s, q[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
@@ -404,75 +408,47 @@ void merge_attention_splits(const DecodeBatch<T>& db, const AttentionWork& work,
 
 template void decode_attention_items<float>(const DecodeBatch<float>&, double, const AttentionWork&, float*, int64_t,
                                             int64_t);
-template void decode_attention_items<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, double, const AttentionWork&,
+template void decode_attention_items<vec::bf16>(const DecodeBatch<vec::bf16>&, double, const AttentionWork&,
                                                     float*, int64_t, int64_t);
 template void merge_attention_splits<float>(const DecodeBatch<float>&, const AttentionWork&, const float*, int64_t,
                                             int64_t);
-template void merge_attention_splits<c10::BFloat16>(const DecodeBatch<c10::BFloat16>&, const AttentionWork&,
+template void merge_attention_splits<vec::bf16>(const DecodeBatch<vec::bf16>&, const AttentionWork&,
                                                     const float*, int64_t, int64_t);
 
 }  // namespace kvops
 
 namespace {
 
-// Every item of the work under at::parallel_for; the splits' partial sums (none when splits == 1).
+// Every item of the work under parallel_for; the splits' partial sums (none when splits == 1).
 template <typename T>
 std::vector<float> run_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work) {
   std::vector<float> partials(work.partial_floats(db.batch, db.hq, db.head_dim));
-  at::parallel_for(0, work.items, 1,
-                   [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
+  parallel_for(0, work.items, 1,
+               [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
   return partials;
-}
-
-template <typename T>
-void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
-  const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, block_tables, context_lens, out);
-  const AttentionWork work = decode_attention_work(db.batch, db.hk, db.head_dim, at::get_num_threads());
-  const std::vector<float> partials = run_items(db, scale, work);
-  merge_attention_splits(db, work, partials.data(), 0, work.merge_items(db.batch, db.hq));  // a few heads' rows
 }
 
 }  // namespace
 
-using namespace kvops;
-
-// One query token per sequence; K/V read from the sequence's blocks in place.
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, hq, head_dim]");
-  check_cache(k_cache, q);
-  check_cache(v_cache, q);
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "block tables and context lengths must be int64");
-  auto out = at::empty_like(q);
-  auto tables = block_tables.contiguous();
-  auto lens = context_lens.contiguous();
-  if (q.scalar_type() == at::kFloat) {
-    decode_attention<float>(q, k_cache, v_cache, tables, lens, out, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
-  }
-  return out;
-}
-
-namespace {
+namespace kvops {
 
 template <typename T>
-void decode_partials(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out,
-                     at::Tensor& row_max, at::Tensor& sum_exp) {
-  at::Tensor unused = at::empty_like(q);  // the split items leave their sums in `partials`, not here
-  const DecodeBatch<T> db = decode_batch<T>(q, k_cache, v_cache, tables, lens, unused);
+void decode_attention(const DecodeBatch<T>& db, double scale) {
+  const AttentionWork work = decode_attention_work(db.batch, db.hk, db.head_dim, num_threads());
+  const std::vector<float> partials = run_items(db, scale, work);
+  merge_attention_splits(db, work, partials.data(), 0, work.merge_items(db.batch, db.hq));  // a few heads' rows
+}
+
+template <typename T>
+void decode_attention_partial(const DecodeBatch<T>& batch, double scale, float* o, float* mx, float* se) {
+  // the split items leave their sums in `partials`, not in an output of T
+  const std::unique_ptr<T[]> unused(new T[batch.batch * batch.hq * batch.head_dim]);
+  DecodeBatch<T> db = batch;
+  db.out = unused.get();
   const int64_t splits = std::max<int64_t>(2, decode_attention_work(db.batch, db.hk, db.head_dim,
-                                                                    at::get_num_threads()).splits);
+                                                                    num_threads()).splits);
   const std::vector<float> partials = run_items(db, scale, AttentionWork{db.batch * splits, splits});
   const int64_t d = db.head_dim;
-  float* o = out.data_ptr<float>();
-  float* mx = row_max.data_ptr<float>();
-  float* se = sum_exp.data_ptr<float>();
   std::vector<float> weight(splits);
   for (int64_t i = 0; i < db.batch * db.hq; ++i) {
     const float* p = partials.data() + i * splits * (d + 2);
@@ -484,71 +460,8 @@ void decode_partials(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   }
 }
 
-}  // namespace
-
-// The decode rows' attention over these keys only, as a partial to merge with other holders' partials
-// (DistAttention's creditor side): float32 (out [B, hq, D] normalised over the keys, a reference [B, hq]
-// at or below the scaled scores' max (the online softmax raises it lazily), sum of exp(score - reference)
-// [B, hq]); a row without keys gives 0, -inf and 0. Head sizes 64 and 128 (the register kernel).
-std::vector<at::Tensor> paged_decode_attention_partial(const at::Tensor& q, const at::Tensor& k_cache,
-                                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                                       const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && (q.size(2) == 64 || q.size(2) == 128),
-              "paged_decode_attention_partial: q must be contiguous [B, hq, 64 or 128]");
-  check_cache(k_cache, q);
-  check_cache(v_cache, q);
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
-                  block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
-              "paged_decode_attention_partial: int64 block tables [B, width] and context lengths [B]");
-  const auto tables = block_tables.contiguous();
-  const auto lens = context_lens.contiguous();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t bs = k_cache.size(1);
-  for (int64_t b = 0; b < lens.numel(); ++b) {
-    TORCH_CHECK(lp[b] >= 0 && lp[b] <= tables.size(1) * bs,
-                "paged_decode_attention_partial: a context length exceeds its block table");
-    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[b * tables.size(1) + j] >= 0 && tp[b * tables.size(1) + j] < k_cache.size(0),
-                  "paged_decode_attention_partial: block id out of range");
-  }
-  const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor out = at::empty(q.sizes(), f32), row_max = at::empty({q.size(0), q.size(1)}, f32);
-  at::Tensor sum_exp = at::empty({q.size(0), q.size(1)}, f32);
-  if (q.scalar_type() == at::kFloat)
-    decode_partials<float>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
-  else if (q.scalar_type() == at::kBFloat16)
-    decode_partials<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out, row_max, sum_exp);
-  else
-    TORCH_CHECK(false, "paged_decode_attention_partial supports float32 and bfloat16");
-  return {out, row_max, sum_exp};
-}
-
-// Partial attentions of the same queries over disjoint keys (out [N, hq, D] normalised over each holder's
-// keys, reference [N, hq], sum of exp(score - reference) [N, hq], all float32), combined exactly: each
-// holder's sums rescaled to the largest reference. A holder that saw no keys (-inf, 0) weighs nothing.
-at::Tensor merge_attention_partials(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& refs,
-                                    const std::vector<at::Tensor>& sums) {
-  TORCH_CHECK(!outs.empty() && refs.size() == outs.size() && sums.size() == outs.size(),
-              "merge_attention_partials: one reference and one sum per partial output");
-  const at::Tensor& first = outs[0];
-  TORCH_CHECK(first.dim() == 3 && first.size(2) % 16 == 0, "merge_attention_partials: outputs [N, hq, D % 16 == 0]");
-  const int64_t rows = first.size(0) * first.size(1), d = first.size(2), parts = static_cast<int64_t>(outs.size());
-  std::vector<at::Tensor> held;  // contiguous (copies only where they were not)
-  std::vector<const float*> o(parts), r(parts), s(parts);
-  for (int64_t p = 0; p < parts; ++p) {
-    TORCH_CHECK(outs[p].sizes() == first.sizes() && refs[p].numel() == rows && sums[p].numel() == rows,
-                "merge_attention_partials: partials of different shapes");
-    for (const at::Tensor* t : {&outs[p], &refs[p], &sums[p]}) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat, "merge_attention_partials: partials are float32");
-      held.push_back(t->contiguous());
-    }
-    o[p] = held[3 * p].data_ptr<float>();
-    r[p] = held[3 * p + 1].data_ptr<float>();
-    s[p] = held[3 * p + 2].data_ptr<float>();
-  }
-  at::Tensor merged = at::empty(first.sizes(), first.options());
-  float* m = merged.data_ptr<float>();
+void merge_attention_partials(const float* const* o, const float* const* r, const float* const* s, int64_t parts,
+                              int64_t rows, int64_t d, float* m) {
   std::vector<float> weight(parts);
   for (int64_t i = 0; i < rows; ++i) {
     float top = -std::numeric_limits<float>::infinity(), total = 0.f;
@@ -565,5 +478,11 @@ at::Tensor merge_attention_partials(const std::vector<at::Tensor>& outs, const s
       (acc * vec::F16::set1(inv)).store(m + i * d + c);
     }
   }
-  return merged;
 }
+
+template void decode_attention<float>(const DecodeBatch<float>&, double);
+template void decode_attention<vec::bf16>(const DecodeBatch<vec::bf16>&, double);
+template void decode_attention_partial<float>(const DecodeBatch<float>&, double, float*, float*, float*);
+template void decode_attention_partial<vec::bf16>(const DecodeBatch<vec::bf16>&, double, float*, float*, float*);
+
+}  // namespace kvops

@@ -1,7 +1,11 @@
 // Causal attention of a prefill chunk over its paged float KV context.
-#include "isa/amx.h"
+#include "attention/attention.h"
 #include "common/ops_common.h"
+#include "common/parallel.h"
+#include "isa/amx.h"
 #include "isa/vec.h"
+
+#include <type_traits>
 
 namespace {
 
@@ -17,7 +21,7 @@ template <typename T, typename Pack>
 void for_each_context_row(const T* kc, const T* vc, const int64_t* table, int64_t block_size, int64_t context_len,
                           int64_t hk, int64_t d, const Pack& pack) {
   const int64_t tiles = (context_len + 15) / 16;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       for (int64_t j = 0; j < 16 && tile * 16 + j < context_len; ++j) {
         const int64_t t = tile * 16 + j;
@@ -164,7 +168,7 @@ void register_prefill(const B& blocks, const T* q_ptr, int64_t n, int64_t hq, in
   const int64_t group = hq / hk;
   const int64_t rows_per_head = n * group;
   const int64_t row_blocks = (rows_per_head + ROWS - 1) / ROWS;
-  at::parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) typename B::Q qf[ROWS * D];
     alignas(64) float sc[ROWS * 64];
     alignas(64) float oacc[ROWS * D];
@@ -223,15 +227,14 @@ void register_prefill(const B& blocks, const T* q_ptr, int64_t n, int64_t hq, in
 // NT * RB FMAs), the online-softmax reference moves at most once per block, and the RB x D output
 // sums live in L1 between blocks (their load/store is small next to the block's FMAs).
 template <typename T, int NC>
-void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
+void prefill_attention_vec(const PrefillChunk<T>& c, double scale) {
   constexpr int64_t D = NC * 16;
-  const int64_t n = q.size(0), hq = q.size(1);
-  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t n = c.n, hq = c.hq, context_len = c.context_len;
+  const int64_t block_size = c.block_size, hk = c.hk;
   const int64_t tiles = (context_len + 15) / 16;
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
+  const T* kc = c.k_cache;
+  const T* vc = c.v_cache;
+  const int64_t* table = c.table;
 
   // K as [head][tile][dim][16], V as [head][token][dim]; zero past the context (masked keys must
   // still be finite: 0 * NaN is NaN)
@@ -247,8 +250,7 @@ void prefill_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const
     }
   });
   const FloatBlocks<T, NC> blocks{static_cast<float>(scale) * kLog2e};
-  register_prefill(blocks, q.data_ptr<T>(), n, hq, hk, context_len - n, kt.data(), vf.data(), head_elems,
-                   out.data_ptr<T>());
+  register_prefill(blocks, c.q, n, hq, hk, context_len - n, kt.data(), vf.data(), head_elems, c.out);
 }
 
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
@@ -320,7 +322,7 @@ struct BF16Blocks {
   using Q = uint16_t;
   using Tiles = PrefillTiles<NC>;
   float scale2;  // scale * log2(e), applied to the float scores
-  void load_q(const c10::BFloat16* src, uint16_t* dst) const { std::memcpy(dst, src, NC * 16 * sizeof(uint16_t)); }
+  void load_q(const vec::bf16* src, uint16_t* dst) const { std::memcpy(dst, src, NC * 16 * sizeof(uint16_t)); }
   template <int RB>
   void scores(const uint16_t* q, const uint16_t* kp, int64_t tiles, float* sc) const {
     bf16_block_scores_tiles<NC, RB, Tiles::NT>(q, kp, tiles, scale2, sc);
@@ -334,18 +336,17 @@ struct BF16Blocks {
 // bfloat16 prefill attention where the level has AVX512-BF16: K/V packed as above from the paged
 // cache, then the AMX tiles (amx_attention.cpp) where the CPU has them, else the register kernel.
 template <int NC>
-void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_table, int64_t context_len, at::Tensor& out, double scale) {
+void prefill_attention_bf16(const PrefillChunk<vec::bf16>& c, double scale) {
   constexpr int64_t D = NC * 16;
-  const int64_t n = q.size(0), hq = q.size(1);
-  const int64_t block_size = k_cache.size(1), hk = k_cache.size(2);
+  const int64_t n = c.n, hq = c.hq, context_len = c.context_len;
+  const int64_t block_size = c.block_size, hk = c.hk;
   const int64_t start = context_len - n;
   const bool on_tiles = amx::attention_takes(D);
   const int64_t tiles = (context_len + 15) / 16 + (on_tiles ? 1 : 0);  // the tiles read 32-key blocks
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
-  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  auto* o_ptr = out.data_ptr<c10::BFloat16>();
+  const auto* kc = reinterpret_cast<const uint16_t*>(c.k_cache);
+  const auto* vc = reinterpret_cast<const uint16_t*>(c.v_cache);
+  const int64_t* table = c.table;
+  vec::bf16* o_ptr = c.out;
   const int64_t tile_elems = 16 * D;  // bf16 values per packed tile of K or V
   std::vector<uint16_t> kp(hk * tiles * tile_elems, 0), vp(hk * tiles * tile_elems, 0);
   for_each_context_row(kc, vc, table, block_size, context_len, hk, D,
@@ -369,56 +370,36 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
 
   if (on_tiles) {
-    const auto* q_bits = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+    const auto* q_bits = reinterpret_cast<const uint16_t*>(c.q);
     amx::prefill_attention(q_bits, n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
                            static_cast<float>(scale), o_ptr);
     return;
   }
   const BF16Blocks<NC> blocks{static_cast<float>(scale) * kLog2e};
-  register_prefill(blocks, q.data_ptr<c10::BFloat16>(), n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
+  register_prefill(blocks, c.q, n, hq, hk, start, kp.data(), vp.data(), tiles * tile_elems,
                    o_ptr);
 }
 #endif
 
 }  // namespace
 
-using namespace kvops;
+namespace kvops {
 
-// Attention of one prefill chunk (n query tokens, the last n of context_len) over its paged context,
-// written into `out` when given (a contiguous tensor shaped like q, e.g. the chunk's rows of a batch).
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_table, int64_t context_len, double scale,
-                                   const c10::optional<at::Tensor>& out_opt) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [n, hq, head_dim]");
-  check_cache(k_cache, q);
-  check_cache(v_cache, q);
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1, "block table must be int64 [blocks]");
-  TORCH_CHECK(context_len >= q.size(0) && block_table.size(0) * k_cache.size(1) >= context_len,
-              "context longer than its block table");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  at::Tensor out;
-  if (out_opt.has_value()) {
-    out = *out_opt;
-    TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
-                "out must be a contiguous tensor shaped like q");
-  } else {
-    out = at::empty_like(q);
-  }
-  auto table = block_table.contiguous();
-  const int64_t d = q.size(2);
-  TORCH_CHECK(d == 64 || d == 128, "paged_prefill_attention supports head_dim 64 and 128");
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_prefill_attention supports float32 and bfloat16");
+template <typename T>
+void prefill_attention(const PrefillChunk<T>& chunk, double scale) {
+  const int64_t d = chunk.head_dim;
+  if constexpr (std::is_same_v<T, vec::bf16>) {
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
-  if (bf16) {
-    if (d == 64) prefill_attention_bf16<4>(q, k_cache, v_cache, table, context_len, out, scale);
-    else prefill_attention_bf16<8>(q, k_cache, v_cache, table, context_len, out, scale);
-    return out;
-  }
+    if (d == 64) prefill_attention_bf16<4>(chunk, scale);
+    else prefill_attention_bf16<8>(chunk, scale);
+    return;
 #endif
-  if (bf16 && d == 64) prefill_attention_vec<c10::BFloat16, 4>(q, k_cache, v_cache, table, context_len, out, scale);
-  if (bf16 && d == 128) prefill_attention_vec<c10::BFloat16, 8>(q, k_cache, v_cache, table, context_len, out, scale);
-  if (!bf16 && d == 64) prefill_attention_vec<float, 4>(q, k_cache, v_cache, table, context_len, out, scale);
-  if (!bf16 && d == 128) prefill_attention_vec<float, 8>(q, k_cache, v_cache, table, context_len, out, scale);
-  return out;
+  }
+  if (d == 64) prefill_attention_vec<T, 4>(chunk, scale);
+  if (d == 128) prefill_attention_vec<T, 8>(chunk, scale);
 }
+
+template void prefill_attention<float>(const PrefillChunk<float>&, double);
+template void prefill_attention<vec::bf16>(const PrefillChunk<vec::bf16>&, double);
+
+}  // namespace kvops

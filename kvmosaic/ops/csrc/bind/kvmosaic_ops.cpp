@@ -1,11 +1,17 @@
 // CPU kernels of the model: linear layers on packed weights, rotary + KV-cache write, decode attention that
 // reads K/V blocks in place (no gather copy), residual add + RMSNorm.
 // Float32 and bfloat16; all arithmetic in float32.
-// This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
-// decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
-#include "isa/amx.h"
+// The float extension's one translation unit with the PyTorch headers: it binds the entry points,
+// whose tensor wrappers are in bind/*_bind.h; the kernels (linear/, attention/, layer/) take pointers
+// and sizes, and decoder_step.cpp chains the entry points for a decode step.
+#include "bind/attention_bind.h"
 #include "bind/bindings.h"
+#include "bind/float_ops.h"
 #include "bind/lane_bind.h"
+#include "bind/layer_bind.h"
+#include "bind/linear_bind.h"
+#include "bind/parallel_impl.h"
+#include "isa/amx.h"
 #include "team/layer_stack.h"
 
 using kvops::no_gil;

@@ -7,7 +7,7 @@
 // A lane mask is the low 16 bits of a uint32_t (bit j = lane j).
 #pragma once
 
-#include <c10/util/BFloat16.h>
+#include "isa/scalar_types.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define KVM_VEC_AVX512 1
@@ -29,7 +29,6 @@
 namespace kvmosaic_vec {
 
 using Mask = uint32_t;
-using bf16 = c10::BFloat16;
 
 #if defined(KVM_VEC_AVX512)
 constexpr const char* kLevelName = "avx512";
@@ -63,8 +62,8 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
-// bf16 <-> float bit patterns (round to nearest even, NaN kept quiet), as c10::BFloat16 does.
-inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }
+// float -> bf16 bit pattern (round to nearest even, NaN kept quiet), as c10::BFloat16 does.
+inline uint16_t bf16_bits(float x) { return bf16(x).x; }
 
 #if defined(KVM_VEC_AVX512)
 struct F16 {

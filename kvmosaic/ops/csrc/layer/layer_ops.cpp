@@ -1,8 +1,10 @@
 // Per-layer kernels around attention: rotary + KV-cache write, residual add + RMSNorm,
 // SiLU-and-mul. Float32 and bfloat16; arithmetic in float32.
 #include "common/ops_common.h"
-#include "layer/stack_kernels.h"
+#include "common/parallel.h"
 #include "isa/vec.h"
+#include "layer/layer.h"
+#include "layer/stack_kernels.h"
 
 namespace {
 
@@ -165,83 +167,28 @@ template void silu_columns<bf16>(const bf16*, int64_t, bf16*, int64_t, int64_t, 
 
 }  // namespace kvops
 
-using namespace kvops;
+namespace kvops {
 
-
-// Rotates q and k of a fused qkv projection by their positions, writes k and v
-// into their cache slots, and returns the rotated q as [N, hq, head_dim].
-at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
-                          const at::Tensor& sin_table, at::Tensor k_cache, at::Tensor v_cache,
-                          const at::Tensor& slot_mapping, int64_t hq, int64_t hk) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [N, (hq + 2 hk) * head_dim], row-major");
-  check_cache(k_cache, qkv);
-  check_cache(v_cache, qkv);
-  const int64_t d = k_cache.size(3);
-  TORCH_CHECK(qkv.size(1) == (hq + 2 * hk) * d, "qkv width does not match head counts");
-  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && cos_table.size(1) * 2 == d, "cos table shape");
-  auto q_out = at::empty({qkv.size(0), hq, d}, qkv.options());
-  auto pos = positions.contiguous();
-  auto slots = slot_mapping.contiguous();
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
-              "rope_and_cache supports float32 and bfloat16");
-  auto run = [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    const RopeStep<T> step{qkv.data_ptr<T>(), qkv.stride(0), pos.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                           cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), k_cache.data_ptr<T>(),
-                           v_cache.data_ptr<T>(), q_out.data_ptr<T>(), hq, hk, d};
-    at::parallel_for(0, step.items(qkv.size(0)), step.items(16), [&](int64_t i0, int64_t i1) { rope_items(step, i0, i1); });
-  };
-  if (qkv.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
-  else run(static_cast<bf16*>(nullptr));
-  return q_out;
+template <typename T>
+void rope_rows(const RopeStep<T>& step, int64_t rows) {
+  parallel_for(0, step.items(rows), step.items(16), [&](int64_t i0, int64_t i1) { rope_items(step, i0, i1); });
 }
 
-// residual += delta (when given), then returns rms_norm(residual) * weight. Updates residual in place.
-at::Tensor add_rms_norm(at::Tensor residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
-                        double eps) {
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be contiguous [N, hidden]");
-  TORCH_CHECK(weight.scalar_type() == residual.scalar_type(), "weight dtype must match activations");
-  at::Tensor d;
-  if (delta.has_value()) {
-    d = delta->contiguous();
-    TORCH_CHECK(d.sizes() == residual.sizes() && d.scalar_type() == residual.scalar_type(), "delta mismatch");
-  }
-  TORCH_CHECK(residual.scalar_type() == at::kFloat || residual.scalar_type() == at::kBFloat16,
-              "add_rms_norm supports float32 and bfloat16");
-  auto out = at::empty_like(residual);
-  auto w = weight.contiguous();
-  const int64_t h = residual.size(1);
-  auto run = [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    T* res = residual.data_ptr<T>();
-    const T* dl = delta.has_value() ? d.data_ptr<T>() : nullptr;
-    const T* wp = w.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, residual.size(0), 8, [&](int64_t r0, int64_t r1) {
-      norm_rows(res, dl, wp, op, h, static_cast<float>(eps), r0, r1);
-    });
-  };
-  if (residual.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
-  else run(static_cast<bf16*>(nullptr));
-  return out;
+template <typename T>
+void add_rms_norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t rows, int64_t h, float eps) {
+  parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) { norm_rows(residual, delta, weight, out, h, eps, r0, r1); });
 }
 
-// silu(gate) * up of a fused [N, 2F] gate/up projection.
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul needs [N, 2F]");
-  auto src = gate_up.contiguous();
-  TORCH_CHECK(src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16,
-              "silu_and_mul supports float32 and bfloat16");
-  const int64_t f = src.size(1) / 2;
-  auto out = at::empty({src.size(0), f}, src.options());
-  auto run = [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    const T* gu = src.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, silu_work(src.size(0), f), silu_work(4, f),
-                     [&](int64_t i0, int64_t i1) { silu_items(gu, f, op, i0, i1); });
-  };
-  if (src.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
-  else run(static_cast<bf16*>(nullptr));
-  return out;
+template <typename T>
+void silu_and_mul_rows(const T* gate_up, int64_t rows, int64_t f, T* out) {
+  parallel_for(0, silu_work(rows, f), silu_work(4, f), [&](int64_t i0, int64_t i1) { silu_items(gate_up, f, out, i0, i1); });
 }
+
+template void rope_rows<float>(const RopeStep<float>&, int64_t);
+template void rope_rows<bf16>(const RopeStep<bf16>&, int64_t);
+template void add_rms_norm_rows<float>(float*, const float*, const float*, float*, int64_t, int64_t, float);
+template void add_rms_norm_rows<bf16>(bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, float);
+template void silu_and_mul_rows<float>(const float*, int64_t, int64_t, float*);
+template void silu_and_mul_rows<bf16>(const bf16*, int64_t, int64_t, bf16*);
+
+}  // namespace kvops

@@ -3,9 +3,10 @@
 // at a time: 125 us for one 49,152-wide row of logits and 3.8 ms for 64 rows on the AVX2 host, where
 // amax alone takes 15 us. Here: a vector max over the row, then a vector scan for its first lane.
 #include "common/ops_common.h"
-#include "layer/stack_kernels.h"
-#include "team/team.h"
+#include "common/parallel.h"
 #include "isa/vec.h"
+#include "layer/layer.h"
+#include "layer/stack_kernels.h"
 
 namespace {
 
@@ -64,27 +65,25 @@ int64_t merged_argmax(const ArgmaxPart* parts, int64_t count, int64_t stride) {
 }
 
 template ArgmaxPart argmax_part<float>(const float*, int64_t, int64_t);
-template ArgmaxPart argmax_part<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t);
+template ArgmaxPart argmax_part<kvmosaic_vec::bf16>(const kvmosaic_vec::bf16*, int64_t, int64_t);
 
 }  // namespace kvops
 
-at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
-              "argmax_rows takes float32 [rows, n] with n > 0");
-  const at::Tensor x = logits.contiguous();
-  const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  // fewer rows than threads (a single stream's one row): each row's columns split between them
-  const int64_t parts = rows > 0 && rows < at::get_num_threads() && n >= kSplitColumns ? at::get_num_threads() : 1;
-  std::vector<kvops::ArgmaxPart> found(rows * parts);
-  at::parallel_for(0, rows * parts, 1, [&](int64_t i0, int64_t i1) {
+namespace kvops {
+
+void argmax_of_rows(const float* xp, int64_t rows, int64_t n, int64_t* op) {
+  // fewer rows than threads (a single stream's one row): each row's columns split between them, in
+  // parallel_for's contiguous shares
+  const int64_t parts = rows > 0 && rows < num_threads() && n >= kSplitColumns ? num_threads() : 1;
+  const int64_t chunk = (n + parts - 1) / parts;
+  std::vector<ArgmaxPart> found(rows * parts);
+  parallel_for(0, rows * parts, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const kvops::Share cols = kvops::share_of(n, static_cast<int>(i % parts), static_cast<int>(parts));
-      found[i] = kvops::argmax_part(xp + (i / parts) * n, cols.begin, cols.end);
+      const int64_t part = i % parts;
+      found[i] = argmax_part(xp + (i / parts) * n, std::min(n, part * chunk), std::min(n, (part + 1) * chunk));
     }
   });
-  for (int64_t r = 0; r < rows; ++r) op[r] = kvops::merged_argmax(found.data() + r * parts, parts, 1);
-  return out;
+  for (int64_t r = 0; r < rows; ++r) op[r] = merged_argmax(found.data() + r * parts, parts, 1);
 }
+
+}  // namespace kvops

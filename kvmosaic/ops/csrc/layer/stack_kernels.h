@@ -1,7 +1,8 @@
 // The kernels of a decoder layer in their range form: each computes items [begin, end) of its work
-// from raw pointers, with no allocation of tensors and nothing that throws. The ATen entry points run
-// them under at::parallel_for; the layer stack runs them in one team of threads (team.h). Sizes and
-// dtypes are checked by the callers.
+// from raw pointers, with no allocation of tensors and nothing that throws. The whole-call entry points
+// (linear/linear.h, attention/attention.h, layer/layer.h) run them under kvops::parallel_for; the layer
+// stack runs them in one team of threads (team.h). Sizes and dtypes are checked by the callers (the
+// binding side builds PackedWeight and QuantizedWeight from checked tensors: bind/float_ops.h).
 #pragma once
 
 #include "common/ops_common.h"
@@ -17,7 +18,6 @@ struct PackedWeight {
   int64_t panels() const;
   int64_t blocks_per_panel() const;
   int64_t width() const;  // output columns
-  static PackedWeight of(const at::Tensor& packed, bool swiglu, const float* bias);
 };
 
 template <typename T>
@@ -41,10 +41,6 @@ struct QuantizedWeight {
   bool half_scales;
   int64_t k, groups;
   const float* bias;  // [groups * 16] or null
-  // checked: the kind follows the dtypes (q6: int8 scales; q4: uint8 codes; q8: int8 codes); extra is
-  // q4's mins or q6's super-block scales, null for q8; `who` names the caller in errors
-  static QuantizedWeight of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
-                            const float* bias, const char* who);
   int64_t group_code_bytes() const;   // codes of one group of 16 columns
   int64_t group_scale_bytes() const;  // scales (and as many mins) of one group
 };
@@ -54,7 +50,7 @@ void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, 
 
 // rows [r0, r1) of float32 x [., k] rounded to bf16 into out (k % 16 == 0): the rows of a product on
 // the AMX tiles (amx.h)
-void bf16_rows(const float* x, int64_t k, c10::BFloat16* out, int64_t r0, int64_t r1);
+void bf16_rows(const float* x, int64_t k, kvmosaic_vec::bf16* out, int64_t r0, int64_t r1);
 
 template <typename T>
 void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,

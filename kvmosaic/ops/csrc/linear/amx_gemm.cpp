@@ -9,9 +9,8 @@
 #include "isa/amx.h"
 #include "isa/amx_tiles.h"
 
+#include "common/check.h"
 #include "linear/gemm_kernel.h"
-
-#include <ATen/cpu/Utils.h>
 
 #include <algorithm>
 #include <atomic>
@@ -21,6 +20,10 @@
 
 #if defined(KVM_AMX)
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace kvops::amx {
@@ -38,12 +41,29 @@ constexpr int64_t kChunkBytes = 1 << 20;  // weights a chunk of block pairs keep
 constexpr int64_t kStepElems = kTileK * kBlock;  // packed weight elements of one k step of a block
 constexpr int64_t kQuantBlock = 32;  // weights of a column under one scale (and min) of a q8 / q4 weight
 
+#if defined(KVM_AMX)
+// Linux hands a process the AMX tile data state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); the answer is then read back, as PyTorch's at::cpu::init_amx does.
+bool tile_state_granted() {
+#if defined(__linux__)
+  constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022;  // ARCH_REQ_XCOMP_PERM, ARCH_GET_XCOMP_PERM
+  constexpr unsigned long kXtileCfg = 17, kXtileData = 18;        // XFEATURE_XTILECFG, XFEATURE_XTILEDATA
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0) return false;
+  unsigned long granted = 0;
+  if (syscall(SYS_arch_prctl, kGetXcompPerm, &granted) != 0) return false;
+  return (granted & ((1ul << kXtileCfg) | (1ul << kXtileData))) != 0;
+#else
+  return true;
+#endif
+}
+#endif
+
 bool detect() {
 #if defined(KVM_AMX)
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   const bool tile = (d >> 24) & 1u, bf16_dots = (d >> 22) & 1u;
-  return tile && bf16_dots && at::cpu::init_amx();  // init_amx asks the kernel for the tile state
+  return tile && bf16_dots && tile_state_granted();
 #else
   return false;
 #endif
@@ -245,7 +265,7 @@ inline void store_pair_row(bf16* dst, __m512 at_k, __m512 at_k1) {
 }
 
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_scales(const c10::Half* p) {
+inline __m512 load_scales(const vec::half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
@@ -338,7 +358,7 @@ void bf16_panels(const PackedWeight& w, const bf16* x, int64_t m, bf16* out, int
   packed_share(w, x, m, out, p0, p1);
 #else
   (void)w, (void)x, (void)m, (void)out, (void)p0, (void)p1;
-  TORCH_CHECK(false, "AMX tiles are not compiled into the ", vec::kLevelName, " kernels");
+  KV_CHECK(false, "AMX tiles are not compiled into the ", vec::kLevelName, " kernels");
 #endif
 }
 
@@ -349,11 +369,11 @@ bool quantized_takes(const QuantizedWeight& w, int64_t m, bool on) {
 template <typename Out>
 void quantized_bf16_groups(const QuantizedWeight& w, const bf16* x, int64_t m, Out* out, int64_t g0, int64_t g1) {
 #if defined(KVM_AMX)
-  if (w.half_scales) quantized_share<c10::Half>(w, x, m, out, g0, g1);
+  if (w.half_scales) quantized_share<vec::half>(w, x, m, out, g0, g1);
   else quantized_share<float>(w, x, m, out, g0, g1);
 #else
   (void)w, (void)x, (void)m, (void)out, (void)g0, (void)g1;
-  TORCH_CHECK(false, "AMX tiles are not compiled into the ", vec::kLevelName, " kernels");
+  KV_CHECK(false, "AMX tiles are not compiled into the ", vec::kLevelName, " kernels");
 #endif
 }
 

@@ -10,11 +10,10 @@
 
 #include "isa/vec.h"
 
-#include <c10/util/Half.h>
-
 namespace kvmosaic_qdot {
 
 using kvmosaic_vec::F16;
+using kvmosaic_vec::half;
 
 #if defined(KVM_VEC_AVX512)
 struct V64 {  // 64 bytes
@@ -57,7 +56,7 @@ inline I16 dot_u8s8(I16 acc, V64 u, V64 s) {
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
 #endif
 }
-inline F16 load_half16(const c10::Half* p) {
+inline F16 load_half16(const half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
 
@@ -122,7 +121,7 @@ inline __m256i dot8_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 inline I16 dot_u8s8(I16 acc, V64 u, V64 s) { return {dot8_u8s8(acc.lo, u.lo, s.lo), dot8_u8s8(acc.hi, u.hi, s.hi)}; }
-inline F16 load_half16(const c10::Half* p) {
+inline F16 load_half16(const half* p) {
   const __m128i* q = reinterpret_cast<const __m128i*>(p);
   return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
 }
@@ -193,7 +192,7 @@ inline I16 dot_u8s8(I16 acc, V64 u, V64 s) {
       acc.v[j] += static_cast<int32_t>(u.b[4 * j + t]) * static_cast<int8_t>(s.b[4 * j + t]);
   return acc;
 }
-inline F16 load_half16(const c10::Half* p) {
+inline F16 load_half16(const half* p) {
   F16 r;
   for (int j = 0; j < 16; ++j) r.v[j] = static_cast<float>(p[j]);
   return r;
@@ -254,6 +253,6 @@ struct Q4Sum {  // VNNI's dot instruction, or the portable loops: int32 sums thr
 inline I16 dot_s8s8(I16 acc, V64 w, V64 x) { return dot_u8s8(acc, w.abs_s8(), w.sign_of(x)); }
 
 inline F16 load_scale16(const float* p) { return F16::load(p); }
-inline F16 load_scale16(const c10::Half* p) { return load_half16(p); }
+inline F16 load_scale16(const half* p) { return load_half16(p); }
 
 }  // namespace kvmosaic_qdot

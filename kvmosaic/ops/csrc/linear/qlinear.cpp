@@ -23,24 +23,29 @@
 // dequantizes its weights to bf16 chunk by chunk into the tiles' product (amx_gemm.cpp), with the
 // rows in bf16 (float32 rows rounded to it: closer to the float product than int8 rows are).
 #include "isa/amx.h"
-#include "common/ops_common.h"
+#include "common/parallel.h"
+#include "linear/linear.h"
 #include "linear/qdot.h"
-#include "layer/stack_kernels.h"
+
+#include <memory>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
 using kvops::QuantizedRows;
 using kvops::QuantizedWeight;
+using kvmosaic_vec::bf16;
 using kvmosaic_vec::F16;
 using kvmosaic_qdot::I16;
 using kvmosaic_qdot::Q4Sum;
 using kvmosaic_qdot::V64;
 
-constexpr int64_t kCols = 16;
-constexpr int64_t kQBlock = 32;
+constexpr int64_t kCols = kvops::kQuantCols;
+constexpr int64_t kQBlock = kvops::kQuantBlock;
 constexpr int64_t kQ6Vectors = 6;  // 64-byte code vectors per 32-k block of a q6 group
-constexpr int64_t kQ6Sub = 16;     // weights per q6 sub-block scale
-constexpr int64_t kQ6Super = 256;  // weights per q6 super-block scale
+constexpr int64_t kQ6Sub = kvops::kQ6Sub;
+constexpr int64_t kQ6Super = kvops::kQ6Super;
 constexpr int kMaxRows = 4;  // activation rows sharing one pass over a group's codes
 
 // Bytes of codes a product asks for ahead of the block it multiplies. Only the first rows of a group
@@ -269,7 +274,7 @@ void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, 
     quantize_row(x + r * k, k, out.codes + r * k, out.scale + r * blocks, out.sum + r * blocks);
 }
 
-void bf16_rows(const float* x, int64_t k, c10::BFloat16* out, int64_t r0, int64_t r1) {
+void bf16_rows(const float* x, int64_t k, bf16* out, int64_t r0, int64_t r1) {
   for (int64_t i = r0 * k; i < r1 * k; i += kCols) F16::load(x + i).store(out + i);
 }
 
@@ -279,8 +284,8 @@ void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t 
   if (w.super_scale != nullptr) {
     groups_of<T, int8_t, Kind::kQ6>(w, x, m, out, ldo, g0, g1);
   } else if (w.half_scales) {
-    if (w.mins != nullptr) groups_of<T, c10::Half, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
-    else groups_of<T, c10::Half, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
+    if (w.mins != nullptr) groups_of<T, kvmosaic_vec::half, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
+    else groups_of<T, kvmosaic_vec::half, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
   } else {
     if (w.mins != nullptr) groups_of<T, float, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
     else groups_of<T, float, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
@@ -288,39 +293,11 @@ void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t 
 }
 
 template void quantize_rows<float>(const float*, int64_t, const QuantizedRows&, int64_t, int64_t);
-template void quantize_rows<c10::BFloat16>(const c10::BFloat16*, int64_t, const QuantizedRows&, int64_t, int64_t);
+template void quantize_rows<bf16>(const bf16*, int64_t, const QuantizedRows&, int64_t, int64_t);
 template void quantized_groups<float>(const QuantizedWeight&, const QuantizedRows&, int64_t, float*, int64_t,
                                       int64_t, int64_t);
-template void quantized_groups<c10::BFloat16>(const QuantizedWeight&, const QuantizedRows&, int64_t,
-                                              c10::BFloat16*, int64_t, int64_t, int64_t);
-
-QuantizedWeight QuantizedWeight::of(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
-                                    const float* bias, const char* who) {
-  TORCH_CHECK(scale.dim() == 3 && scale.size(2) == kCols && scale.is_contiguous() && codes.is_contiguous(), who,
-              ": the weight is not in the interleaved layout");
-  const int64_t groups = scale.size(0);
-  if (scale.scalar_type() == at::kChar) {  // q6
-    const int64_t k = scale.size(1) * kQ6Sub;
-    TORCH_CHECK(codes.scalar_type() == at::kByte && k % kQ6Super == 0 && codes.numel() == groups * kCols * k * 3 / 4,
-                who, ": q6 codes do not match the scales");
-    TORCH_CHECK(extra != nullptr && extra->scalar_type() == at::kFloat && extra->is_contiguous() &&
-                    extra->sizes() == at::IntArrayRef({groups, k / kQ6Super, kCols}),
-                who, ": q6 weights come with float32 super-block scales [N/16, K/256, 16]");
-    return {codes.data_ptr<uint8_t>(), scale.data_ptr(), nullptr, extra->data_ptr<float>(), false, k, groups, bias};
-  }
-  const bool q4 = codes.scalar_type() == at::kByte;
-  TORCH_CHECK(q4 == (extra != nullptr), who, ": q4 (uint8) codes come with mins, q8 (int8) without");
-  TORCH_CHECK(q4 || codes.scalar_type() == at::kChar, who, ": codes must be int8 or uint8");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, who,
-              ": scales must be float16 or float32 (int8 for q6)");
-  const int64_t k = scale.size(1) * kQBlock;
-  TORCH_CHECK(codes.numel() == groups * kCols * k / (q4 ? 2 : 1), who, ": codes do not match the scales");
-  if (q4)
-    TORCH_CHECK(extra->sizes() == scale.sizes() && extra->scalar_type() == scale.scalar_type() &&
-                    extra->is_contiguous(), who, ": mins do not match the scales");
-  return {reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(), q4 ? extra->data_ptr() : nullptr,
-          nullptr, scale.scalar_type() == at::kHalf, k, groups, bias};
-}
+template void quantized_groups<bf16>(const QuantizedWeight&, const QuantizedRows&, int64_t,
+                                              bf16*, int64_t, int64_t, int64_t);
 
 int64_t QuantizedWeight::group_code_bytes() const {
   if (super_scale != nullptr) return k * kCols * 3 / 4;
@@ -334,60 +311,41 @@ int64_t QuantizedWeight::group_scale_bytes() const {
 
 }  // namespace kvops
 
-namespace {
+namespace kvops {
 
 template <typename T>
-void product(const at::Tensor& x, const QuantizedWeight& w, at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1);
-  if (kvops::amx::quantized_takes(w, m)) {  // float32 rows go to the tiles rounded to bf16
-    at::Tensor xb = x;
-    if (x.scalar_type() == at::kFloat) {
-      xb = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-      at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-        kvops::bf16_rows(x.data_ptr<float>(), k, xb.data_ptr<c10::BFloat16>(), begin, end);
-      });
+void quantized_product(const QuantizedWeight& w, const T* x, int64_t m, T* out) {
+  const int64_t k = w.k;
+  if (amx::quantized_takes(w, m)) {  // float32 rows go to the tiles rounded to bf16
+    const bf16* xb;
+    std::unique_ptr<bf16[]> rounded;
+    if constexpr (std::is_same_v<T, float>) {
+      rounded.reset(new bf16[m * k]);
+      parallel_for(0, m, 16, [&](int64_t begin, int64_t end) { bf16_rows(x, k, rounded.get(), begin, end); });
+      xb = rounded.get();
+    } else {
+      xb = x;
     }
-    const c10::BFloat16* xp = xb.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
-      kvops::amx::quantized_bf16_groups(w, xp, m, out.data_ptr<T>(), begin, end);
+    parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
+      amx::quantized_bf16_groups(w, xb, m, out, begin, end);
     });
     return;
   }
   std::vector<int8_t> codes(m * k);
   std::vector<float> scales(m * QuantizedRows::floats_per_row(k));
   const QuantizedRows rows = QuantizedRows::over(codes.data(), scales.data(), m, k);
-  const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {  // inline below 16 rows
-    quantize_rows(xp, k, rows, begin, end);
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {  // inline below 16 rows
+    quantize_rows(x, k, rows, begin, end);
   });
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
-    quantized_groups(w, rows, m, op, out.size(1), begin, end);
+  parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
+    quantized_groups(w, rows, m, out, w.groups * kCols, begin, end);
   });
 }
 
-}  // namespace
+template void quantized_product<float>(const QuantizedWeight&, const float*, int64_t, float*);
+template void quantized_product<bf16>(const QuantizedWeight&, const bf16*, int64_t, bf16*);
 
-// x [M, K] (float32 or bfloat16) times a quantized weight: q8 (int8 codes), q4 (uint8 codes, extra = its
-// mins) or q6 (uint8 codes, int8 scales, extra = its float32 super-block scales).
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                            const c10::optional<at::Tensor>& extra, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2, "quantized_linear needs x [M, K]");
-  at::Tensor b;
-  if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
-  const QuantizedWeight w = QuantizedWeight::of(codes, scale, extra.has_value() ? &*extra : nullptr,
-                                                bias.has_value() ? b.data_ptr<float>() : nullptr, "quantized_linear");
-  const int64_t k = x.size(1), n = w.groups * kCols;
-  TORCH_CHECK(w.k == k, "quantized_linear: x has ", k, " features, the weight ", w.k);
-  if (bias.has_value()) TORCH_CHECK(b.dim() == 1 && b.size(0) == n, "quantized_linear: bias must be [N]");
-  auto xc = x.contiguous();
-  auto out = at::empty({x.size(0), n}, x.options());
-  if (x.size(0) == 0) return out;
-  if (x.scalar_type() == at::kFloat) product<float>(xc, w, out);
-  else if (x.scalar_type() == at::kBFloat16) product<c10::BFloat16>(xc, w, out);
-  else TORCH_CHECK(false, "quantized_linear: activations must be float32 or bfloat16");
-  return out;
-}
+}  // namespace kvops
 
 namespace {
 
@@ -441,29 +399,11 @@ namespace kvops {
 
 template <typename T>
 void dequantize_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
-  if (w.half_scales) rows_of<T, c10::Half>(w, index, count, out);
+  if (w.half_scales) rows_of<T, kvmosaic_vec::half>(w, index, count, out);
   else rows_of<T, float>(w, index, count, out);
 }
 
 template void dequantize_rows<float>(const QuantizedWeight&, const int64_t*, int64_t, float*);
-template void dequantize_rows<c10::BFloat16>(const QuantizedWeight&, const int64_t*, int64_t, c10::BFloat16*);
+template void dequantize_rows<bf16>(const QuantizedWeight&, const int64_t*, int64_t, bf16*);
 
 }  // namespace kvops
-
-// Rows `index` of a q8 / q4 / q6 weight in the interleaved layout, dequantized: an embedding lookup
-// through a tied quantized LM head, without a float copy of the table.
-at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,
-                          const at::Tensor& index, at::ScalarType dtype) {
-  const QuantizedWeight w = QuantizedWeight::of(codes, scale, extra.has_value() ? &*extra : nullptr, nullptr,
-                                                "quantized_rows");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quantized_rows: rows are float32 or bfloat16");
-  const int64_t n = w.groups * kCols;
-  const at::Tensor idx = index.to(at::kLong).contiguous().view({-1});
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t r = 0; r < idx.numel(); ++r)
-    TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "quantized_rows: index ", ip[r], " out of range for ", n, " rows");
-  at::Tensor out = at::empty({idx.numel(), w.k}, scale.options().dtype(dtype));
-  if (dtype == at::kFloat) kvops::dequantize_rows(w, ip, idx.numel(), out.data_ptr<float>());
-  else kvops::dequantize_rows(w, ip, idx.numel(), out.data_ptr<c10::BFloat16>());
-  return out;
-}
