@@ -8,7 +8,7 @@
 #include "hmac_sha256.h"
 #include "lane_client.h"
 #include "lane_server.h"
-#include "team/layer_stack.h"
+#include "bind/team_bind.h"
 
 using kvops::no_gil;
 
@@ -50,17 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return quantized_rows(codes, scale, extra, index, torch::python::detail::py_object_to_dtype(dtype));
   }, "rows of a q8 / q4 / q6 weight in the interleaved layout, dequantized (an embedding lookup)", py::arg("codes"),
         py::arg("scale"), py::arg("extra"), py::arg("index"), py::arg("dtype"));
-  py::class_<kvops::StackWeights, std::shared_ptr<kvops::StackWeights>>(
-      m, "StackWeights", "the decoder layers' weights for layer_stack, checked once",
-      py::module_local())  // each ISA level's module has its own
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>>(), py::arg("layers"),
-           py::arg("head") = std::vector<at::Tensor>())
-      .def_property_readonly("layers", &kvops::StackWeights::layers)
-      .def_property_readonly("has_head", [](const kvops::StackWeights& w) { return w.head() != nullptr; });
-  py::class_<kvops::StackCaches, std::shared_ptr<kvops::StackCaches>>(
-      m, "StackCaches", "the decoder layers' KV caches for layer_stack, checked once", py::module_local())
-      .def(py::init<std::vector<at::Tensor>>())
-      .def_property_readonly("layers", &kvops::StackCaches::layers);
+  kvops::bind_team(m);
   py::class_<kvops::LaneServer, std::shared_ptr<kvops::LaneServer>>(
       m, "AttentionServer", "a creditor's micro-attention server for decode rows (kvmosaic.distributed)",
       py::module_local())
@@ -107,9 +97,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const kvops::Digest digest = kvops::hmac_sha256(k.data(), k.size(), {{text.data(), text.size()}});
     return py::bytes(reinterpret_cast<const char*>(digest.data()), digest.size());
   }, py::arg("key"), py::arg("message"), "HMAC-SHA256 as the decode lane's handshake computes it (tests: against hmac)");
-  m.def("layer_stack", &layer_stack, no_gil, "a step (decode rows, then spans) through all decoder layers (packed weights)");
-  m.def("decode_passes", &decode_passes, no_gil,
-        "greedy decode passes of one row per sequence, each feeding its argmax back (multi-step decoding)");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (torch.argmax(dim=-1))");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
