@@ -11,8 +11,8 @@
 #include "bind/layer_bind.h"
 #include "bind/linear_bind.h"
 #include "bind/parallel_impl.h"
+#include "bind/team_bind.h"
 #include "isa/amx.h"
-#include "team/layer_stack.h"
 
 using kvops::no_gil;
 
@@ -54,21 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return quantized_rows(codes, scale, extra, index, torch::python::detail::py_object_to_dtype(dtype));
   }, "rows of a q8 / q4 / q6 weight in the interleaved layout, dequantized (an embedding lookup)", py::arg("codes"),
         py::arg("scale"), py::arg("extra"), py::arg("index"), py::arg("dtype"));
-  py::class_<kvops::StackWeights, std::shared_ptr<kvops::StackWeights>>(
-      m, "StackWeights", "the decoder layers' weights for layer_stack, checked once",
-      py::module_local())  // each ISA level's module has its own
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>>(), py::arg("layers"),
-           py::arg("head") = std::vector<at::Tensor>())
-      .def_property_readonly("layers", &kvops::StackWeights::layers)
-      .def_property_readonly("has_head", [](const kvops::StackWeights& w) { return w.head() != nullptr; });
-  py::class_<kvops::StackCaches, std::shared_ptr<kvops::StackCaches>>(
-      m, "StackCaches", "the decoder layers' KV caches for layer_stack, checked once", py::module_local())
-      .def(py::init<std::vector<at::Tensor>>())
-      .def_property_readonly("layers", &kvops::StackCaches::layers);
+  kvops::bind_team(m);
   kvops::bind_float_lane(m, &paged_decode_attention_partial);
-  m.def("layer_stack", &layer_stack, no_gil, "a step (decode rows, then spans) through all decoder layers (packed weights)");
-  m.def("decode_passes", &decode_passes, no_gil,
-        "greedy decode passes of one row per sequence, each feeding its argmax back (multi-step decoding)");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (torch.argmax(dim=-1))");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));

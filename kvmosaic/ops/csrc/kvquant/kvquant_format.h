@@ -7,18 +7,9 @@
 
 #include "common/paged.h"
 #include "common/parallel.h"
+#include "isa/scalar_types.h"
 #include "isa/vec.h"
 #include "kvquant/kvquant.h"
-// While vec.h still takes bf16 from c10 (its PyTorch-free form takes both 16-bit types from
-// scalar_types.h), half is c10's too: the same bits and the same rounding either way.
-#if defined(C10_HOST_DEVICE)
-#include <c10/util/Half.h>
-namespace kvmosaic_vec {
-using half = c10::Half;
-}  // namespace kvmosaic_vec
-#else
-#include "isa/scalar_types.h"
-#endif
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif

@@ -1,8 +1,15 @@
 // A step of decode rows only runs every layer in one team of threads (team.h): the kernels of a
 // layer in their range form (stack_kernels.h) with barriers between them (five a layer for a few
 // rows: DecodeRun in layer_stack.h), and buffers allocated once per step. Each work item computes
-// what the ATen path computes, so the results are bit for bit those of the per-kernel calls. Also:
-// the checks and plans of StackWeights and StackCaches.
+// what the per-kernel path computes, so the results are bit for bit those of the per-kernel calls.
+// Also: the checks of StackPlan. No PyTorch header: bind/team_bind.h makes the plan and the rows from
+// the tensors and allocates what a step returns.
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "common/parallel.h"
 #include "isa/amx.h"
 #include "team/layer_stack.h"
 #include "team/team.h"
@@ -12,7 +19,7 @@ namespace kvops {
 QuantScratch::QuantScratch(int64_t rows, int64_t width, int copies)
     : rows_(rows), width_(width), codes_(copies * rows * width),
       floats_(copies * rows * QuantizedRows::floats_per_row(width)), tiles_(rows >= amx::kMinRows && amx::enabled()) {
-  if (tiles_) tile_rows_.reset(new c10::BFloat16[rows * width]);
+  if (tiles_) tile_rows_ = aligned_buffer<kvmosaic_vec::bf16>(rows * width);
 }
 
 QuantizedRows QuantScratch::rows_for(const Team& team, int64_t m, int64_t k, bool private_copy) {
@@ -25,36 +32,18 @@ namespace {
 
 constexpr int64_t kPrivateRows = 4;  // up to this many rows, each thread quantizes a linear's input itself
 
-StackLinear stack_linear(const at::Tensor* w, const float* bias, bool swiglu) {
-  if (w[1].numel() == 0) {
-    const PackedWeight p = PackedWeight::of(w[0], swiglu, bias);
-    return {false, p, {}, p.k, p.width()};
-  }
-  const QuantizedWeight q = QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, bias, "layer_stack");
-  return {true, {}, q, q.k, q.groups * 16};
-}
-
-void check_linear(const at::Tensor* w, at::ScalarType dtype) {
-  if (w[1].numel() == 0) {
-    TORCH_CHECK(w[0].scalar_type() == dtype && w[0].is_contiguous() && w[0].dim() == 2 && w[0].size(1) % 16 == 0,
-                "layer_stack: packed float weights must be in the norms' dtype");
-    return;
-  }
-  QuantizedWeight::of(w[0], w[1], w[2].numel() > 0 ? &w[2] : nullptr, nullptr, "layer_stack");
-}
-
 // The rows of x [m, in] as a quantized linear's product takes them: bf16 rows for the AMX tiles
 // (float32 ones rounded by the threads together, with a barrier), or int8 rows (each thread's own
 // copy of a few rows, else one copy the threads fill together, with a barrier).
 struct QuantizedInput {
-  const c10::BFloat16* tile_rows;  // not null: the product runs on the tiles
+  const kvmosaic_vec::bf16* tile_rows;  // not null: the product runs on the tiles
   QuantizedRows int8_rows;
 };
 
 template <typename T>
 QuantizedInput team_input(const Team& team, const StackLinear& l, const T* x, int64_t m, QuantScratch& scratch) {
   if (amx::quantized_takes(l.quant, m, scratch.tiles())) {
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<T, kvmosaic_vec::bf16>) {
       return {x, {}};
     } else {
       const Share s = team.share(m);
@@ -224,84 +213,71 @@ bool reads_others_new_kv(const int64_t* slots, const int64_t* tables, int64_t wi
 }
 
 // The layer's K/V are not asked for ahead of the attention here. A walk that asked for each thread's
-// first 160 KiB into L2 before the qkv product (sessions 24-30) compiled to nothing at every level:
-// GCC found the out-of-line walk, only prefetches, free of effects and dropped the call. Made real
-// (session 31, AVX-512 host, Q4_1, one stream), it cost ~1 us a layer to issue and slowed the qkv
+// first 160 KiB into L2 before the qkv product compiled to nothing at every level: GCC found the
+// out-of-line walk, only prefetches, free of effects and dropped the call. Made real (AVX-512 host,
+// Q4_1, one stream), it cost ~1 us a layer to issue and slowed the qkv
 // product about as much as it shortened the attention, and reading every K/V line right after it
 // still took as long as with no walk (~150 us a step): the burst did not stay in the cache.
 
-at::Tensor buffer(int64_t rows, int64_t cols, const at::Tensor& like) { return at::empty({rows, cols}, like.options()); }
-
 }  // namespace
 
-at::Tensor empty_logits(const StackWeights& weights, const at::Tensor& like) {
-  return at::empty({0, weights.head()->linear.out}, like.options().dtype(at::kFloat));
-}
-
-namespace {
-
-// The rows that go on past the last attention, or none when they are all rows in order.
-std::vector<int64_t> rows_to_keep(const c10::optional<at::Tensor>& keep_rows, int64_t n, bool* compact) {
-  std::vector<int64_t> keep;
-  *compact = false;
-  if (!keep_rows.has_value()) return keep;
-  const at::Tensor kr = keep_rows->to(at::kLong).contiguous();
-  keep.assign(kr.data_ptr<int64_t>(), kr.data_ptr<int64_t>() + kr.numel());
-  for (size_t j = 0; j < keep.size(); ++j) {
-    TORCH_CHECK(keep[j] >= 0 && keep[j] < n, "layer_stack: keep_rows out of range");
-    *compact = *compact || keep[j] != static_cast<int64_t>(j);
+KeptRows kept_rows(const int64_t* keep, int64_t count, int64_t rows) {
+  KeptRows kept{std::vector<int64_t>(keep, keep + count), false, rows};
+  for (int64_t j = 0; j < count; ++j) {
+    KV_CHECK(keep[j] >= 0 && keep[j] < rows, "layer_stack: keep_rows out of range");
+    kept.compact = kept.compact || keep[j] != j;
   }
-  *compact = *compact || static_cast<int64_t>(keep.size()) != n;
-  return keep;
+  kept.compact = kept.compact || count != rows;
+  if (kept.compact) kept.count = count;
+  return kept;
 }
-
-}  // namespace
 
 template <typename T>
-DecodeRun<T>::DecodeRun(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
-                        const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
-                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                        const at::Tensor& context_lens, const c10::optional<at::Tensor>& keep_rows, int64_t hq,
-                        int64_t hk, double eps, double scale)
-    : weights_(weights), caches_(caches), residual_(residual), n_(residual.size(0)), h_(residual.size(1)),
-      hq_(hq), d_(caches.head_dim()), f_(weights.intermediate()), fused_(weights.fused_mlp()),
-      eps_(static_cast<float>(eps)), scale_(scale), keep_(rows_to_keep(keep_rows, n_, &compact_)),
-      kept_(compact_ ? static_cast<int64_t>(keep_.size()) : n_),
+DecodeRun<T>::DecodeRun(const DecodeRows& rows, const StackPlan& weights, const StackKv& caches, const DecodeOut& out)
+    : weights_(weights), caches_(caches), residual_(static_cast<T*>(rows.residual)), n_(rows.rows),
+      h_(weights.hidden()), hq_(rows.hq), d_(caches.head_dim), f_(weights.intermediate()),
+      fused_(weights.fused_mlp()), eps_(static_cast<float>(rows.eps)), scale_(rows.scale),
+      compact_(rows.kept.compact), keep_(rows.kept.keep), kept_(rows.kept.count),
       // a copy per thread when some linear quantizes its rows privately: the last layer's kept rows
       // may be few even when the step's rows are many
-      scratch_(n_, weights.widest_input(), kept_ <= kPrivateRows ? at::get_num_threads() : 1),
-      work_(decode_attention_work(n_, hk, d_, at::get_num_threads())),
-      partials_(work_.partial_floats(n_, hq, d_)) {
-  normed_ = buffer(n_, h_, residual);
-  qkv_ = buffer(n_, (hq + 2 * hk) * d_, residual);
-  q_ = buffer(n_, hq * d_, residual);
-  attn_ = buffer(n_, hq * d_, residual);
-  o_ = buffer(n_, h_, residual);
-  act_ = buffer(n_, f_, residual);
-  carry_ = buffer(n_, h_, residual);
-  if (!fused_) gate_up_ = buffer(n_, 2 * f_, residual);
-  kept_residual_ = compact_ ? buffer(kept_, h_, residual) : residual;
-  kept_attn_ = compact_ ? buffer(kept_, hq * d_, residual) : attn_;
+      scratch_(n_, weights.widest_input(), kept_ <= kPrivateRows ? num_threads() : 1),
+      work_(decode_attention_work(n_, rows.hk, d_, num_threads())),
+      partials_(work_.partial_floats(n_, rows.hq, d_)) {
+  const int64_t hq = rows.hq, hk = rows.hk;
+  normed_ = aligned_buffer<T>(n_ * h_);
+  qkv_ = aligned_buffer<T>(n_ * (hq + 2 * hk) * d_);
+  q_ = aligned_buffer<T>(n_ * hq * d_);
+  attn_ = aligned_buffer<T>(n_ * hq * d_);
+  o_ = aligned_buffer<T>(n_ * h_);
+  act_ = aligned_buffer<T>(n_ * f_);
+  // what the caller gives (to return it), else a buffer of the step's own
+  auto given_or_owned = [](void* given, Buffer<T>& owned, int64_t count) {
+    if (given != nullptr) return static_cast<T*>(given);
+    owned = aligned_buffer<T>(count);
+    return owned.get();
+  };
+  carry_ = given_or_owned(out.carry, owned_carry_, n_ * h_);
+  if (!fused_) gate_up_ = aligned_buffer<T>(n_ * 2 * f_);
+  kept_residual_ = compact_ ? given_or_owned(out.kept_residual, owned_kept_residual_, kept_ * h_) : residual_;
+  kept_attn_ = compact_ ? given_or_owned(nullptr, owned_kept_attn_, kept_ * hq * d_) : attn_.get();
   head_ = kept_ > 0 ? weights.head() : nullptr;
-  if (head_ != nullptr) logits_ = buffer(kept_, head_->linear.out, residual);
+  if (head_ != nullptr) logits_ = given_or_owned(out.logits, owned_logits_, kept_ * head_->linear.out);
   alike_ = n_ <= kPrivateRows;
   own_width_ = 2 * n_ * h_ + 2 * n_ * hq * d_ + kept_ * (h_ + hq * d_);
-  if (alike_) own_ = at::empty({at::get_num_threads() - 1, own_width_}, residual.options());
-  kv_by_items_ = alike_ && !reads_others_new_kv(slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
-                                                block_tables.size(1), context_lens.data_ptr<int64_t>(), n_,
-                                                caches.block_size());
-  rope_ = {qkv_.data_ptr<T>(), qkv_.stride(0), positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
-           cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), nullptr, nullptr, q_.data_ptr<T>(), hq, hk, d_};
-  batch_ = {n_, hq, hk, hq / hk, block_tables.size(1), caches.block_size(), q_.data_ptr<T>(), nullptr, nullptr,
-            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), attn_.data_ptr<T>(), d_};
+  if (alike_) own_ = aligned_buffer<T>((num_threads() - 1) * own_width_);
+  kv_by_items_ = alike_ && !reads_others_new_kv(rows.slots, rows.block_tables, rows.table_width, rows.context_lens,
+                                                n_, caches.block_size);
+  rope_ = {qkv_.get(), (hq + 2 * hk) * d_, rows.positions, rows.slots, rows.cos, rows.sin, nullptr, nullptr,
+           q_.get(), hq, hk, d_};
+  batch_ = {n_, hq, hk, hq / hk, rows.table_width, caches.block_size, q_.get(), nullptr, nullptr, rows.block_tables,
+            rows.context_lens, attn_.get(), d_};
 }
 
 template <typename T>
 typename DecodeRun<T>::Own DecodeRun<T>::own(int id) {
-  Own o{residual_.data_ptr<T>(), normed_.data_ptr<T>(), q_.data_ptr<T>(), attn_.data_ptr<T>(),
-        kept_residual_.data_ptr<T>(), kept_attn_.data_ptr<T>()};
+  Own o{residual_, normed_.get(), q_.get(), attn_.get(), kept_residual_, kept_attn_};
   if (!alike_ || id == 0) return o;
-  T* p = own_.data_ptr<T>() + (id - 1) * own_width_;
+  T* p = own_.get() + (id - 1) * own_width_;
   auto take = [&p](int64_t count) {
     T* at = p;
     p += count;
@@ -318,16 +294,16 @@ void DecodeRun<T>::run(const Team& team) {
   const int64_t n = n_, h = h_, hq = hq_, d = d_, layers = static_cast<int64_t>(weights_.layers());
   const bool alike = alike_;
   const Own mine = own(team.id());
-  if (mine.residual != residual_.data_ptr<T>()) std::memcpy(mine.residual, residual_.data_ptr<T>(), sizeof(T) * n * h);
+  if (mine.residual != residual_) std::memcpy(mine.residual, residual_, sizeof(T) * n * h);
   // after a phase of rows: with rows alike, every thread did every row; else its share, then a barrier
   const Share rows_share = alike ? Share{0, n} : team.share(n);
   auto rows_done = [&] {
     if (!alike) team.sync();
   };
-  T* o_p = o_.data_ptr<T>();
-  T* act_p = act_.data_ptr<T>();
-  T* carry_p = carry_.data_ptr<T>();
-  T* qkv_p = qkv_.data_ptr<T>();
+  T* o_p = o_.get();
+  T* act_p = act_.get();
+  T* carry_p = carry_;
+  T* qkv_p = qkv_.get();
   const AttentionWork& work = work_;
   const Share items = team.share(work.items);
   const bool kv_by_items = kv_by_items_;
@@ -338,13 +314,13 @@ void DecodeRun<T>::run(const Team& team) {
                                                       work.row_of(items.end - 1, batch_.hk) + 1}
                                               : Share{0, 0};
   for (int64_t i = 0; i < layers; ++i) {
-    const StackWeights::Layer& layer = weights_.plan()[i];
+    const StackLayer& layer = weights_.plan()[i];
     norm_rows(mine.residual, i == 0 ? nullptr : carry_p, static_cast<const T*>(layer.input_norm), mine.normed, h,
               eps_, rows_share.begin, rows_share.end);
     rows_done();
     RopeStep<T> r = rope_;
-    r.k_cache = static_cast<T*>(caches_.k(i));
-    r.v_cache = static_cast<T*>(caches_.v(i));
+    r.k_cache = static_cast<T*>(caches_.k[i]);
+    r.v_cache = static_cast<T*>(caches_.v[i]);
     r.q_out = mine.q;
     prefetch_slots(r, writers);
     DecodeBatch<T> db = batch_;
@@ -358,7 +334,7 @@ void DecodeRun<T>::run(const Team& team) {
     if (!kv_by_items) team.sync();
     decode_attention_items(db, scale_, work, partials_.data(), items.begin, items.end);
     team.sync();
-    const T* attn_rows = attn_.data_ptr<T>();
+    const T* attn_rows = attn_.get();
     if (work.splits > 1) {  // the pieces of a row's context merged
       db.out = mine.attn;
       const int64_t heads = work.merge_items(n, hq);
@@ -387,7 +363,7 @@ void DecodeRun<T>::run(const Team& team) {
     norm_rows(rows, o_p, static_cast<const T*>(layer.post_norm), mine.normed, h, eps_, post.begin, post.end);
     rows_done();
     if (fused_) team_linear(team, layer.gate_up, mine.normed, m, act_p, scratch_);
-    else team_gate_up(team, layer.gate_up, mine.normed, m, gate_up_.data_ptr<T>(), act_p, f_, scratch_);
+    else team_gate_up(team, layer.gate_up, mine.normed, m, gate_up_.get(), act_p, f_, scratch_);
     prefetch_share(team, layer.down);
     team.sync();
     team_linear(team, layer.down, act_p, m, carry_p, scratch_);
@@ -400,125 +376,37 @@ void DecodeRun<T>::run(const Team& team) {
   const Share s = alike ? Share{0, kept_} : team.share(kept_);
   norm_rows(mine.kept_residual, carry_p, static_cast<const T*>(head_->norm), mine.normed, h, eps_, s.begin, s.end);
   rows_done();
-  team_linear(team, head_->linear, mine.normed, kept_, logits_.data_ptr<T>(), scratch_);
-}
-
-template <typename T>
-std::vector<at::Tensor> DecodeRun<T>::result() const {
-  if (weights_.head() != nullptr) return {head_ != nullptr ? logits_.to(at::kFloat) : empty_logits(weights_, residual_)};
-  return {kept_residual_, carry_.narrow(0, 0, kept_)};
+  team_linear(team, head_->linear, mine.normed, kept_, logits_, scratch_);
 }
 
 template class DecodeRun<float>;
-template class DecodeRun<c10::BFloat16>;
-
-namespace {
+template class DecodeRun<kvmosaic_vec::bf16>;
 
 template <typename T>
-std::vector<at::Tensor> run_decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
-                                        const at::Tensor& positions, const at::Tensor& cos_table,
-                                        const at::Tensor& sin_table, const at::Tensor& slot_mapping,
-                                        const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                        const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk,
-                                        double eps, double scale) {
-  DecodeRun<T> step(residual, weights, caches, positions, cos_table, sin_table, slot_mapping, block_tables,
-                    context_lens, keep_rows, hq, hk, eps, scale);
+void decode_team(const DecodeRows& rows, const StackPlan& weights, const StackKv& caches, const DecodeOut& out) {
+  DecodeRun<T> step(rows, weights, caches, out);
   run_team([&](const Team& team) { step.run(team); });
-  return step.result();
 }
 
-}  // namespace
+template void decode_team<float>(const DecodeRows&, const StackPlan&, const StackKv&, const DecodeOut&);
+template void decode_team<kvmosaic_vec::bf16>(const DecodeRows&, const StackPlan&, const StackKv&, const DecodeOut&);
 
-StackWeights::StackWeights(std::vector<at::Tensor> tensors, std::vector<at::Tensor> head)
-    : tensors_(std::move(tensors)), head_tensors_(std::move(head)) {
-  TORCH_CHECK(!tensors_.empty() && tensors_.size() % kPerLayer == 0, "layer_stack: ", kPerLayer,
-              " weights per layer, got ", tensors_.size());
-  dtype_ = tensors_[0].scalar_type();
-  TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "layer_stack: norms must be float32 or bfloat16");
-  const int64_t h = tensors_[0].numel();
-  for (size_t i = 0; i < tensors_.size(); i += kPerLayer) {
-    const at::Tensor* w = tensors_.data() + i;
-    for (int j : {0, 8})
-      TORCH_CHECK(w[j].scalar_type() == dtype_ && w[j].is_contiguous() && w[j].numel() == h,
-                  "layer_stack: every norm weight must be contiguous, of one dtype and size");
-    for (int j : {1, 5, 9, 12}) check_linear(w + j, dtype_);
-    const float* qkv_bias = nullptr;
-    if (w[4].numel() > 0) qkv_bias = biases_.emplace_back(w[4].to(at::kFloat).contiguous()).data_ptr<float>();
-    const bool fused = w[10].numel() == 0;  // a float gate/up pair is packed with SwiGLU
-    const Layer layer{stack_linear(w + 1, qkv_bias, false), stack_linear(w + 5, nullptr, false),
-                      stack_linear(w + 9, nullptr, fused), stack_linear(w + 12, nullptr, false), w[0].data_ptr(),
-                      w[8].data_ptr()};
-    if (qkv_bias != nullptr)
-      TORCH_CHECK(w[4].numel() == layer.qkv.out, "layer_stack: the qkv bias does not match the projection");
-    const int64_t f = fused ? layer.gate_up.out : layer.gate_up.out / 2;
-    TORCH_CHECK(layer.qkv.in == h && layer.o.out == h && layer.gate_up.in == h && layer.down.in == f &&
-                    layer.down.out == h,
-                "layer_stack: layer ", i / kPerLayer, " has products of the wrong shapes");
-    if (!plan_.empty())
-      TORCH_CHECK(layer.gate_up.quantized == plan_[0].gate_up.quantized && f == intermediate(),
-                  "layer_stack: the layers' MLPs differ in kind or width");
-    plan_.push_back(layer);
-    for (const StackLinear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) widest_ = std::max(widest_, l->in);
-  }
-  if (head_tensors_.empty()) return;
-  const at::Tensor* w = head_tensors_.data();
-  TORCH_CHECK(head_tensors_.size() == 4 && w[0].scalar_type() == dtype_ && w[0].is_contiguous() && w[0].numel() == h,
-              "layer_stack: the head is the final norm's weight (like the layers' norms) and a linear (3 tensors)");
-  check_linear(w + 1, dtype_);
-  head_ = Head{stack_linear(w + 1, nullptr, false), w[0].data_ptr()};
-  TORCH_CHECK(head_->linear.in == h, "layer_stack: the LM head takes ", head_->linear.in, " features, the layers give ",
-              h);
+void StackPlan::add_layer(const StackLayer& layer, int64_t hidden) {
+  const int64_t f = layer.gate_up.quantized ? layer.gate_up.out / 2 : layer.gate_up.out;
+  KV_CHECK(layer.qkv.in == hidden && layer.o.out == hidden && layer.gate_up.in == hidden && layer.down.in == f &&
+               layer.down.out == hidden,
+           "layer_stack: layer ", plan_.size(), " has products of the wrong shapes");
+  if (!plan_.empty())
+    KV_CHECK(layer.gate_up.quantized == plan_[0].gate_up.quantized && f == intermediate(),
+             "layer_stack: the layers' MLPs differ in kind or width");
+  plan_.push_back(layer);
+  for (const StackLinear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) widest_ = std::max(widest_, l->in);
 }
 
-StackCaches::StackCaches(std::vector<at::Tensor> caches) : caches_(std::move(caches)) {
-  TORCH_CHECK(!caches_.empty(), "layer_stack needs at least one layer's KV cache");
-  for (at::Tensor& cache : caches_) {
-    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
-                    cache.sizes() == caches_[0].sizes() && cache.scalar_type() == caches_[0].scalar_type() &&
-                    (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16),
-                "layer_stack: KV caches must be contiguous float32 / bfloat16 [2, blocks, block_size, kv_heads, "
-                "head_dim], all alike");
-    k_.push_back(cache.select(0, 0).data_ptr());
-    v_.push_back(cache.select(0, 1).data_ptr());
-  }
-}
-
-void check_decode_rows(const at::Tensor& residual, const StackWeights& weights, const StackCaches& caches,
-                       const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
-                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, int64_t hq, int64_t hk) {
-  const int64_t n = residual.size(0), d = caches.head_dim();
-  TORCH_CHECK(residual.scalar_type() == weights.dtype() && caches.dtype() == weights.dtype() &&
-                  residual.is_contiguous() && residual.size(1) == weights.plan()[0].qkv.in,
-              "layer_stack: residual, norms and KV caches must share a dtype and the hidden size");
-  TORCH_CHECK(caches.kv_heads() == hk && hk > 0 && hq % hk == 0, "layer_stack: head counts do not match the caches");
-  for (const StackWeights::Layer& layer : weights.plan())
-    TORCH_CHECK(layer.qkv.out == (hq + 2 * hk) * d && layer.o.in == hq * d,
-                "layer_stack: the attention projections do not match the head counts");
-  for (const at::Tensor* t : {&positions, &slot_mapping, &context_lens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
-                "layer_stack: positions, slots and context lengths must be int64, one per row");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                  block_tables.size(0) == n,
-              "layer_stack: block tables must be contiguous int64 [rows, width]");
-  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
-                  cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.size(1) * 2 == d,
-              "layer_stack: rotary tables must be contiguous float32 [positions, head_dim / 2]");
-}
-
-std::vector<at::Tensor> decode_team(at::Tensor residual, const StackWeights& weights, const StackCaches& caches,
-                                    const at::Tensor& positions, const at::Tensor& cos_table,
-                                    const at::Tensor& sin_table, const at::Tensor& slot_mapping,
-                                    const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                    const c10::optional<at::Tensor>& keep_rows, int64_t hq, int64_t hk, double eps,
-                                    double scale) {
-  check_decode_rows(residual, weights, caches, positions, cos_table, sin_table, slot_mapping, block_tables,
-                    context_lens, hq, hk);
-  if (residual.scalar_type() == at::kFloat)
-    return run_decode_team<float>(residual, weights, caches, positions, cos_table, sin_table, slot_mapping,
-                                  block_tables, context_lens, keep_rows, hq, hk, eps, scale);
-  return run_decode_team<c10::BFloat16>(residual, weights, caches, positions, cos_table, sin_table, slot_mapping,
-                                        block_tables, context_lens, keep_rows, hq, hk, eps, scale);
+void StackPlan::set_head(const StackHead& head, int64_t hidden) {
+  KV_CHECK(head.linear.in == hidden, "layer_stack: the LM head takes ", head.linear.in, " features, the layers give ",
+           hidden);
+  head_ = head;
 }
 
 }  // namespace kvops

@@ -4,18 +4,17 @@
 // A single-stream decode step of a small model is ~10 small kernels per layer between the weight
 // products; with a fork and join each, and the allocations and checks of ATen calls between them,
 // the second thread sat idle for ~40% of the step (perf, default model, Q4_1). Kernels that can run
-// in a team take a [begin, end) share of their work items, so at::parallel_for and a team run the
+// in a team take a [begin, end) share of their work items, so parallel_for and a team run the
 // same code.
 //
 // The barrier between kernels is the team's own (Barrier below) rather than OpenMP's: a decode step
-// of the default model had ~270 of them (~150 since session 36: decode_team.cpp). Measured on the
+// of the default model had ~270 of them (~150 now: DecodeRun in layer_stack.h). Measured on the
 // default model, Q4_1, one stream, AVX-512 host (Zen 4, 2 threads), by adding 9,000 empty barriers to a step: ~0.2 us each for OpenMP's,
 // ~0.05 us for this one. End to end (benchmarks/team_barrier.py) the step's decode rate moved by
 // 0.96-1.05x, own / OpenMP, over four runs of 8-12 interleaved rounds: within this shared host's
 // noise. KVMOSAIC_TEAM_BARRIER=omp (or OMP_WAIT_POLICY=passive) keeps OpenMP's.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <omp.h>
 #include <sched.h>
 #include <time.h>
@@ -27,6 +26,8 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+
+#include "common/parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -117,11 +118,11 @@ class Team {
   mutable uint64_t passed_ = 0;  // barriers this thread has reached
 };
 
-// body(team) on every thread of a team of at::get_num_threads() threads. The body must not throw
-// (an exception cannot leave a parallel region): check everything before.
+// body(team) on every thread of a team of num_threads() threads (PyTorch's intra-op count). The body
+// must not throw (an exception cannot leave a parallel region): check everything before.
 template <typename Body>
 void run_team(const Body& body) {
-  const int threads = at::get_num_threads();
+  const int threads = num_threads();
   const Barrier barrier(threads);
   const bool own = own_barrier();
 #pragma omp parallel num_threads(threads)
