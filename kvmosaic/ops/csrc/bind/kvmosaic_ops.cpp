@@ -2,7 +2,7 @@
 // reads K/V blocks in place (no gather copy), residual add + RMSNorm.
 // Float32 and bfloat16; all arithmetic in float32.
 // This file binds the entry points; the kernels live in layer_ops.cpp, gemm.cpp,
-// decode_attention.cpp and prefill_attention.cpp, and decoder_step.cpp chains them for a decode step.
+// decode_attention.cpp and prefill_attention.cpp, and bind/team_bind.h chains them for a decode step.
 #include "isa/amx.h"
 #include "bind/bindings.h"
 #include "hmac_sha256.h"
