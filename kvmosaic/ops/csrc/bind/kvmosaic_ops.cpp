@@ -3,7 +3,7 @@
 // Float32 and bfloat16; all arithmetic in float32.
 // The float extension's one translation unit with the PyTorch headers: it binds the entry points,
 // whose tensor wrappers are in bind/*_bind.h; the kernels (linear/, attention/, layer/) take pointers
-// and sizes, and decoder_step.cpp chains the entry points for a decode step.
+// and sizes, and bind/team_bind.h chains them for a decode step.
 #include "bind/attention_bind.h"
 #include "bind/bindings.h"
 #include "bind/float_ops.h"

@@ -178,19 +178,9 @@ inline std::vector<at::Tensor> decode_rows(at::Tensor residual, const StackWeigh
   }
   const int64_t m = kept.count;
   const bool compact = kept.compact;
-  const DecodeRows rows{residual.data_ptr(),
-                        n,
-                        positions.data_ptr<int64_t>(),
-                        slot_mapping.data_ptr<int64_t>(),
-                        block_tables.data_ptr<int64_t>(),
-                        block_tables.size(1),
-                        context_lens.data_ptr<int64_t>(),
-                        cos_table.data_ptr<float>(),
-                        sin_table.data_ptr<float>(),
-                        std::move(kept),
-                        hq,
-                        hk,
-                        eps,
+  const DecodeRows rows{residual.data_ptr(), n, positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+                        block_tables.data_ptr<int64_t>(), block_tables.size(1), context_lens.data_ptr<int64_t>(),
+                        cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), std::move(kept), hq, hk, eps,
                         scale};
   const at::Tensor carry = at::empty({n, h}, residual.options());
   const at::Tensor kept_residual = compact ? at::empty({m, h}, residual.options()) : residual;
@@ -328,7 +318,8 @@ inline at::Tensor decode_passes(const at::Tensor& input_ids, at::ScalarType dtyp
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.dim() == 1 && positions.scalar_type() == at::kLong &&
                   positions.numel() == n && block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
                   block_tables.size(0) == n && block_tables.is_contiguous(),
-              "decode_passes: int64 token ids [rows], int64 positions, one per row, and int64 block tables [rows, width]");
+              "decode_passes: int64 token ids [rows], int64 positions, one per row, and int64 block tables "
+              "[rows, width]");
   const TokenEmbedding table = token_embedding(embedding, dtype);
   const int64_t vocab = weights.head()->linear.out;
   TORCH_CHECK(table.rows >= vocab, "decode_passes: the embedding has fewer rows than the vocab");

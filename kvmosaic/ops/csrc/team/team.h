@@ -9,8 +9,8 @@
 //
 // The barrier between kernels is the team's own (Barrier below) rather than OpenMP's: a decode step
 // of the default model had ~270 of them (~150 now: DecodeRun in layer_stack.h). Measured on the
-// default model, Q4_1, one stream, AVX-512 host (Zen 4, 2 threads), by adding 9,000 empty barriers to a step: ~0.2 us each for OpenMP's,
-// ~0.05 us for this one. End to end (benchmarks/team_barrier.py) the step's decode rate moved by
+// default model, Q4_1, one stream, AVX-512 host (Zen 4, 2 threads), by adding 9,000 empty barriers to
+// a step: ~0.2 us each for OpenMP's, ~0.05 us for this one. End to end (benchmarks/team_barrier.py) the step's decode rate moved by
 // 0.96-1.05x, own / OpenMP, over four runs of 8-12 interleaved rounds: within this shared host's
 // noise. KVMOSAIC_TEAM_BARRIER=omp (or OMP_WAIT_POLICY=passive) keeps OpenMP's.
 #pragma once
