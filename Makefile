@@ -39,7 +39,7 @@ run: $(RUNTIME) $(KERNELS_BEST)
 	$(VENV)/bin/kvmosaic serve --host 127.0.0.1 --port 8000
 
 lint: $(DEV)
-	$(VENV)/bin/ruff check kvmosaic tests benchmarks
+	$(VENV)/bin/ruff check kvmosaic tests benchmarks scripts
 
 test: lint $(KERNELS_ALL)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q --durations=15 tests

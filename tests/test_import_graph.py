@@ -22,7 +22,8 @@ def modules(root: Path = PACKAGE) -> dict[str, Path]:
 
 
 def imported(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> set[str]:
-    """The kvmosaic modules a module's source imports (``from a import b`` names a.b when b is a module)."""
+    """The kvmosaic modules a module's source imports (``from a import b`` names a.b, not a, when b is a
+    module)."""
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -33,8 +34,10 @@ def imported(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> set
                 package = name.split(".") if is_package else name.split(".")[:-1]
                 anchor = package[: len(package) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & known
+            if len(submodules) < len(node.names):  # some name is the package's own, not a submodule
+                found.add(base)
+            found.update(submodules)
     return {m for m in found if m in known and m != name}
 
 
@@ -75,11 +78,11 @@ def test_the_walk_sees_every_kind_of_import(tmp_path):
     (pkg / "a" / "__init__.py").write_text("")
     (pkg / "a" / "x.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from kvmosaic.b import y\n")
     (pkg / "b.py").write_text("def f():\n    from kvmosaic.a import x\n    return x\ny = 1\n")
-    (pkg / "c.py").write_text("from .a import x\nimport kvmosaic.b\n")
+    (pkg / "c.py").write_text("from .a import x\nimport kvmosaic.b\nfrom kvmosaic.b import f\n")
     graph = import_graph(pkg)
     assert graph["kvmosaic.a.x"] == {"kvmosaic.b"}
-    assert graph["kvmosaic.b"] == {"kvmosaic.a", "kvmosaic.a.x"}
-    assert graph["kvmosaic.c"] == {"kvmosaic.a", "kvmosaic.a.x", "kvmosaic.b"}
+    assert graph["kvmosaic.b"] == {"kvmosaic.a.x"}  # a submodule, not its package
+    assert graph["kvmosaic.c"] == {"kvmosaic.a.x", "kvmosaic.b"}
     assert find_cycle(graph) == ["kvmosaic.a.x", "kvmosaic.b", "kvmosaic.a.x"]
     assert find_cycle({"p": {"q"}, "q": set()}) is None
 

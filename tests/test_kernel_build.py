@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import kvmosaic.ops as ops
-from kvmosaic.ops import Kernels, build
+from kvmosaic.ops import Kernels, build, sources
 from kvmosaic.ops.levels import BY_NAME, ISA_ENV, runnable_levels
 
 
@@ -17,7 +17,7 @@ from kvmosaic.ops.levels import BY_NAME, ISA_ENV, runnable_levels
 def scratch(tmp_path, monkeypatch):
     """An empty build directory, a builder that records its calls and writes the libraries it is told
     to (as a build that compiles would), and an import that returns a stand-in module."""
-    monkeypatch.setattr(ops, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(sources, "BUILD_DIR", tmp_path)
     monkeypatch.delenv(ISA_ENV, raising=False)
     monkeypatch.delenv("KVMOSAIC_DISABLE_OPS", raising=False)
     monkeypatch.delenv(ops.BUILD_ON_USE_ENV, raising=False)
@@ -147,7 +147,7 @@ def test_the_ninja_file_compiles_each_source_once_per_level_and_names_only_the_b
 
 
 def test_a_missing_compiler_is_a_message_not_a_crash(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(ops, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(sources, "BUILD_DIR", tmp_path)
     monkeypatch.setattr(build, "compiler", lambda: None)
     assert build.main(["--levels", "portable"]) == 1
     assert "C++ kernels not built: no C++ compiler" in capsys.readouterr().err

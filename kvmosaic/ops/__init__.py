@@ -28,60 +28,13 @@ from types import ModuleType
 
 import torch
 
+from kvmosaic.ops import sources
 from kvmosaic.ops.levels import Level, levels_to_build, resolve_level, runnable_levels
+from kvmosaic.ops.sources import NAME, QUANT_NAME, build_command, extension_sources, level_dir, module_name
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-NATIVE = Path(__file__).parent.parent / "distributed" / "native"  # the decode lane's transport
-BUILD_DIR = Path(__file__).parent / "_build"
-CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
-NAME = "kvmosaic_ops"
-QUANT_NAME = "kvmosaic_kvquant"  # the quantized-KV kernels (kvmosaic/quant formats), built by the same step
 BUILD_ON_USE_ENV = "KVMOSAIC_BUILD_ON_USE"  # "0": a named level that is not built is an error, not a build
-
-
-def extension_sources() -> dict[str, tuple[Path, ...]]:
-    """Extension name -> its sources. The float extension is every kernel folder of ``csrc/`` but
-    ``kvquant/``, the quantized-KV one is ``kvquant/``; each has its binding file in ``bind/``, and
-    both take the decode lane's transport (``distributed/native/lane_*.cpp``) with the adapter that
-    serves their kind of pool. A new file in a folder is picked up without editing a list."""
-    def folders(*names: str) -> tuple[Path, ...]:
-        return tuple(sorted(p for name in names for p in (CSRC / name).glob("*.cpp")))
-
-    lane = tuple(sorted(NATIVE.glob("lane_*.cpp")))
-    return {NAME: (*folders("linear", "attention", "layer", "team"), CSRC / "bind" / "kvmosaic_ops.cpp", *lane,
-                   NATIVE / "float_lane_pool.cpp"),
-            QUANT_NAME: (*folders("kvquant"), CSRC / "bind" / "kvquant_ops.cpp", *lane, NATIVE / "kvquant_lane.cpp")}
-
-
-def headers() -> tuple[Path, ...]:
-    """Every header a kernel source can include (a change to one makes the built libraries stale)."""
-    return tuple(sorted((*CSRC.rglob("*.h"), *NATIVE.glob("*.h"))))
-
-
-INCLUDE_DIRS = (CSRC, NATIVE)
-
-
-def module_name(extension: str, level: Level) -> str:
-    return f"{extension}_{level.name}"
-
-
-def level_dir(level: Level) -> Path:
-    return BUILD_DIR / level.name
-
-
-def _built_library(extension: str, level: Level) -> Path | None:
-    candidates = sorted(level_dir(level).glob(f"{module_name(extension, level)}*.so"))
-    if not candidates:
-        return None
-    library = candidates[0]
-    newest = max(path.stat().st_mtime for path in (*extension_sources()[extension], *headers()))
-    if library.stat().st_mtime < newest:
-        logger.warning("kvmosaic C++ ops (%s) are older than their source; rebuild with `%s`", level.name,
-                       build_command(level))
-        return None
-    return library
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,10 +109,6 @@ def get_quant_ops() -> ModuleType | None:
     return Kernels.load().quant
 
 
-def build_command(level: Level) -> str:
-    return f"python -m kvmosaic.ops.build --levels {level.name}"
-
-
 @functools.cache
 def _warn_once(message: str) -> None:
     logger.warning("kvmosaic: %s", message)
@@ -167,7 +116,7 @@ def _warn_once(message: str) -> None:
 
 def _ensure_built(level: Level) -> None:
     """Builds ``level`` when it is not built (or older than its sources), unless building on use is off."""
-    if all(_built_library(extension, level) is not None for extension in (NAME, QUANT_NAME)):
+    if all(sources.built_library(extension, level) is not None for extension in (NAME, QUANT_NAME)):
         return
     if os.environ.get(BUILD_ON_USE_ENV, "") == "0":
         built = ", ".join(available_levels()) or "none"
@@ -179,17 +128,17 @@ def _ensure_built(level: Level) -> None:
     try:
         built = builder.build([level])
     except OSError as exc:  # e.g. an install whose build directory is read-only
-        logger.warning("kvmosaic: cannot build in %s: %s", BUILD_DIR, exc)
+        logger.warning("kvmosaic: cannot build in %s: %s", sources.BUILD_DIR, exc)
         built = False
     _load.cache_clear()  # a library that was missing or stale before the build
-    if not built or _built_library(NAME, level) is None:
+    if not built or sources.built_library(NAME, level) is None:
         raise ValueError(f"the {level.name} kernels are not built and building them failed (errors above); "
                          f"build them with `{build_command(level)}`")
 
 
 @functools.cache
 def _load(extension: str, level: Level) -> ModuleType | None:
-    library = _built_library(extension, level)
+    library = sources.built_library(extension, level)
     if library is None:
         return None
     return _import(module_name(extension, level), library)

@@ -21,11 +21,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvmosaic import ops
+from kvmosaic.ops import sources as layout
 from kvmosaic.ops.levels import BY_NAME, Level, levels_to_build, runnable_levels
 
-PACKAGE = Path(ops.__file__).parent.parent  # kvmosaic/: object paths are relative to it
-BINDINGS = {ops.NAME: "kvmosaic_ops.cpp", ops.QUANT_NAME: "kvquant_ops.cpp"}  # in csrc/bind/
+PACKAGE = Path(layout.__file__).parent.parent  # kvmosaic/: object paths are relative to it
+BINDINGS = {layout.NAME: "kvmosaic_ops.cpp", layout.QUANT_NAME: "kvquant_ops.cpp"}  # in csrc/bind/
 
 
 def compiler() -> str | None:
@@ -64,7 +64,7 @@ def _object(level: Level, source: Path) -> str:
 
 
 def _library(extension: str, level: Level) -> str:
-    return f"{level.name}/{ops.module_name(extension, level)}.so"
+    return f"{level.name}/{layout.module_name(extension, level)}.so"
 
 
 def _target(level: Level) -> str:
@@ -75,8 +75,8 @@ def ninja_file(levels: list[Level], cxx: str) -> str:
     """build.ninja for both extensions at these levels: one compile per source and level (a source in
     both extensions, the decode lane's, is compiled once), one link per extension and level."""
     include_flags, link_flags = torch_flags()
-    cflags = [*(f"-I{shlex.quote(str(d))}" for d in ops.INCLUDE_DIRS), *include_flags, "-fPIC", "-std=c++20",
-              *ops.CFLAGS]
+    cflags = [*(f"-I{shlex.quote(str(d))}" for d in layout.INCLUDE_DIRS), *include_flags, "-fPIC", "-std=c++20",
+              *layout.CFLAGS]
     lines = [
         "ninja_required_version = 1.3",
         f"cxx = {shlex.quote(cxx)}",
@@ -97,14 +97,14 @@ def ninja_file(levels: list[Level], cxx: str) -> str:
     for level in levels:
         level_flags = " ".join(level.cflags)
         compiled: set[Path] = set()
-        for extension, sources in ops.extension_sources().items():
+        for extension, sources in layout.extension_sources().items():
             for source in sources:
                 if source in compiled:
                     continue
                 compiled.add(source)
                 defines = ""
                 if source.name == BINDINGS[extension] and source.parent.name == "bind":
-                    module = ops.module_name(extension, level)
+                    module = layout.module_name(extension, level)
                     defines = f"-DTORCH_EXTENSION_NAME={module} -DTORCH_API_INCLUDE_EXTENSION_H"
                 lines += [f"build {_object(level, source)}: cxx {_path(source)}",
                           f"  level = {level.name}",
@@ -152,7 +152,7 @@ def build(levels: list[Level] | None = None, verbose: bool = False) -> bool:
         print(f"kvmosaic: C++ kernels not built: no {missing}; the PyTorch reference path still runs",
               file=sys.stderr)
         return False
-    directory = ops.BUILD_DIR
+    directory = layout.BUILD_DIR
     directory.mkdir(parents=True, exist_ok=True)
     names = ", ".join(level.name for level in levels)
     with _build_lock(directory):
