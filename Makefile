@@ -44,9 +44,9 @@ lint: $(DEV)
 test: lint $(KERNELS_ALL)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q --durations=15 tests
 
-# the suite without the multi-process and end-to-end model tests, for the edit-test loop
+# the suite without the multi-process and end-to-end model tests, kernels at the best level only: the edit-test loop
 test-fast: lint $(KERNELS_BEST)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not heavy" tests
+	HF_HUB_OFFLINE=1 KVMOSAIC_TEST_LEVELS=best $(VENV)/bin/pytest -q -m "not heavy" tests
 
 bench: $(DEV) $(KERNELS_BEST)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/throughput.py

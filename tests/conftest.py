@@ -5,18 +5,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+from pathlib import Path
 from unittest import mock
 
 # Must precede any transformers / huggingface_hub import: tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# The tests mirror the package's folders; a test module may use another's helpers by its name
+# (``from test_disagg_server import body``) and the shared helper modules at this level, wherever it sits.
+sys.path.extend(str(folder) for folder in sorted(Path(__file__).parent.rglob("*"))
+                if folder.is_dir() and not folder.name.startswith((".", "__")))
+
 import pytest
 import torch
 from hypothesis import settings
+from kernel_levels import levels_under_test
 
 from kvmosaic.model import loader
 from kvmosaic.model.loader import LoadedModel, load_model
-from kvmosaic.ops import Kernels, available_levels
+from kvmosaic.ops import Kernels
 
 # CI (the CI environment variable set) replays the same generated examples on every run, so a
 # result does not depend on the draw; local runs keep exploring new examples.
@@ -25,7 +33,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-@pytest.fixture(scope="session", params=available_levels())
+@pytest.fixture(scope="session", params=levels_under_test())
 def level_kernels(request) -> Kernels:
     """The C++ kernels of each ISA level built on this host (AVX-512, AVX2, portable, ...): a kernel
     test taking this fixture runs once per level, so an AVX-512 host also checks the AVX2 build. No
@@ -139,8 +147,9 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-# `make test-fast` runs the suite minus these (`-m "not heavy"`): the end-to-end tests on the full
-# default model (marked slow) and the modules that start other processes (Ray clusters, servers in a
+# `make test-fast` runs the suite minus these (`-m "not heavy"`), with the kernels of the best level
+# only (kernel_levels.py): the end-to-end tests on the full default model (marked slow, or using a
+# fixture that runs it) and the modules that start other processes (Ray clusters, servers in a
 # subprocess). `make test` and CI run everything.
 MULTI_PROCESS_MODULES = frozenset({
     "test_disagg_ray", "test_disagg_server", "test_distributed_cluster", "test_distributed_nodes",
@@ -148,7 +157,12 @@ MULTI_PROCESS_MODULES = frozenset({
 })
 
 
+# the fixtures that run the whole default model (an engine or server on it, transformers' copy of it)
+FULL_MODEL_FIXTURES = frozenset({"default_model", "hf_gguf_model", "cached_loader", "server", "client"})
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("slow") or item.module.__name__.rpartition(".")[2] in MULTI_PROCESS_MODULES:
+        if (item.get_closest_marker("slow") or item.module.__name__.rpartition(".")[2] in MULTI_PROCESS_MODULES
+                or FULL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.heavy)

@@ -1,5 +1,5 @@
 """A small int8 / int4 / Oaken KV pool filled with random rows, for the tests of lending from
-quantized pools (tests/test_distributed_merge.py, tests/test_distributed_lane.py)."""
+quantized pools (tests/distributed/test_distributed_merge.py, tests/distributed/test_distributed_lane.py)."""
 
 from __future__ import annotations
 

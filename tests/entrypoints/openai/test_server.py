@@ -167,7 +167,7 @@ def test_models_health_and_metrics(client, server):
 
 
 def test_serving_benchmark_measures_the_server(server):
-    spec = importlib.util.spec_from_file_location("serving_bench", Path(__file__).parents[1] / "benchmarks/serving.py")
+    spec = importlib.util.spec_from_file_location("serving_bench", Path(__file__).parents[3] / "benchmarks/serving.py")
     bench = sys.modules["serving_bench"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
     spec.loader.exec_module(bench)
     mu, sigma = bench.lognormal_params(129, 211)

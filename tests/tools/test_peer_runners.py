@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peer_runners"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peer_runners"))
 import common  # noqa: E402
 
 

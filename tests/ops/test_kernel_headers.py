@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "kvmosaic" / "ops" / "csrc"
 NATIVE = ROOT / "kvmosaic" / "distributed" / "native"
 TORCH_HEADERS = ("torch/", "ATen/", "c10/")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import mixed_batch_metadata
+from kernel_levels import levels_under_test
 from tile_modes import amx, tile_modes
 
 from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan, build_causal_mask
@@ -16,10 +17,10 @@ from kvmosaic.attention.paged import (
     write_kv,
 )
 from kvmosaic.attention.rotary import RotaryEmbedding
-from kvmosaic.ops import Kernels, available_levels
+from kvmosaic.ops import Kernels
 
 
-@pytest.fixture(params=["reference", *available_levels()])
+@pytest.fixture(params=["reference", *levels_under_test()])
 def paged_attention(request):
     """paged_attention(q, k_cache, v_cache, meta, scale) on the reference or on one level's kernels."""
     if request.param == "reference":

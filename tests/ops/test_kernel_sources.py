@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmosaic.ops import CSRC, NATIVE
+from kvmosaic.ops.sources import CSRC, NATIVE
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 NETWORK = ("sys/socket.h", "sys/un.h", "sys/uio.h", "netinet/", "arpa/", "poll.h", "linux/futex.h")

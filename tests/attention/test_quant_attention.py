@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import mixed_batch_metadata
+from kernel_levels import levels_under_test
 
 from kvmosaic.attention.metadata import AttentionMetadata
 from kvmosaic.attention.quantized import (
@@ -17,7 +18,7 @@ from kvmosaic.attention.quantized import (
     write_quantized,
 )
 from kvmosaic.attention.rotary import RotaryEmbedding
-from kvmosaic.ops import Kernels, available_levels
+from kvmosaic.ops import Kernels
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat
 
@@ -44,7 +45,7 @@ def _rows(n: int, seed: int, dim: int = D) -> tuple[torch.Tensor, torch.Tensor]:
     return k, torch.randn(n, HK, dim, generator=gen)
 
 
-@pytest.fixture(params=["reference", *available_levels()])
+@pytest.fixture(params=["reference", *levels_under_test()])
 def kernels(request) -> Kernels:
     """The PyTorch reference, or one built ISA level's kernels."""
     return Kernels.reference() if request.param == "reference" else Kernels.load(request.param)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_results  # noqa: E402
 
 FIELDS = ("schema", "bench", "provenance", "host", "isa_level", "date", "git", "command", "kvmosaic_version", "config",
