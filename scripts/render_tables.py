@@ -179,6 +179,8 @@ def peers_latest(records: list[Record]) -> list[str]:
 
 TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
     "peers-summary": peers_summary,
+    "install-time": rows_table("install_time", [("step", "step", "{}"), ("kernel level", "level", "{}"),
+                                                ("seconds", "seconds", "{:.0f}"), ("cold caches", "cold", "{}")]),
     "peers-latest": peers_latest,
     "throughput": rows_table("throughput", [("engine", "engine", "{}"), ("dtype", "dtype", "{}"),
                                             ("seconds", "seconds", "{:.2f}"), ("req/s", "requests_per_s", "{:.2f}"),
