@@ -167,7 +167,7 @@ inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t sl
 }
 
 // Whether the register kernel asks for its K/V rows into L1 rather than L2: where the L1 data cache
-// holds 48 KiB or more. On the AVX-512 host of session 32 (48 KiB L1D), Q4_1 weights, one stream,
+// holds 48 KiB or more. On a Zen 5 AVX-512 host (48 KiB L1D), Q4_1 weights, one stream,
 // float32 KV, in-process interleaved rounds against L2: 1.08x at a 2048-token context (8 rounds,
 // 1.02-1.14x each), 1.02x at 128 tokens; bfloat16 KV (half the bytes ahead) 1.00x. Hosts with a
 // smaller L1D (32 KiB: Zen 3, Zen 4) keep L2, as before this rule: the two chunks ahead are 48 KiB
@@ -256,7 +256,7 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
         // order: its call c = kh * 16 + j asks for part c % hk (a head's bytes) of the K and V of
         // row c / hk. One chunk ahead, or in one burst, left the loads waiting on memory (1.5x slower
         // in bf16, measured). The slots come from the block table once a chunk; a list of every line
-        // built ahead (before session 33) cost ~15% of the kernel's time with its K/V in cache.
+        // built ahead instead cost ~15% of the kernel's time with its K/V in cache.
         const int64_t ahead = (t0 - t_begin) / 16 + 2;
         int64_t n_ahead = 0;
         if (ahead < piece.chunks()) n_ahead = chunk_slots(piece, ahead, ahead_slots);

@@ -51,11 +51,11 @@ constexpr int kMaxRows = 4;  // activation rows sharing one pass over a group's 
 // Bytes of codes a product asks for ahead of the block it multiplies. Only the first rows of a group
 // ask: later rows find its codes in L1. On an AVX2 host (Zen 3) the integer dots are heavy enough
 // that the hardware prefetcher alone falls behind: the default model's Q4_1 decode went from ~87 to
-// ~100 tok/s (medians of 3 x 6 interleaved runs; 1 and 2 KiB alike). On the AVX-512 host of session 31 (AVX512-BF16,
+// ~100 tok/s (medians of 3 x 6 interleaved runs; 1 and 2 KiB alike). On a Zen 5 AVX-512 host (AVX512-BF16,
 // VNNI, VP2INTERSECT), Q4_1, one stream, in-process interleaved rounds against none: 1 KiB 1.07x,
 // 2 KiB 1.16x, 4 KiB 1.21x, 8 KiB 1.38x, 16 KiB 1.31x when the host's read probe gave ~92 GB/s, and
 // 8 KiB 1.13x at ~55 GB/s; Q8_0 the same with or without (0.98-1.00x; 12-24 KiB 0.96-0.99x of 8).
-// (An AVX-512 host of an earlier session, Zen 4, had gained nothing from 1-4 KiB.)
+// (A Zen 4 AVX-512 host had gained nothing from 1-4 KiB.)
 #if defined(KVM_VEC_AVX512)
 constexpr int64_t kStreamAhead = 8192;
 #else
