@@ -179,6 +179,8 @@ def peers_latest(records: list[Record]) -> list[str]:
 
 TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
     "peers-summary": peers_summary,
+    "trees": rows_table("trees", [("case", "case", "{}"), ("old tok/s", "old_median", "{:.1f}"),
+                                  ("new tok/s", "new_median", "{:.1f}"), ("new / old", "new_over_old", "{:.3f}")]),
     "install-time": rows_table("install_time", [("step", "step", "{}"), ("kernel level", "level", "{}"),
                                                 ("seconds", "seconds", "{:.0f}"), ("cold caches", "cold", "{}")]),
     "peers-latest": peers_latest,
