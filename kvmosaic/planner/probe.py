@@ -1,4 +1,5 @@
 """Measure this machine as a planner hardware spec: memory read bandwidth and matmul FLOP/s.
+
 Bandwidth is the best time of summing a tensor at least 4x the last-level cache (a pure read stream
 that DRAM serves, kvmosaic.planner.caches), held in huge pages as the model's weights are (4 KiB
 pages read 10-20% slower here); FLOP/s is the best time of a square matmul, 2 n^3 FLOPs, in float32
