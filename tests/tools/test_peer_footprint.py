@@ -76,8 +76,20 @@ def test_hf_directory_bytes_count_the_run_dtype(tmp_path):
     assert footprint.weights_bytes(tmp_path / "missing", "float32") is None
 
 
-def test_peak_rss_counts_this_process():
-    assert common.peak_rss_bytes() > 10 << 20
+def test_peak_rss_counts_this_process_and_its_live_workers():
+    import subprocess
+    import time
+
+    alone = common.peak_rss_bytes()
+    assert alone > 10 << 20
+    code = "import sys; b = bytearray(300 << 20); sys.stdout.write('ready\\n'); sys.stdout.flush(); sys.stdin.read()"
+    worker = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "ready"
+        time.sleep(0.1)
+        assert common.peak_rss_bytes() > alone + (250 << 20)  # an engine's worker process counts
+    finally:
+        worker.communicate("")
 
 
 def test_a_shape_gives_both_gguf_engines_the_same_file():
