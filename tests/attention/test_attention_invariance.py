@@ -84,3 +84,20 @@ def test_faster_prefill_without_batch_invariance(level_kernels, dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert torch.allclose(fast.float(), invariant.float(), rtol=tol, atol=tol)
     assert not torch.equal(fast, invariant)
+
+
+def test_decode_rows_do_not_depend_on_the_thread_count(level_kernels):
+    ops = level_kernels.ops
+    hq, hk, d, ctx = 9, 3, 64, 300
+    k, v, table = _cache(ctx, hk, d, torch.float32, 9)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(10))
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(ops.paged_decode_attention(q, k, v, table[None].repeat(2, 1), torch.tensor([ctx, 40]),
+                                                   d**-0.5))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)

@@ -128,7 +128,7 @@ struct Piece {
   int64_t b, segment, t_begin, t_end;
   int64_t chunks() const { return (t_end - t_begin + 15) / 16; }
   static Piece of(const int64_t* lens, const AttentionWork& work, int64_t item) {
-    const int64_t b = work.row_of(item, 0), segment = item - work.first[b], ctx = lens[b];
+    const int64_t b = work.row_of(item, 0), segment = item / work.head_groups - work.first[b], ctx = lens[b];
     const int64_t t_begin = std::min(ctx, segment * rows::kSegment);
     return {b, segment, t_begin, std::min(ctx, t_begin + rows::kSegment)};
   }
@@ -136,8 +136,8 @@ struct Piece {
 
 // Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass over
 // each segment of the context with an online softmax (row_attention.h's arithmetic). One work item is
-// one segment of a sequence: its K/V rows are read from their blocks in place, all KV heads of a slot
-// together (every cache line fetched is used), sixteen tokens at a time, with the chunk after next
+// one segment of a sequence with its KV heads (all, or one): its K/V rows are read from their blocks in
+// place, the item's KV heads of a slot together, sixteen tokens at a time, with the chunk after next
 // prefetched. Items of a sequence with several segments leave partial sums, merged after.
 template <typename T, int NC>
 void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work, float* partials, int64_t begin,
@@ -165,10 +165,14 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     };
     for (int64_t item = begin; item < end; ++item) {
       const Piece piece = piece_of(item);
-      const int64_t b = piece.b, t_begin = piece.t_begin, t_end = piece.t_end;
-      for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
-      std::fill(softmax.begin(), softmax.end(), vec::OnlineSoftmax());
-      std::fill(acc.begin(), acc.end(), vec::F16::zero());
+      const int64_t b = piece.b, t_begin = piece.t_begin, t_end = piece.t_end, unit = item / work.head_groups;
+      const int64_t kh0 = item % work.head_groups * work.heads_per_item;
+      const int64_t kh1 = std::min(hk, kh0 + work.heads_per_item), h0 = kh0 * group, h1 = kh1 * group;
+      for (int64_t h = h0; h < h1; ++h) {
+        qd[h].load(q_ptr + (b * hq + h) * D);
+        softmax[h] = vec::OnlineSoftmax();
+        for (int c = 0; c < NC; ++c) acc[h * NC + c] = vec::F16::zero();
+      }
       for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
         const int64_t n = chunk_slots(piece, (t0 - t_begin) / 16, slots);
         const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
@@ -182,12 +186,12 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
         int64_t n_ahead = 0;
         if (ahead < piece.chunks()) n_ahead = chunk_slots(piece, ahead, ahead_slots);
         else if (item + 1 < end) n_ahead = chunk_slots(piece_of(item + 1), ahead - piece.chunks(), ahead_slots);
-        int64_t ahead_row = 0, ahead_part = 0;  // what the next score call asks for: row c / hk, part c % hk
+        int64_t ahead_row = 0, ahead_part = kh0;  // what the next score call asks for: a row's part (KV head)
         auto prefetch_row = [&](int64_t) {
           if (ahead_row >= n_ahead) return;
           const int64_t at = ahead_slots[ahead_row] * slot_stride + ahead_part * D;
-          if (++ahead_part == hk) {
-            ahead_part = 0;
+          if (++ahead_part == kh1) {
+            ahead_part = kh0;
             ++ahead_row;
           }
           const char* k = reinterpret_cast<const char*>(kc + at);
@@ -198,7 +202,7 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
           }
         };
         // scores of the sixteen tokens for every head, folded into the running softmax
-        for (int64_t kh = 0; kh < hk; ++kh) {
+        for (int64_t kh = kh0; kh < kh1; ++kh) {
           rows::tile_scores<T, NC>(qp.data() + kh * group, group, kc + kh * D, slots, n, slot_stride, part.data(),
                                    prefetch_row);
           for (int64_t g = 0; g < group; ++g) {
@@ -208,13 +212,13 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
           }
         }
         // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
-        for (int64_t kh = 0; kh < hk; ++kh)
+        for (int64_t kh = kh0; kh < kh1; ++kh)
           rows::pv_rows<T, NC>(vc + kh * D, slots, n, slot_stride, probs.data() + kh * group * 16,
                                acc.data() + kh * group * NC, group);
       }
-      for (int64_t h = 0; h < hq; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         if (work.partial)  // unscaled sums, the softmax reference and total, for merge_attention_splits
-          rows::store_partial(acc.data() + h * NC, D, softmax[h], partials + (item * hq + h) * (D + 2));
+          rows::store_partial(acc.data() + h * NC, D, softmax[h], partials + (unit * hq + h) * (D + 2));
         else
           rows::store_normalised(acc.data() + h * NC, D, softmax[h], o_ptr + (b * hq + h) * D);
       }
@@ -228,11 +232,12 @@ namespace kvops {
 
 // The register-blocked kernel takes head_dim 64 / 128; other head sizes take the generic loop, one
 // item per KV head. An item of the register kernel is a segment of a sequence's context with all its
-// KV heads. With fewer segments than threads (single-stream decode of a short context) a thread may
-// idle through the attention: a context is never cut by the thread count, so that its result does not
-// depend on it. One item per KV head instead (the default model's 3 heads) read 256 of every 768 bytes
-// of a slot per item: 1.1-1.9x slower at 1024 tokens of context (AVX2 host, Q4_1, interleaved runs).
-AttentionWork decode_attention_work(const int64_t* lens, int64_t batch, int64_t hk, int64_t head_dim,
+// KV heads, or with fewer segments than threads (single-stream decode) one KV head each: a context is
+// never cut by the thread count, so that its result does not depend on it. (Items of one KV head read
+// 256 of every 768 bytes of a slot with the default model: 1.1-1.9x slower than whole slots at 1024
+// tokens of context, AVX2 host, Q4_1, interleaved runs; so whole slots wherever the threads have
+// enough items.)
+AttentionWork decode_attention_work(const int64_t* lens, int64_t batch, int64_t hk, int64_t head_dim, int threads,
                                     bool force_partial) {
   AttentionWork work;
   if (head_dim != 64 && head_dim != 128) {
@@ -248,14 +253,17 @@ AttentionWork decode_attention_work(const int64_t* lens, int64_t batch, int64_t 
     several = several || s > 1;
     work.first[b + 1] = work.first[b] + s;
   }
-  work.items = work.first[batch];
+  const bool split_heads = work.first[batch] < threads;
+  work.heads_per_item = split_heads ? 1 : hk;
+  work.head_groups = split_heads ? hk : 1;
+  work.items = work.first[batch] * work.head_groups;
   work.partial = several || force_partial;
   return work;
 }
 
 int64_t AttentionWork::newest_item(const int64_t* lens, int64_t b, int64_t hk, int64_t kh) const {
   if (per_head) return b * hk + kh;
-  return first[b] + std::max<int64_t>(0, lens[b] - 1) / rows::kSegment;
+  return (first[b] + std::max<int64_t>(0, lens[b] - 1) / rows::kSegment) * head_groups + kh / heads_per_item;
 }
 
 int64_t max_partial_floats(int64_t batch, int64_t hq, int64_t head_dim, int64_t max_context) {
@@ -314,7 +322,7 @@ namespace kvops {
 
 template <typename T>
 void decode_attention(const DecodeBatch<T>& db, double scale) {
-  const AttentionWork work = decode_attention_work(db.lens, db.batch, db.hk, db.head_dim);
+  const AttentionWork work = decode_attention_work(db.lens, db.batch, db.hk, db.head_dim, num_threads());
   const std::vector<float> partials = run_items(db, scale, work);
   merge_attention_splits(db, work, partials.data(), 0, work.merge_items(db.batch, db.hq));  // a few heads' rows
 }
@@ -325,7 +333,7 @@ void decode_attention_partial(const DecodeBatch<T>& batch, double scale, float* 
   const std::unique_ptr<T[]> unused(new T[batch.batch * batch.hq * batch.head_dim]);
   DecodeBatch<T> db = batch;
   db.out = unused.get();
-  const AttentionWork work = decode_attention_work(db.lens, db.batch, db.hk, db.head_dim, true);
+  const AttentionWork work = decode_attention_work(db.lens, db.batch, db.hk, db.head_dim, num_threads(), true);
   const std::vector<float> partials = run_items(db, scale, work);
   const int64_t d = db.head_dim, hq = db.hq;
   std::vector<float> weight;

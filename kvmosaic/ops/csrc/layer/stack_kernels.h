@@ -111,32 +111,39 @@ template <typename T>
 void silu_columns(const T* gate_up, int64_t f, T* out, int64_t rows, int64_t c0, int64_t c1);
 
 // ---- decode attention (decode_attention.cpp)
-// A work item of the register kernel is one segment (attention/row_attention.h: kSegment tokens) of a
-// sequence's context with all its KV heads; of the generic loop (other head sizes), one KV head of a
-// sequence. The segments are fixed by the context lengths alone, never by the thread count, so a row's
-// result is the same however the items are shared. When some sequence has more than one segment
-// (merges()), every item leaves its partial sums in `partials` (partial_floats() floats) and
+// The register kernel's unit of work is one segment (attention/row_attention.h: kSegment tokens) of a
+// sequence's context; a work item is a unit's KV heads, all of them, or one each when there are fewer
+// units than threads (the arithmetic of a head is the same either way). The generic loop's item (other
+// head sizes) is one KV head of a sequence. The segments are fixed by the context lengths alone, so a
+// row's result does not depend on how the items are cut or shared. When some sequence has more than
+// one segment, every item leaves its partial sums in `partials` (partial_floats() floats) and
 // merge_items(), after a barrier, writes the output: batch * hq items.
 struct AttentionWork {
   int64_t items = 0;
   bool per_head = false;       // an item is one KV head of a sequence (the generic loop), not a segment
   bool partial = false;        // items leave partial sums, merged after
-  std::vector<int64_t> first;  // register kernel: sequence b's items are [first[b], first[b + 1])
+  int64_t head_groups = 1;     // items per unit: its KV heads in groups of heads_per_item
+  int64_t heads_per_item = 0;
+  std::vector<int64_t> first;  // register kernel: sequence b's units are [first[b], first[b + 1])
   int64_t batch() const { return static_cast<int64_t>(first.size()) - 1; }
+  int64_t units() const { return first.back(); }
   int64_t segments_of(int64_t b) const { return first[b + 1] - first[b]; }
-  int64_t partial_floats(int64_t hq, int64_t head_dim) const { return partial ? items * hq * (head_dim + 2) : 0; }
+  int64_t partial_floats(int64_t hq, int64_t head_dim) const {
+    return partial ? units() * hq * (head_dim + 2) : 0;
+  }
   int64_t merge_items(int64_t batch, int64_t hq) const { return partial ? batch * hq : 0; }
   // the sequence an item belongs to
   int64_t row_of(int64_t item, int64_t hk) const {
     if (per_head) return item / hk;
-    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
+    const int64_t unit = item / head_groups;
+    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), unit) - first.begin()) - 1;
   }
   // the item that reads the newest token (the last of lens[b]) of sequence b's KV head kh
   int64_t newest_item(const int64_t* lens, int64_t b, int64_t hk, int64_t kh) const;
 };
-// The items of a call over `batch` sequences of context lengths lens; force_partial: partial sums
-// even when every context is one segment.
-AttentionWork decode_attention_work(const int64_t* lens, int64_t batch, int64_t hk, int64_t head_dim,
+// The items of a call over `batch` sequences of context lengths lens for `threads` threads;
+// force_partial: partial sums even when every context is one segment.
+AttentionWork decode_attention_work(const int64_t* lens, int64_t batch, int64_t hk, int64_t head_dim, int threads,
                                     bool force_partial = false);
 // The most floats partial_floats() can ask of a call whose contexts hold at most max_context tokens
 int64_t max_partial_floats(int64_t batch, int64_t hq, int64_t head_dim, int64_t max_context);

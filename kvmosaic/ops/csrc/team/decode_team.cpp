@@ -305,7 +305,7 @@ void DecodeRun<T>::run(const Team& team) {
   T* act_p = act_.get();
   T* carry_p = carry_;
   T* qkv_p = qkv_.get();
-  const AttentionWork work = decode_attention_work(batch_.lens, n, batch_.hk, d);
+  const AttentionWork work = decode_attention_work(batch_.lens, n, batch_.hk, d, team.size());
   const Share items = team.share(work.items);
   const bool kv_by_items = kv_by_items_;
   const KvWriters writers{work, batch_.lens, n, batch_.hk, items, team.share(n * batch_.hk), kv_by_items};
