@@ -29,7 +29,7 @@ def kv_format(model: ModelConfig, kv_cache_dtype: str, thresholds: KVThresholds 
               group_size: int | None = None) -> KVFormat | None:
     """The record format of a quantized cache; None for ``auto``. ``group_size`` (int8 / int4 only)
     gives every ``group_size`` values of a head vector their own scale: the record is then the
-    per-head format over sub-vectors, which the decode path reads through the reference kernel."""
+    per-head format over sub-vectors, which the decode path reads through dequantized blocks."""
     if kv_cache_dtype == "auto":
         return None
     if kv_cache_dtype == "oaken" and thresholds is None:

@@ -2,8 +2,10 @@
 
 Same packed batch and metadata as ``attention.py``. New K/V rows are rotated, quantized into
 byte records and written through ``slot_mapping``; attention then reads the records back:
-decodes with the fused quantized-KV kernel (dequantization inside the online-softmax loop),
-prefill chunks by dequantizing their context's blocks and running the float attention. Every token,
+decodes with the fused quantized-KV kernel (each 16-token tile dequantized inside the online-softmax
+loop), prefill chunks by dequantizing their context's blocks and running the float attention. Both
+dequantize to the same values and follow the float kernels' per-row arithmetic, so a row's output does
+not depend on which path computed it or on the rows beside it (batch invariance). Every token,
 including those of the current chunk, is attended to in its quantized form. The functions take the
 kernel modules as arguments (None: the pure PyTorch path of ``kvmosaic.quant.codec``, the reference
 the kernels are tested against); ``QuantizedAttention`` is the backend that fixes them once.
@@ -117,15 +119,20 @@ def rotate_and_cache_quantized(qkv: torch.Tensor, rotary: RotaryEmbedding, layer
     return q
 
 
-def _decode_reference(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionMetadata,
-                      scale: float, qops: ModuleType | None) -> torch.Tensor:
+def _decode_dequantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: AttentionMetadata,
+                        scale: float, kernels: Kernels) -> torch.Tensor:
+    """Decode rows over their blocks dequantized as ``_prefill`` dequantizes them, on the float decode
+    kernel where it takes the head size (a row is then the prefill kernel's row), else in PyTorch."""
     tables = meta.decode_block_tables
     ids = tables.flatten()
     shape = (len(ids), layer.k_pool.shape[1], -1, q.shape[-1])
-    k = dequantize_blocks(layer.k_pool, ids, layer, layer.k_thresholds, q.dtype, qops).view(shape)
-    v = dequantize_blocks(layer.v_pool, ids, layer, layer.v_thresholds, q.dtype, qops).view(shape)
-    local = dataclasses.replace(meta, decode_block_tables=torch.arange(len(ids)).view(tables.shape))
-    return paged._decode_attention(q, k, v, local, scale)
+    k = dequantize_blocks(layer.k_pool, ids, layer, layer.k_thresholds, q.dtype, kernels.quant).view(shape)
+    v = dequantize_blocks(layer.v_pool, ids, layer, layer.v_thresholds, q.dtype, kernels.quant).view(shape)
+    local_tables = torch.arange(len(ids)).view(tables.shape)
+    ops = kernels.ops
+    if ops is not None and ops.prefill_attention_supports(q.shape[-1]):
+        return ops.paged_decode_attention(q.contiguous(), k, v, local_tables, meta.decode_context_lens, scale)
+    return paged._decode_attention(q, k, v, dataclasses.replace(meta, decode_block_tables=local_tables), scale)
 
 
 def _prefill(q: torch.Tensor, layer: QuantizedKVLayer, span: PrefillSpan, scale: float,
@@ -155,7 +162,7 @@ def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: At
     """q: [N, Hq, D] (this step's K/V already written). Returns [N, Hq, D]."""
     nd = meta.num_decode_tokens
     qops = kernels.quant
-    if layer.fmt.head_dim != q.shape[-1]:  # int groups smaller than a head: the reference decode path
+    if layer.fmt.head_dim != q.shape[-1]:  # int groups smaller than a head: decode over dequantized blocks
         qops = None
     decode_args = kernel_decode_args(layer, scale)
     if nd == q.shape[0] and qops is not None:  # pure decode batch: no output stitching needed
@@ -167,7 +174,7 @@ def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: At
             out[:nd] = qops.quant_decode_attention(q[:nd].contiguous(), layer.k_pool, layer.v_pool,
                                                    meta.decode_block_tables, meta.decode_context_lens, *decode_args)
         else:
-            out[:nd] = _decode_reference(q[:nd], layer, meta, scale, kernels.quant)
+            out[:nd] = _decode_dequantized(q[:nd], layer, meta, scale, kernels)
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
         out[sl] = _prefill(q[sl], layer, span, scale, kernels)

@@ -1,7 +1,8 @@
 // Kernels for the quantized KV cache (int8, int4, Oaken): quantize-and-write of new K/V rows,
 // dequantization of whole blocks (prefill), and decode attention that reads the blocks in place
-// (head_dim 64 / 128: 16-token tiles, codes widened in registers, on every ISA level; else a
-// scalar kernel that dequantizes each head vector into a small buffer). The byte layout is the one documented in
+// (head_dim 64 / 128: each 16-token tile dequantized as the prefill's blocks are and attended with the
+// float kernels' per-row arithmetic, so a decode row equals the prefill path's; else a scalar kernel
+// that dequantizes each head vector into a small buffer). The byte layout is the one documented in
 // kvmosaic/quant/format.py and kvmosaic/quant/oaken.py; encoding matches the PyTorch reference bit
 // for bit (same float32 operation order, fp16 rounding to nearest even, ties-to-even codes).
 // This file is the extension's only one with the PyTorch headers: it checks the tensors, allocates

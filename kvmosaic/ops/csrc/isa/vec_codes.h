@@ -46,43 +46,4 @@ inline void nibbles_to_f16(const uint8_t* p, F16* r) {
 #endif
 }
 
-// table[code] for 32 four-bit codes laid out as nibbles_to_f16 reads them (a 16-entry lookup).
-inline void lookup_nibbles(const float* table, const uint8_t* p, F16* r) {
-#if defined(KVM_VEC_AVX512)
-  __m128i lo, hi;
-  split_nibbles(p, &lo, &hi);
-  const __m512 t = _mm512_loadu_ps(table);
-  r[0] = {_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo), t)};
-  r[1] = {_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi), t)};
-#elif defined(KVM_VEC_AVX2)
-  __m128i codes[2];
-  split_nibbles(p, codes, codes + 1);
-  const __m256 t_lo = _mm256_loadu_ps(table), t_hi = _mm256_loadu_ps(table + 8);
-  auto eight = [&](__m128i bytes) {  // permutevar reads the low three bits; bit 3 picks the half
-    const __m256i idx = _mm256_cvtepu8_epi32(bytes);
-    const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t_lo, idx), _mm256_permutevar8x32_ps(t_hi, idx), upper);
-  };
-  for (int h = 0; h < 2; ++h) r[h] = {eight(codes[h]), eight(_mm_srli_si128(codes[h], 8))};
-#else
-  for (int j = 0; j < 16; ++j) {
-    r[j / 8].v[2 * (j % 8)] = table[p[j] & 15];
-    r[j / 8].v[2 * (j % 8) + 1] = table[p[j] >> 4];
-  }
-#endif
-}
-
-// The lanes set in m replaced, in lane order, by values[0], values[1], ... (the rest of a kept).
-inline F16 expand(F16 a, Mask m, const float* values) {
-#if defined(KVM_VEC_AVX512)
-  return {_mm512_mask_expand_ps(a.v, static_cast<__mmask16>(m), _mm512_loadu_ps(values))};
-#else
-  if (m == 0) return a;
-  alignas(64) float lanes[16];
-  a.store(lanes);
-  for (int k = 0; m != 0; m &= m - 1) lanes[__builtin_ctz(m)] = values[k++];
-  return F16::load(lanes);
-#endif
-}
-
 }  // namespace kvmosaic_vec

@@ -1,7 +1,9 @@
 // Reading quantized records: dequantization of whole blocks (prefill chunks attend over them) and
-// the scalar decode-attention kernel, which dequantizes each head vector into a small buffer; the
-// vector kernel (kvquant_decode_fast.cpp) takes head_dim 64 / 128 on every ISA level.
+// the scalar decode-attention kernel for head dims other than 64 / 128, which dequantizes each head
+// vector into a small float buffer; the row kernel (kvquant_decode_fast.cpp) takes head_dim 64 / 128
+// on every ISA level, over the same dequantized values as the blocks (kvquant_rows.h).
 #include "kvquant/kvquant_format.h"
+#include "kvquant/kvquant_rows.h"
 
 namespace kvquant {
 namespace {
@@ -134,9 +136,14 @@ void dequant_impl(const uint8_t* src, int64_t bs, const int64_t* id, int64_t nb,
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* rec = src + kvops::slot_of(id, r, bs) * f.record;
       for (int64_t h = 0; h < f.hk; ++h) {
+        T* row = dst + (r * f.hk + h) * f.d;
+        if (f.d == 64 || f.d == 128) {  // the decode kernel's values (kvquant_rows.h)
+          if (f.d == 64) dequantize_head_any<4>(rec, h, f, t, row, buf.data());
+          else dequantize_head_any<8>(rec, h, f, t, row, buf.data());
+          continue;
+        }
         decode_head(rec, h, f, t, buf.data());
-        T* o = dst + (r * f.hk + h) * f.d;
-        for (int64_t i = 0; i < f.d; ++i) o[i] = static_cast<T>(buf[i]);
+        for (int64_t i = 0; i < f.d; ++i) row[i] = static_cast<T>(buf[i]);
       }
     }
   });

@@ -1,8 +1,9 @@
 // The quantized KV cache's record format as the kernels see it: the per-record layout
 // (kvmosaic/quant/format.py and kvmosaic/quant/oaken.py), fp16 helpers with the PyTorch reference's
 // rounding, and the pieces the kernel files share. Used by kvquant_encode.cpp (quantize-and-write),
-// kvquant_decode.cpp (dequantization, scalar decode attention) and kvquant_decode_fast.cpp (vector
-// decode attention); the entry points and the format's parameters are in kvquant.h.
+// kvquant_decode.cpp (dequantization, scalar decode attention), kvquant_rows.h (vector dequantization)
+// and kvquant_decode_fast.cpp (row decode attention); the entry points and the format's parameters are
+// in kvquant.h.
 #pragma once
 
 #include "common/paged.h"
@@ -102,8 +103,8 @@ DecodeBatch<T> decode_batch(const DecodeCall& call, const Format& f, void* out) 
           static_cast<const T*>(call.q), static_cast<T*>(out), call.k_pool, call.v_pool, call.tables, call.lens};
 }
 
-// Vector decode attention (kvquant_decode_fast.cpp); false when it does not apply (a head_dim
-// other than 64 / 128, or Oaken head_dim 64 lists longer than 16 entries).
+// The row decode kernel (kvquant_decode_fast.cpp); false when it does not apply (a head_dim other
+// than 64 / 128).
 template <typename T>
 bool decode_attention_fast(const DecodeBatch<T>& batch, const Format& f, const Thresholds& kt, const Thresholds& vt,
                            double scale, const PartialOut* partial);
