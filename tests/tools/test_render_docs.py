@@ -132,3 +132,15 @@ def test_committed_records_say_where_their_numbers_come_from():
             assert data["date"] and data["git"]["commit"] and data["command"], r.path
         else:  # no run date in the old log: the commit that logged the figures stands in for it
             assert data["date"] is None and data["logged"]["commit"] and data["logged"]["date"], r.path
+
+
+def test_quant_kl_table_leaves_llamacpp_empty_when_it_did_not_run(repo):
+    divergence = {"num_tokens": 2044, "mean_kl": 0.0049, "p99_kl": 0.031, "top1": 0.9606}
+    rows = [{"label": "q8_0", "held": "Q8_0 x211", "int8": divergence, "activation_kl": 0.0035, "llamacpp": None,
+             "weights_only": {**divergence, "mean_kl": 0.0014, "top1": 0.9803}}]
+    (repo / "benchmarks" / "results" / "test-host" / "quant_kl.json").write_text(json.dumps(record(
+        "quant_kl", rows, "2026-02-03T00:00:00Z")))
+    (repo / "docs" / "weights.md").write_text("<!-- results:quant-kl -->\n<!-- /results -->\n")
+    assert render_docs.main(["--root", str(repo)]) == 0
+    text = (repo / "docs" / "weights.md").read_text()
+    assert "| q8_0 | Q8_0 x211 | 0.00490 | 0.00140 | +0.00350 | - | 0.0310 | - | 96.06% | 98.03% | - |" in text
