@@ -254,6 +254,15 @@ def host_isa() -> tuple[str, str]:
     return isa_summary(), Kernels.load().level
 
 
+def check_kernels_built() -> None:
+    """A kvmosaic figure on the PyTorch reference path (kernels not built, or older than their source
+    after a pull) measures nothing anyone runs: stop before the matrix instead."""
+    level = host_isa()[1]
+    if level in ("reference", "unknown"):
+        raise SystemExit(f"kvmosaic would run without its C++ kernels (level {level}: not built, or older than "
+                         "their source); rebuild them (python -m kvmosaic.ops.build) or pass --allow-reference-kernels")
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 def parse_args() -> argparse.Namespace:
@@ -271,6 +280,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the whole matrix this many times and keep each entry's best round")
     parser.add_argument("--no-startup", action="store_true", help="skip kvmosaic's start-up measurement")
+    parser.add_argument("--allow-reference-kernels", action="store_true",
+                        help="run kvmosaic even when its C++ kernels are missing or stale (the slow PyTorch path)")
     parser.add_argument("--isa-cap", choices=["avx2"], default=None,
                         help="run every engine on its AVX2 code paths (an AVX-512 host measuring AVX2 kernels)")
     parser.add_argument("--scheduler-steps", type=int, default=1,
@@ -307,6 +318,8 @@ def main() -> None:
     for key, why in skipped.items():
         print(f"note: {key} skipped: {why}")
     running = [e for e in engines if e.key not in skipped]
+    if any(e.key == "kvmosaic" for e in running) and not args.allow_reference_kernels:
+        check_kernels_built()
     print(f"running {', '.join(e.label for e in running)} x {dtypes} x {workloads}, {THREADS} threads")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
