@@ -29,8 +29,8 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("mode,dtype", [("int8", "float32"), ("int4", "float32"), ("oaken", "float32"),
-                                        ("oaken", "bfloat16")])
+@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_tokens_alone_batched_and_prefix_cached_agree(cached_loader, mode, dtype):
     llm = LLM(model_loader=cached_loader, dtype=dtype, kv_cache_memory="64MiB", kv_cache_dtype=mode,
               max_num_batched_tokens=96)  # prefills in chunks, split differently beside other prompts
