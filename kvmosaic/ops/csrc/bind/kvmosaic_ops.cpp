@@ -35,10 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build and CPU run bfloat16 products on AMX tiles (avx512_bf16 kernels, AMX-BF16 CPU)");
   m.def("amx_enabled", &kvops::amx::enabled,
         "whether bfloat16 and q8/q4 products of AMX_MIN_ROWS rows or more use the AMX tiles");
-  m.def("amx_on_at_start", [](bool supported, c10::optional<std::string> env) {
-    return kvops::amx::on_at_start(supported, env.has_value() ? env->c_str() : nullptr);
-  }, py::arg("supported"), py::arg("env"),
-        "whether the tiles start on, given amx_supported() and KVMOSAIC_AMX (None: unset): only where asked, =1");
   m.def("set_amx", &kvops::amx::set_enabled, py::arg("on"),
         "switch the AMX tiles on (where supported) or off for the products they take; returns the new state");
   m.attr("AMX_MIN_ROWS") = kvops::amx::kMinRows;

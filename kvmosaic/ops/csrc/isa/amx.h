@@ -18,13 +18,8 @@ constexpr int64_t kMinRows = 16;
 
 // Compiled in, and the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use them.
 bool supported();
-// Whether the tiles are on when a process starts: where supported and the environment asks for them
-// (KVMOSAIC_AMX=1). Off by default: a product of kMinRows rows or more on the tiles sums in another
-// order than the same rows take through the vector kernels (and q8 / q4 ones round float32 rows to
-// bf16 where the vector kernels quantize them to int8), so a row's result would depend on how many
-// rows share its step; with the tiles off every product is the same for a row at any row count.
-bool on_at_start(bool supported, const char* env);
-// Whether bf16 products of kMinRows rows or more use the tiles (at start: on_at_start()).
+// Whether bf16 products of kMinRows rows or more use the tiles (default: supported(), unless the
+// environment sets KVMOSAIC_AMX=0).
 bool enabled();
 // Switches the tiles on or off (on only where supported); returns the new state.
 bool set_enabled(bool on);

@@ -69,8 +69,13 @@ bool detect() {
 #endif
 }
 
+bool env_allows() {
+  const char* value = std::getenv("KVMOSAIC_AMX");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
 std::atomic<bool>& switch_state() {
-  static std::atomic<bool> on{on_at_start(supported(), std::getenv("KVMOSAIC_AMX"))};
+  static std::atomic<bool> on{supported() && env_allows()};
   return on;
 }
 
@@ -337,10 +342,6 @@ void quantized_share(const QuantizedWeight& w, const bf16* x, int64_t m, Out* ou
 bool supported() {
   static const bool yes = detect();
   return yes;
-}
-
-bool on_at_start(bool supported, const char* env) {
-  return supported && env != nullptr && std::strcmp(env, "1") == 0;
 }
 
 bool enabled() { return switch_state().load(std::memory_order_relaxed); }

@@ -22,9 +22,8 @@ template <typename T>
 void packed_product(const PackedWeight& w, const T* x, int64_t m, T* out);
 
 // x [m, w.k] (contiguous) times a quantized weight into out [m, w.groups * 16] (+ its bias). T: float
-// or kvmosaic_vec::bf16. The rows are quantized to int8, each alone, and each output is the same
-// sum in the same order at any row count; only with the AMX tiles switched on (amx::enabled(), off by
-// default) does a product of amx::kMinRows rows or more run on them, float32 rows rounded to bf16.
+// or kvmosaic_vec::bf16. From amx::kMinRows rows on a CPU with AMX tiles a q8 / q4 product runs on
+// them, with float32 rows rounded to bf16 first; otherwise the rows are quantized to int8.
 template <typename T>
 void quantized_product(const QuantizedWeight& w, const T* x, int64_t m, T* out);
 

@@ -19,10 +19,9 @@
 //   slower at every row count measured, 5 to 1024, on both levels (AVX-512 VNNI: 12.3 vs 6.9 ms at
 //   5 rows, 143 vs 63 ms at 128, 1071 vs 512 ms at 1024; AVX2: 14.5 vs 7.9, 161 vs 158, 1062 vs 793;
 //   bfloat16 rows: 258 vs 232 ms at 512 on AVX-512 BF16, 770 vs 405 ms on AVX2), so it was removed.
-// On AMX tiles (Intel) that trade turns: from amx::kMinRows rows a q8 / q4 product dequantizes its
-// weights to bf16 chunk by chunk into the tiles' product (amx_gemm.cpp), with the rows in bf16 (float32
-// rows rounded to it: closer to the float product than int8 rows are). That makes a row's result depend
-// on its step's row count, so the tiles are off unless KVMOSAIC_AMX=1 (amx.h).
+// On AMX tiles (Intel) that trade turns: from amx::kMinRows rows a q8 / q4 product
+// dequantizes its weights to bf16 chunk by chunk into the tiles' product (amx_gemm.cpp), with the
+// rows in bf16 (float32 rows rounded to it: closer to the float product than int8 rows are).
 #include "isa/amx.h"
 #include "common/parallel.h"
 #include "linear/linear.h"
