@@ -17,17 +17,24 @@ Workloads (token-id prompts, greedy, EOS ignored, 2 threads everywhere):
   B  64 prompts x 128 tokens, 128 generated    -> output tok/s and wall time
   C  16 prompts x 512 tokens, 1 generated      -> prompt tok/s (best of 3 timed runs on different prompts)
   L  1 prompt x 2048 tokens, 128 generated     -> decode tok/s at a long context (not in the default set)
-  S  kvmosaic only: process start -> first token with the embedded default model
+  S  process start -> first token: kvmosaic with the embedded default model; with --model <shape>,
+     kvmosaic and llama.cpp on that shape's GGUF of each dtype, the file read once first (page cache)
+
+Real-size shapes (--model qwen2.5-0.5b, llama-3.2-1b, smollm2-1.7b, llama-3.2-3b): random weights in
+the real configs, made once by benchmarks/make_models.py; kvmosaic and llama.cpp read the same GGUF for
+every dtype (q4_k_m, q8_0: llama.cpp's quantizer; bfloat16, float32: its converter), vLLM and HF the
+bf16 HF directory (bfloat16 only). Every run reports its peak RSS next to its weights and KV pool
+bytes, and every A / L run its share of the DRAM read roofline (peer_runners/roofline.py).
 
 Every (engine, dtype, workload) runs in its own subprocess (peer_runners/*_runner.py) that prints one
 JSON line. With --rounds N the whole matrix runs N times over and each entry keeps its best round
 (a shared machine's slow phases then cost an engine at most one round). Prints one table and writes
-benchmarks/results/<host-kind>/peers.json.
+benchmarks/results/<host-kind>/peers.json (peers-<shape>.json for a shape, dots as underscores).
 
     make peers
-    python benchmarks/peers.py [--engines kvmosaic,hf,vllm,llamacpp,ct2] [--dtypes float32,bfloat16,q8_0,q4_1]
-                               [--workloads A,B,C,L] [--rounds 1] [--timeout 1500] [--isa-cap avx2]
-                               [--out PATH]
+    python benchmarks/peers.py [--model smollm2-135m] [--engines kvmosaic,hf,vllm,llamacpp,ct2]
+                               [--dtypes float32,bfloat16,q8_0,q4_1,q4_k_m] [--workloads A,B,C,L]
+                               [--rounds 1] [--timeout 1500] [--isa-cap avx2] [--out PATH]
 """
 
 from __future__ import annotations
@@ -44,12 +51,22 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench_results import add_output_arg, write_record
-from peer_runners.common import DTYPES, FIRST_TOKENS, WEIGHT_FORMATS, WORKLOADS
+from bench_results import add_output_arg, host_info, write_record
+from peer_runners.common import DTYPES, FIRST_TOKENS, WORKLOADS
+from peer_runners.footprint import rss_lines, weights_bytes
 from peer_runners.machine_load import children_cpu_seconds, cpu_busy_seconds, wait_for_quiet
-from peer_runners.models import CT2_DIR, HF_DIR, PEERS, ROOT, THREADS, base_env, gguf_for, prepare_models
+from peer_runners.model_source import MODEL_CHOICES, DefaultModel, ShapeModel, model_source
+from peer_runners.models import PEERS, ROOT, THREADS, base_env
 from peer_runners.report import BUSY, CHECK_TOKENS, succeeded, summary_rows, table, token_check
-from peer_runners.roofline import read_bandwidth, roofline_lines, roofline_rows
+from peer_runners.roofline import (
+    decode_share_lines,
+    decode_share_rows,
+    read_bandwidth,
+    read_probe_setup,
+    roofline_lines,
+    roofline_rows,
+)
+from peer_runners.shape_files import DEFAULT_MODEL
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
 
@@ -77,13 +94,6 @@ class Engine:
             return f"{self.venv.relative_to(ROOT)} is not set up (bash scripts/setup_peers.sh {self.key})"
         return None
 
-    def supports(self, dtype: str) -> bool:
-        return dtype not in WEIGHT_FORMATS or self.key in ("kvmosaic", "llamacpp")
-
-    def model_path(self, dtype: str) -> Path:
-        if self.key == "llamacpp" or dtype == "q4_1":
-            return gguf_for(dtype)
-        return CT2_DIR if self.key == "ct2" else HF_DIR  # kvmosaic quantizes q8_0 at load
 
 
 def _vllm_preload() -> str:
@@ -131,12 +141,12 @@ ENGINES = [
 
 # ---- running one (engine, dtype, workload) ---------------------------------------------------------
 
-def run_one(engine: Engine, dtype: str, workload: str, timeout: float) -> dict:
-    """Run a runner in its own process group; returns its JSON result or {"error": ...}.
+def run_one(engine: Engine, dtype: str, workload: str, timeout: float, model: Path | None) -> dict:
+    """Run a runner on ``model`` (None: the runner's default) in its own process group; returns its JSON
+    result or {"error": ...}, with the model's weight bytes.
 
     ``other_cpu_share`` is the CPU share that processes other than this run used meanwhile.
     """
-    model = None if workload == "S" else engine.model_path(dtype)
     cmd = [str(engine.python), str(engine.runner), "--workload", workload, "--dtype", dtype,
            "--threads", str(THREADS)]
     if model is not None:
@@ -157,6 +167,8 @@ def run_one(engine: Engine, dtype: str, workload: str, timeout: float) -> dict:
     result = _parse_result(out) or {"error": f"exit code {proc.returncode}: "
                                              + " | ".join(err.strip().splitlines()[-6:])[-800:]}
     result["other_cpu_share"] = max(0.0, others) / (wall * (os.cpu_count() or 1))
+    if engine.key != "ct2" and (sizes := weights_bytes(model, dtype)) is not None:
+        result.update(weights_bytes=sizes.held, weights_read_bytes=sizes.read_per_token)
     return result
 
 
@@ -170,8 +182,8 @@ def _parse_result(stdout: str) -> dict | None:
     return None
 
 
-def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], timeout: float,
-               quiet_wait: float, rounds: int = 1) -> list[dict]:
+def run_matrix(engines: list[Engine], source: DefaultModel | ShapeModel, dtypes: list[str], workloads: list[str],
+               timeout: float, quiet_wait: float, rounds: int = 1) -> list[dict]:
     """Every (engine, dtype, workload) once per round, rounds one after the other, so a slow phase
     of a shared machine hits each engine in at most one of its rounds; the best round is kept."""
     best: dict[tuple[str, str, str], dict] = {}
@@ -179,13 +191,13 @@ def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], t
         for dtype in dtypes:
             for workload in workloads:
                 for engine in engines:
-                    if not engine.supports(dtype):
+                    if not source.supports(engine.key, dtype):
                         continue
                     tag = f" r{round_no}" if rounds > 1 else ""
                     print(f"  {engine.label:16} {dtype:9} {workload}{tag} ...", end=" ", flush=True)
                     wait_for_quiet(quiet_wait)
                     probes = [read_bandwidth()] if WORKLOADS[workload].single_stream_decode else []
-                    res = run_one(engine, dtype, workload, timeout)
+                    res = run_one(engine, dtype, workload, timeout, source.path(engine.key, dtype))
                     if probes:  # the roofline of this run: the bandwidth just before and after it
                         probes.append(read_bandwidth())
                         if None not in probes:
@@ -207,15 +219,28 @@ def run_matrix(engines: list[Engine], dtypes: list[str], workloads: list[str], t
     return list(best.values())
 
 
-def run_startup(kvmosaic: Engine, dtypes: list[str], timeout: float, quiet_wait: float) -> list[dict]:
+def read_into_page_cache(path: Path) -> None:
+    """Read a file once so that start-up is measured with it in the page cache (as the target says)."""
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def run_startup(engines: list[Engine], source: DefaultModel | ShapeModel, dtypes: list[str], timeout: float,
+                quiet_wait: float) -> list[dict]:
+    """kvmosaic's start-up per dtype (the default model: only the embedded file); on a shape llama.cpp's too."""
     rows = []
-    for dtype in dtypes:
-        if dtype == "q8_0":  # start-up is of the embedded default model, a Q4_1 file
-            continue
-        wait_for_quiet(quiet_wait)
-        res = run_one(kvmosaic, dtype, "S", timeout)
-        res.update(engine="kvmosaic", dtype=dtype, workload="S")
-        rows.append(res)
+    for dtype in source.startup_dtypes(dtypes):
+        path = source.startup_path(dtype)
+        for engine in engines:
+            if engine.key != "kvmosaic" and (path is None or engine.key != "llamacpp"):
+                continue
+            if path is not None:
+                read_into_page_cache(path)
+            wait_for_quiet(quiet_wait)
+            res = run_one(engine, dtype, "S", timeout, path)
+            res.update(engine=engine.key, dtype=dtype, workload="S")
+            rows.append(res)
     return rows
 
 
@@ -229,12 +254,24 @@ def host_isa() -> tuple[str, str]:
     return isa_summary(), Kernels.load().level
 
 
+def check_kernels_built() -> None:
+    """A kvmosaic figure on the PyTorch reference path (kernels not built, or older than their source
+    after a pull) measures nothing anyone runs: stop before the matrix instead."""
+    level = host_isa()[1]
+    if level in ("reference", "unknown"):
+        raise SystemExit(f"kvmosaic would run without its C++ kernels (level {level}: not built, or older than "
+                         "their source); rebuild them (python -m kvmosaic.ops.build) or pass --allow-reference-kernels")
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=MODEL_CHOICES,
+                        help="the embedded default model, or a real-size shape made by benchmarks/make_models.py")
     parser.add_argument("--engines", default=",".join(e.key for e in ENGINES))
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default=None,
+                        help="default: float32,bfloat16 (default model); q4_k_m,q8_0,bfloat16 (a shape)")
     parser.add_argument("--workloads", default="A,B,C",
                         help="of A, B, C, L; S (kvmosaic's start-up) runs after the matrix unless --no-startup")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds per (engine, dtype, workload) run")
@@ -243,6 +280,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the whole matrix this many times and keep each entry's best round")
     parser.add_argument("--no-startup", action="store_true", help="skip kvmosaic's start-up measurement")
+    parser.add_argument("--allow-reference-kernels", action="store_true",
+                        help="run kvmosaic even when its C++ kernels are missing or stale (the slow PyTorch path)")
     parser.add_argument("--isa-cap", choices=["avx2"], default=None,
                         help="run every engine on its AVX2 code paths (an AVX-512 host measuring AVX2 kernels)")
     parser.add_argument("--scheduler-steps", type=int, default=1,
@@ -253,7 +292,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    keys, dtypes, workloads = (s.split(",") for s in (args.engines, args.dtypes, args.workloads))
+    source = model_source(args.model)
+    dtypes_arg = args.dtypes or ",".join(source.default_dtypes)
+    keys, dtypes, workloads = (s.split(",") for s in (args.engines, dtypes_arg, args.workloads))
     if unknown := set(dtypes) - set(DTYPES):
         raise SystemExit(f"unknown dtypes {sorted(unknown)}; choose from {', '.join(DTYPES)}")
     if unknown := set(workloads) - set(WORKLOADS):
@@ -273,34 +314,41 @@ def main() -> None:
         for key in uncapped:
             print(f"note: {key} skipped: cannot be capped at {args.isa_cap}")
     skipped = {e.key: why for e in engines if (why := e.missing())}
-    skipped.update(prepare_models([e for e in engines if e.key not in skipped], dtypes))
+    skipped.update(source.prepare([e for e in engines if e.key not in skipped], dtypes))
     for key, why in skipped.items():
         print(f"note: {key} skipped: {why}")
     running = [e for e in engines if e.key not in skipped]
+    if any(e.key == "kvmosaic" for e in running) and not args.allow_reference_kernels:
+        check_kernels_built()
     print(f"running {', '.join(e.label for e in running)} x {dtypes} x {workloads}, {THREADS} threads")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    results = run_matrix(running, dtypes, workloads, args.timeout, args.quiet_wait, args.rounds)
-    kvmosaic = next((e for e in running if e.key == "kvmosaic"), None)
-    startup = [] if args.no_startup or kvmosaic is None else run_startup(kvmosaic, dtypes, args.timeout,
-                                                                          args.quiet_wait)
+    results = run_matrix(running, source, dtypes, workloads, args.timeout, args.quiet_wait, args.rounds)
+    startup = [] if args.no_startup else run_startup(running, source, dtypes, args.timeout, args.quiet_wait)
 
     isa, kernels = host_isa()
     if args.isa_cap:
         isa += f", every engine capped at {args.isa_cap.upper()} code paths"
-    print(f"\nhost ISA {isa}, kvmosaic kernels {kernels}; SmolLM2-135M-Instruct, greedy, EOS ignored, {THREADS} "
+    bandwidths = [b for r in results for b in r.get("read_bandwidth_probes", [])]
+    dram = (f"DRAM read {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} GB/s over the runs"
+            if bandwidths else "DRAM read bandwidth not probed (no A or L run)")
+    print(f"\nCPU {host_info()['cpu_model']}; host ISA {isa}, kvmosaic kernels {kernels}; {dram} "
+          f"(probe: {read_probe_setup()}); {source.label}, greedy, EOS ignored, {THREADS} "
           "threads; A: 1 x 128 prompt + 128 output tokens, B: 64 x 128 + 128, C: 16 x 512 + 1, L: 1 x 2048 + 128; "
-          "q8_0 / q4_1: GGUF "
-          "weight formats with float32 activations\n")
+          "q8_0 / q4_1 / q4_k_m: GGUF weight formats with float32 activations\n")
     lines = table(results, engines, dtypes, workloads, skipped)
-    for res in startup:  # kvmosaic is the first engine column
-        value = f"{res['seconds']:.2f}" if succeeded(res) else "failed"
-        cells = ["S", "start-up s", res["dtype"], value, *["-"] * len(engines)]
-        lines.append("| " + " | ".join(cells) + " |")
+    for res in startup:
+        cells = ["S", "start-up s", res["dtype"]]
+        for engine in engines:
+            found = next((r for r in startup if (r["engine"], r["dtype"]) == (engine.key, res["dtype"])), None)
+            cells.append("-" if found is None else f"{found['seconds']:.2f}" if succeeded(found) else "failed")
+        if res["engine"] == "kvmosaic":  # one row per dtype, every engine's start-up in its column
+            lines.append("| " + " | ".join([*cells, "-"]) + " |")
     print("\n".join(lines))
     if startup:
-        print("S: kvmosaic from process start to the first generated token with the embedded default model "
-              "(GGUF), target < 10 s")
+        print("S: from process start to the first generated token (the model file in the page cache); "
+              + ("the embedded default model (GGUF), target < 10 s" if source.key == DEFAULT_MODEL
+                 else "target for a 1B Q4_K_M: <= 3 s"))
     if any(r.get("other_cpu_share", 0) > BUSY for r in results):
         print(f"* other processes used over {100 * BUSY:.0f}% of the CPUs during that run")
     same, check = token_check(results, workloads)
@@ -308,19 +356,23 @@ def main() -> None:
     print(f"\nfloat32 greedy tokens of the first prompt equal kvmosaic's (first {CHECK_TOKENS} required): "
           f"{verdict}; leading tokens equal to kvmosaic's, per engine:")
     print("\n".join(check))
-    roofline = roofline_rows(results)
+    shares = decode_share_rows(results, source.planner_model())
+    print("\n".join(decode_share_lines(shares)))
+    print("\n".join(rss_lines(results + startup)))
+    roofline = roofline_rows(results, source.planner_model())
     print("\n".join(roofline_lines(roofline)))
     for res in results + startup:
         if not succeeded(res):
             why = res.get("error") or f"not supported: {res['unsupported']}"
             print(f"{res['engine']} {res['dtype']} {res['workload']}: {why}")
 
-    meta = {"isa": isa, "threads": THREADS,
+    meta = {"model": source.key, "isa": isa, "threads": THREADS, "read_probe": read_probe_setup(),
             "dtypes": dtypes, "workloads": {w: asdict(WORKLOADS[w]) for w in workloads},
             "first_tokens_kept": FIRST_TOKENS, "rounds": args.rounds, "isa_cap": args.isa_cap}
-    write_record("peers", summary_rows(results, startup), out=args.out, config=meta, isa_level=kernels,
+    bench = "peers" if source.key == DEFAULT_MODEL else "peers-" + source.key.replace(".", "_")
+    write_record(bench, summary_rows(results, startup), out=args.out, config=meta, isa_level=kernels,
                  extra={"skipped": skipped, "results": results, "startup": startup, "float32_tokens_match": same,
-                        "roofline": roofline, "table": lines})
+                        "roofline": roofline, "roofline_shares": shares, "table": lines})
 
 
 if __name__ == "__main__":

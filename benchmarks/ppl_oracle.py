@@ -46,6 +46,23 @@ def model_file(fmt: str) -> Path:
     return GGUF["float32"] if fmt == "float32" else prepare_quantized_gguf(python, fmt)
 
 
+def add_run_args(parser: argparse.ArgumentParser, bench: str, default: tuple[str, ...], choices: tuple[str, ...],
+                 max_tokens: int) -> None:
+    """The flags of a run over formats and token windows (this script's and quant_kl.py's)."""
+    parser.add_argument("--formats", default=",".join(default), help=f"comma-separated, from {', '.join(choices)}")
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--threads", type=int, default=2)
+    add_output_arg(parser, bench)
+
+
+def chosen_formats(parser: argparse.ArgumentParser, formats: str, choices: tuple[str, ...]) -> list[str]:
+    chosen = formats.split(",")
+    if unknown := set(chosen) - set(choices):
+        parser.error(f"unknown formats {sorted(unknown)}; choose from {', '.join(choices)}")
+    return chosen
+
+
 def run(formats: list[str], quantization: str | None, window: int, max_tokens: int,
         threads: int) -> tuple[list[OracleRow], list[list[int]]]:
     text, _ = read_text(None, EVAL_SOURCE)
@@ -73,17 +90,11 @@ def table(rows: list[OracleRow]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--quantization", default="auto", choices=["auto", "none"],
                         help="how kvmosaic loads the quantized files (float32 always loads as none)")
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=2)
-    add_output_arg(parser, "ppl_oracle")
+    add_run_args(parser, "ppl_oracle", FORMATS, FORMATS, 4096)
     args = parser.parse_args()
-    formats = args.formats.split(",")
-    if unknown := set(formats) - set(FORMATS):
-        parser.error(f"unknown formats {sorted(unknown)}; choose from {', '.join(FORMATS)}")
+    formats = chosen_formats(parser, args.formats, FORMATS)
     if missing := llamacpp_missing():
         print(f"llama.cpp oracle unavailable: {missing}", file=sys.stderr)
         return 2

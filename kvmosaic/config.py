@@ -217,6 +217,10 @@ class EngineConfig:
     quantization: str | None = "auto"
     seed: int = 0
     num_threads: int | None = None
+    # a request's greedy tokens (and seeded samples) independent of the batch, the chunking, the prefix
+    # cache and speculation; False lets the kernels take row-count-dependent faster paths
+    # (kvmosaic.ops: set_batch_invariant)
+    deterministic: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding

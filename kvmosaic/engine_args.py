@@ -79,6 +79,9 @@ class EngineArgs:
              "stays float), none (every weight dequantized to the compute dtype), or q8_0 / q4_0 / q4_1 / q4_k / "
              "q6_k (quantized at load)")
     seed: int = option(0, help="the engine's seed (EngineConfig.seed); a request's draws follow its own seed")
+    deterministic: bool = option(
+        True, help="batch-invariant kernels: a request's output does not depend on the requests beside it, the "
+                   "prefill chunking, the prefix cache or speculation (--no-deterministic: faster paths on AMX)")
     num_threads: int | None = option(
         None, flags=("--threads",),
         help="torch threads (default: every core; with instances > 1, the cores shared among them)")
@@ -185,7 +188,8 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             num_scheduler_steps=self.num_scheduler_steps)
         engine = EngineConfig(model=self.model, dtype=self.dtype, quantization=self.quantization, seed=self.seed,
-                              num_threads=num_threads, cache=cache, scheduler=scheduler, speculative=self.speculative)
+                              deterministic=self.deterministic, num_threads=num_threads, cache=cache,
+                              scheduler=scheduler, speculative=self.speculative)
         restart = RestartPolicy(max_restarts=self.max_worker_restarts)
         if self.disaggregated:  # ray_address goes to the workers
             return EngineConfigs(engine, disagg=DisaggConfig(

@@ -16,10 +16,15 @@ def tile_modes(ops, dtype: torch.dtype) -> list[bool]:
 
 @contextlib.contextmanager
 def amx(ops, on: bool):
-    """Runs the block with the tiles switched on or off, then restores the switch."""
-    before = ops.amx_enabled()
+    """Runs the block with the tiles switched on or off, then restores the switch. The tiles take only
+    products of many rows, so they run only with batch invariance off (ops.set_batch_invariant)."""
+    invariant = ops.batch_invariant()
+    ops.set_batch_invariant(False)
+    before = ops.amx_enabled()  # the switch alone
     assert ops.set_amx(on) == on
+    ops.set_batch_invariant(not on)
     try:
         yield
     finally:
         ops.set_amx(before)
+        ops.set_batch_invariant(invariant)

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
 
-VOCAB_SIZE = 49152  # SmolLM2; ids below 100 hold the special tokens
+# SmolLM2's tokenizer, which every real-size shape ships too (their vocabularies are at least as large);
+# ids below 100 hold the special tokens
+VOCAB_SIZE = 49152
 # Float dtypes, and GGUF weight formats run with float32 activations (llama.cpp and kvmosaic only).
-DTYPES = ("float32", "bfloat16", "q8_0", "q4_1")
-WEIGHT_FORMATS = ("q8_0", "q4_1")
+DTYPES = ("float32", "bfloat16", "q8_0", "q4_1", "q4_k_m")
+WEIGHT_FORMATS = ("q8_0", "q4_1", "q4_k_m")
 FIRST_TOKENS = 16  # greedy ids of the first prompt kept for the cross-engine check
 
 
@@ -144,7 +147,48 @@ def run(engine_name: str, build, argv=None) -> None:
     else:
         result.update(measure(engine, work))
     result["workload_spec"] = asdict(work)
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    if hasattr(engine, "kv_pool_bytes"):
+        result["kv_pool_bytes"] = engine.kv_pool_bytes()
     _emit(result)
+
+
+def _status_kib(pid: int | str, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Live child processes of ``pid`` and theirs (an engine's worker processes, e.g. vLLM's engine core)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children", encoding="ascii") as children:
+                    kids = [int(c) for c in children.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory (VmHWM) of this process plus that of each live descendant: the engine's
+    high-water mark, counting file pages of mapped weights that were touched."""
+    pid = os.getpid()
+    return 1024 * sum(_status_kib(p, "VmHWM") for p in [pid, *_descendants(pid)])
 
 
 def _emit(result: dict) -> None:

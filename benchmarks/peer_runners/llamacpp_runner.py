@@ -14,8 +14,22 @@ from llama_cpp import Llama
 class LlamaCppEngine:
     def __init__(self, model_path: str, dtype: str, threads: int) -> None:
         n_ctx = context_window(WORKLOADS[parse_args().workload])
+        self.n_ctx = n_ctx
         self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
+
+    def kv_pool_bytes(self) -> int | None:
+        """The KV cache llama.cpp reserves: n_ctx tokens of f16 K and V (its default cache type) per layer."""
+        meta = self.llm.metadata
+        arch = meta.get("general.architecture", "")
+        try:
+            layers = int(meta[f"{arch}.block_count"])
+            heads = int(meta[f"{arch}.attention.head_count"])
+            kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+            head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads))
+        except (KeyError, ValueError):
+            return None
+        return self.n_ctx * layers * 2 * kv_heads * head_dim * 2
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         outs = []

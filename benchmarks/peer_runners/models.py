@@ -36,7 +36,7 @@ def base_env() -> dict:
     return env
 
 
-def _run_tool(cmd: list[str], what: str, timeout: float = 1800) -> None:
+def run_tool(cmd: list[str], what: str, timeout: float = 1800) -> None:
     """A preparation step, niced so it does not disturb anyone measuring."""
     print(f"preparing {what} ...", flush=True)
     done = subprocess.run(["nice", "-n", "19", *map(str, cmd)], capture_output=True, text=True,
@@ -50,7 +50,7 @@ def prepare_hf_dir() -> None:
         return
     code = ("import torch; from kvmosaic.model.loader import export_hf, load_model; "
             f"export_hf(load_model(None, torch.float32, quantization=None), {str(HF_DIR)!r})")
-    _run_tool([sys.executable, "-c", code], f"HF directory {HF_DIR.relative_to(ROOT)}")
+    run_tool([sys.executable, "-c", code], f"HF directory {HF_DIR.relative_to(ROOT)}")
 
 
 def prepare_gguf(python: Path) -> None:
@@ -62,7 +62,7 @@ def prepare_gguf(python: Path) -> None:
             raise RuntimeError(f"{script.relative_to(ROOT)} is missing (bash scripts/setup_peers.sh llamacpp)")
         tmp = out.with_suffix(".tmp")
         outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
-        _run_tool([python, script, HF_DIR, "--outtype", outtype, "--outfile", tmp], f"GGUF {out.name}")
+        run_tool([python, script, HF_DIR, "--outtype", outtype, "--outfile", tmp], f"GGUF {out.name}")
         tmp.rename(out)
 
 
@@ -71,7 +71,7 @@ def prepare_quantized_gguf(python: Path, fmt: str) -> Path:
     out = QUANT_GGUF[fmt]
     if not out.is_file():
         tmp = out.with_suffix(".tmp")
-        _run_tool([python, Path(__file__).with_name("llamacpp_quantize.py"), GGUF["float32"], tmp, fmt],
+        run_tool([python, Path(__file__).with_name("llamacpp_quantize.py"), GGUF["float32"], tmp, fmt],
                   f"GGUF {out.name}")
         tmp.rename(out)
     return out
@@ -83,7 +83,7 @@ def prepare_ct2(python: Path) -> None:
     tmp = CT2_DIR.with_name(CT2_DIR.name + ".tmp")
     code = ("from ctranslate2.converters import TransformersConverter; "
             f"TransformersConverter({str(HF_DIR)!r}).convert({str(tmp)!r}, quantization='float32', force=True)")
-    _run_tool([python, "-c", code], f"CTranslate2 model {CT2_DIR.relative_to(ROOT)}")
+    run_tool([python, "-c", code], f"CTranslate2 model {CT2_DIR.relative_to(ROOT)}")
     tmp.rename(CT2_DIR)
 
 

@@ -6,6 +6,8 @@ sets them); the engine core runs in a child process, hence the ``__main__`` guar
 
 from __future__ import annotations
 
+import os
+
 from common import WORKLOADS, context_window, parse_args, run
 
 
@@ -17,6 +19,10 @@ class VLLMEngine:
         window = context_window(WORKLOADS[parse_args().workload])
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=window, max_num_seqs=64,
                        enable_prefix_caching=False, seed=0)
+
+    def kv_pool_bytes(self) -> int:
+        """VLLM_CPU_KVCACHE_SPACE (GiB, set by peers.py; vLLM's own default is 4)."""
+        return int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")) * (1 << 30))
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         from vllm import SamplingParams

@@ -8,13 +8,15 @@ attention backend), with the sequence in blocks 0, 1, 2, ... of a pool sized for
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvmosaic.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from kvmosaic.model.loader import LoadedModel, load_model
 from kvmosaic.quant import thresholds as kv_thresholds
+from kvmosaic.quant import weights as qw
 from kvmosaic.worker.worker import Worker
 
 
@@ -46,6 +48,14 @@ def load_eval_model(path: str | None, dtype: str = "float32", max_len: int = 409
     return EvalModel(loaded, torch_dtype, path, max_len, quantization)
 
 
+def float_activations(em: EvalModel) -> EvalModel:
+    """The same weights with every quantized matrix dequantized to ``em.dtype``: its products run in float,
+    so comparing the two isolates what quantizing the activations (int8 per 32) adds to the weights' error."""
+    weights = {name: qw.dequantize(w, em.dtype) if isinstance(w, qw.QuantizedWeight) else w
+               for name, w in em.loaded.weights.items()}
+    return EvalModel(replace(em.loaded, weights=weights), em.dtype, em.path, em.max_len, None)
+
+
 def eval_worker(em: EvalModel, kv_cache_dtype: str, max_tokens: int, block_size: int = 16,
                 thresholds: kv_thresholds.KVThresholds | str | None = None, group_size: int | None = None) -> Worker:
     """A worker whose pool holds one sequence of up to ``max_tokens`` tokens in the given KV format
@@ -69,3 +79,12 @@ def run_sequence(worker: Worker, token_ids: list[int], chunk: int) -> torch.Tens
     """Logits [n, vocab] of a whole sequence prefilled ``chunk`` tokens at a time."""
     parts = [forward_chunk(worker, token_ids[i: i + chunk], i) for i in range(0, len(token_ids), chunk)]
     return torch.cat(parts)
+
+
+@torch.inference_mode()
+def window_logits(em: EvalModel, windows: list[list[int]]) -> Iterator[torch.Tensor]:
+    """Per window, logits [n - 1, vocab] of the positions that predict its ids[1:], each window from an
+    empty cache in one pass (the model's own KV dtype)."""
+    worker = eval_worker(em, "auto", max(len(w) for w in windows))
+    for ids in windows:
+        yield forward_chunk(worker, ids, 0)[: len(ids) - 1]

@@ -1,6 +1,6 @@
 """llama.cpp's negative log-likelihood of token windows: the external perplexity oracle.
 
-    <llamacpp venv>/bin/python llamacpp_ppl.py MODEL.gguf WINDOWS.json THREADS
+    <llamacpp venv>/bin/python llamacpp_ppl.py WINDOWS.json THREADS MODEL.gguf
 
 Runs in the llama-cpp-python venv (llama_cpp and numpy only; kvmosaic is not importable there).
 WINDOWS.json holds lists of token ids; each window is evaluated from an empty KV cache in one
@@ -18,29 +18,44 @@ from pathlib import Path
 GGML_TYPE_F32 = 0
 
 
-def window_nll(llm, ids: list[int]) -> float:
+def open_model(model: str, n_ctx: int, threads: int):
+    """A llama.cpp context for windows of up to ``n_ctx`` tokens, each in one batch, logits of every
+    position, float32 KV."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, n_threads=threads,
+                 n_threads_batch=threads, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, verbose=False)
+
+
+def window_logits(llm, ids: list[int]):
+    """Logits [n - 1, vocab] (float64) of the positions that predict ids[1:], from an empty cache."""
     import numpy as np
 
     llm.reset()
     llm.eval(ids)
-    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
-    top = logits.max(axis=1, keepdims=True)
-    log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
-    chosen = logits[np.arange(len(ids) - 1), ids[1:]]
-    return float((log_norm - chosen).sum())
+    return np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
+
+
+def window_nll(llm, ids: list[int]) -> float:
+    import numpy as np
+    from divergence import log_softmax  # this script's folder is on sys.path: kvmosaic is not importable here
+
+    logprobs = log_softmax(window_logits(llm, ids))
+    return -float(logprobs[np.arange(len(ids) - 1), ids[1:]].sum())
+
+
+def system_info() -> str:
+    from llama_cpp import llama_print_system_info
+
+    return llama_print_system_info().decode().strip()
 
 
 def main() -> int:
-    from llama_cpp import Llama, llama_print_system_info
-
-    model, windows_file, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    windows_file, threads, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     windows = json.loads(Path(windows_file).read_text())
-    n_ctx = max(len(w) for w in windows)
-    llm = Llama(model_path=model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                n_threads=threads, n_threads_batch=threads, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
-                verbose=False)
+    llm = open_model(model, max(len(w) for w in windows), threads)
     rows = [[window_nll(llm, w), len(w) - 1] for w in windows]
-    print(json.dumps({"windows": rows, "system_info": llama_print_system_info().decode().strip()}))
+    print(json.dumps({"windows": rows, "system_info": system_info()}))
     return 0
 
 

@@ -23,7 +23,7 @@ from kvmosaic.eval.harness import EvalModel
 from kvmosaic.eval.ppl import perplexity
 
 REPO = Path(__file__).resolve().parents[2]
-RUNNER = Path(__file__).with_name("llamacpp_ppl.py")
+RUNNER = "llamacpp_ppl.py"
 AGREEMENT = 0.01  # the two engines' perplexities must agree within 1%
 
 
@@ -50,9 +50,10 @@ class LlamaCppPerplexity:
         return math.exp(self.nll_sum / self.num_tokens)
 
 
-def llamacpp_perplexity(gguf: str | Path, windows: list[list[int]], threads: int = 2,
-                        timeout: float = 1800) -> LlamaCppPerplexity:
-    """llama.cpp's perplexity of ``windows`` (token ids) under the model in ``gguf``."""
+def run_llamacpp(script: str, windows: list[list[int]], ggufs: list[str | Path], threads: int,
+                 timeout: float) -> dict:
+    """Run ``script`` (a runner beside this module: ``WINDOWS.json THREADS GGUF...``) in the llama.cpp venv
+    on ``windows`` (token ids); returns the JSON of its last output line."""
     missing = llamacpp_missing()
     if missing:
         raise RuntimeError(missing)
@@ -60,11 +61,18 @@ def llamacpp_perplexity(gguf: str | Path, windows: list[list[int]], threads: int
         json.dump(windows, spec)
         spec.flush()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        done = subprocess.run([str(llamacpp_venv() / "bin" / "python"), str(RUNNER), str(gguf), spec.name,
-                               str(threads)], capture_output=True, text=True, timeout=timeout, env=env)
+        argv = [str(llamacpp_venv() / "bin" / "python"), str(Path(__file__).with_name(script)), spec.name,
+                str(threads), *map(str, ggufs)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp perplexity failed: {done.stderr.strip()[-1500:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"llama.cpp {script} failed: {done.stderr.strip()[-1500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llamacpp_perplexity(gguf: str | Path, windows: list[list[int]], threads: int = 2,
+                        timeout: float = 1800) -> LlamaCppPerplexity:
+    """llama.cpp's perplexity of ``windows`` (token ids) under the model in ``gguf``."""
+    result = run_llamacpp(RUNNER, windows, [gguf], threads, timeout)
     rows = result["windows"]
     return LlamaCppPerplexity(sum(r[0] for r in rows), sum(r[1] for r in rows), result["system_info"])
 

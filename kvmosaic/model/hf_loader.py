@@ -108,6 +108,11 @@ def write_hf_dir(config: ModelConfig, weights: dict[str, torch.Tensor], tokenize
                if not (name == "lm_head.weight" and config.tie_word_embeddings)}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", hf_config_dict(config, dtype))
+    write_tokenizer_files(tokenizer, config, out_dir)
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, config: ModelConfig, out_dir: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json of an HF directory."""
     (out_dir / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tokenizer, config))
     _write_json(out_dir / "generation_config.json", {

@@ -77,6 +77,12 @@ class Kernels:
         """No kernels: every layer runs its PyTorch reference."""
         return cls()
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """The kernels' batch invariance for this process (no effect without kernels): on, a
+        row's arithmetic does not depend on the rows beside it; off, faster row-count-dependent paths."""
+        if self.ops is not None:
+            self.ops.set_batch_invariant(on)
+
     def has(self, name: str) -> bool:
         """Whether the float kernels export ``name`` (an extension built from older sources may not)."""
         return self.ops is not None and hasattr(self.ops, name)

@@ -1,15 +1,14 @@
 """Measure this machine as a planner hardware spec: memory read bandwidth and matmul FLOP/s.
 
-Bandwidth is the best time of summing a tensor much larger than the CPU caches (a pure
-read stream), held in huge pages as the model's weights are (4 KiB pages read 10-20% slower
-here); FLOP/s is the best time of a square matmul, 2 n^3 FLOPs, in float32 and
-bfloat16, on the fastest of the paths kvmosaic's linear layers can take on this host: its
-packed linear kernel where the loaded ISA level takes the dtype (bf16 widened to float in
-registers on CPUs without native bf16 dot products), ``F.linear`` (oneDNN: what an unpacked
-layer runs) and ``torch.mm``. ``torch.mm`` alone is no measure of bf16 on AVX2: it falls back
-to a scalar loop at about 0.3 GFLOP/s while ``F.linear`` runs 20 GFLOP/s. Everything runs on
-all the cores the process may use; a path that fails is left out, and a dtype with no path that
-ran has no figure (never 0).
+Bandwidth is the best time of summing a tensor at least 4x the last-level cache (a pure read stream
+that DRAM serves, kvmosaic.planner.caches), held in huge pages as the model's weights are (4 KiB
+pages read 10-20% slower here); FLOP/s is the best time of a square matmul, 2 n^3 FLOPs, in float32
+and bfloat16, on the fastest of the paths kvmosaic's linear layers can take on this host: its packed
+linear kernel where the loaded ISA level takes the dtype (bf16 widened to float in registers on CPUs
+without native bf16 dot products), ``F.linear`` (oneDNN: what an unpacked layer runs) and
+``torch.mm``. ``torch.mm`` alone is no measure of bf16 on AVX2: it falls back to a scalar loop at
+about 0.3 GFLOP/s while ``F.linear`` runs 20 GFLOP/s. Everything runs on all the cores the process
+may use; a path that fails is left out, and a dtype with no path that ran has no figure (never 0).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmosaic.ops.memory import empty_huge
+from kvmosaic.planner.caches import LastLevelCache, dram_probe_bytes, last_level_cache
 from kvmosaic.planner.roofline import HardwareSpec, format_rate
 
 THIS_MACHINE = "this machine"
@@ -64,8 +64,15 @@ def best_time(fn: Callable[[], object], budget_s: float) -> float:
             return best
 
 
-def measure_read_bandwidth(budget_s: float, buffer_bytes: int = 256 * MiB) -> float:
-    """Bytes per second read by a streaming reduction over ``buffer_bytes``."""
+def default_read_buffer_bytes() -> int:
+    """A buffer the probing threads' last-level cache cannot hold (kvmosaic.planner.caches)."""
+    return dram_probe_bytes(last_level_cache())
+
+
+def measure_read_bandwidth(budget_s: float, buffer_bytes: int | None = None) -> float:
+    """Bytes per second read by a streaming reduction over ``buffer_bytes`` (default: at least 4x the
+    last-level cache, so DRAM is what is measured), on the threads torch is set to use."""
+    buffer_bytes = default_read_buffer_bytes() if buffer_bytes is None else buffer_bytes
     data = empty_huge((max(1, buffer_bytes // 4),), torch.float32).fill_(1.0)
     seconds = best_time(lambda: data.sum(), budget_s)
     return data.numel() * data.element_size() / seconds
@@ -164,19 +171,31 @@ class Probe:
     isa: str
     fp32: MatmulRate
     bf16: MatmulRate
+    read_buffer_bytes: int | None = None  # the bandwidth probe's buffer
+    llc: LastLevelCache | None = None  # the last-level cache it was sized against
 
     def describe(self) -> str:
         rates = ", ".join(f"{name} {format_rate(r.flops) if r.flops else 'n/a'} ({r.path})"
                           for name, r in (("fp32", self.fp32), ("bf16", self.bf16)))
-        return f"probed {self.isa}: read {self.spec.hbm_bandwidth / 1e9:.1f} GB/s; matmul {rates}"
+        return f"probed {self.isa}: read {self.spec.hbm_bandwidth / 1e9:.1f} GB/s{self.read_setup()}; matmul {rates}"
+
+    def read_setup(self) -> str:
+        """The read probe's buffer and the cache it must miss, as " (256 MiB buffer, LLC L3 32 MiB)"."""
+        if self.read_buffer_bytes is None:
+            return ""
+        llc = self.llc.describe() if self.llc else "not listed in sysfs"
+        return f" ({self.read_buffer_bytes / MiB:.0f} MiB buffer, LLC {llc})"
 
 
-def probe(seconds: float = 3.0, *, buffer_bytes: int = 256 * MiB, matmul_size: int = 2048) -> Probe:
-    """This machine, measured in about ``seconds``."""
+def probe(seconds: float = 3.0, *, buffer_bytes: int | None = None, matmul_size: int = 2048) -> Probe:
+    """This machine, measured in about ``seconds`` on all its usable cores; the read buffer defaults
+    to at least 4x the last-level cache."""
     from kvmosaic.ops.cpu import isa_summary
 
     if seconds <= 0:
         raise ValueError("seconds must be positive")
+    llc = last_level_cache()
+    buffer_bytes = dram_probe_bytes(llc) if buffer_bytes is None else buffer_bytes
     with all_threads():
         bandwidth = measure_read_bandwidth(0.4 * seconds, buffer_bytes)
         fp32 = measure_matmul_flops(torch.float32, 0.3 * seconds, matmul_size)
@@ -185,9 +204,10 @@ def probe(seconds: float = 3.0, *, buffer_bytes: int = 256 * MiB, matmul_size: i
         raise RuntimeError(f"no matmul ran: {fp32.path}")
     spec = HardwareSpec(THIS_MACHINE, hbm_bandwidth=bandwidth, hbm_bytes=physical_memory_bytes(),
                         flops_bf16=bf16.flops, flops_fp32=fp32.flops)
-    return Probe(spec, isa_summary(), fp32, bf16)
+    return Probe(spec, isa_summary(), fp32, bf16, buffer_bytes, llc)
 
 
-def probe_hardware(seconds: float = 3.0, *, buffer_bytes: int = 256 * MiB, matmul_size: int = 2048) -> HardwareSpec:
+def probe_hardware(seconds: float = 3.0, *, buffer_bytes: int | None = None,
+                   matmul_size: int = 2048) -> HardwareSpec:
     """This machine as a ``HardwareSpec`` named 'this machine' (about ``seconds`` of measuring)."""
     return probe(seconds, buffer_bytes=buffer_bytes, matmul_size=matmul_size).spec

@@ -90,6 +90,7 @@ def load_weights(config: EngineConfig, loader: ModelLoader | None = None, kernel
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     kernels = kernels if kernels is not None else Kernels.load()
+    kernels.set_batch_invariant(config.deterministic)
     loader = loader or functools.partial(load_model, quantization=config.quantization)
     loaded = loader(config.model, config.torch_dtype)
     resolved = config.for_model(loaded.config)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from tile_modes import amx
 
 from kvmosaic.attention.paged import KernelAttention
 from kvmosaic.config import CacheConfig, EngineConfig
@@ -51,9 +52,11 @@ def _write_random_checkpoint(out_dir, arch: str, tokenizer_json: str, head_dim: 
     return model
 
 
-def _worker(loaded, block_size: int = 4, num_blocks: int = 64, kernels=None, dtype: str = "float32") -> Worker:
+def _worker(loaded, block_size: int = 4, num_blocks: int = 64, kernels=None, dtype: str = "float32",
+            deterministic: bool = True) -> Worker:
     """The engine's own assembly (kernels as built unless given, backend chosen by the worker) over ``loaded``."""
-    config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
+    config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                          deterministic=deterministic)
     return Worker.start(config, loader=lambda path, dtype: loaded, kernels=kernels)
 
 
@@ -245,14 +248,14 @@ def test_layer_stack_decode_step_of_many_rows_on_quantized_weights(tmp_path, smo
     dtype_name = str(dtype).removeprefix("torch.")
     gen = torch.Generator().manual_seed(5)
     prompts = [[int(t) for t in torch.randint(3, 49152, (3 + i % 4,), generator=gen)] for i in range(rows)]
-    was = ops.amx_enabled()
     logits = {}
-    try:
-        for tiles in (True, False) if ops.amx_supported() else (False,):
-            ops.set_amx(tiles)
-            worker = _worker(loaded, kernels=level_kernels, dtype=dtype_name, num_blocks=2 * rows + 1)
+    for tiles in (True, False) if ops.amx_supported() else (False,):
+        with amx(ops, tiles):  # the tiles run only where the engine gives up batch invariance
+            worker = _worker(loaded, kernels=level_kernels, dtype=dtype_name, num_blocks=2 * rows + 1,
+                             deterministic=not tiles)
             assert worker.model._packed_weights is not None and worker.attention.layer_stack() is not None
-            other = _worker(loaded, kernels=level_kernels, dtype=dtype_name, num_blocks=2 * rows + 1)
+            other = _worker(loaded, kernels=level_kernels, dtype=dtype_name, num_blocks=2 * rows + 1,
+                            deterministic=not tiles)
             looped = ModelRunner(other.model, LayerByLayer(loaded.config, other.kv_cache, other.kernels.ops), ())
             tables = [[2 * i + 1, 2 * i + 2] for i in range(rows)]
             for runner in (worker.runner, looped):
@@ -267,7 +270,5 @@ def test_layer_stack_decode_step_of_many_rows_on_quantized_weights(tmp_path, smo
                 assert ours.shape == (rows, 49152)
                 assert torch.equal(ours, ref), f"tiles {tiles}, step {step}: max diff {(ours - ref).abs().max()}"
             logits[tiles] = ours
-    finally:
-        ops.set_amx(was)
     if ops.amx_supported():  # the two settings really took two paths (bf16 rows against int8 ones)
         assert not torch.equal(logits[True], logits[False])

@@ -1,6 +1,7 @@
 // Decode attention over the paged float KV cache, read in place (no gather copy): one query token
 // per sequence, an online softmax in one pass over the context.
 #include "attention/attention.h"
+#include "attention/row_attention.h"
 #include "common/ops_common.h"
 #include "common/parallel.h"
 #include "isa/vec.h"
@@ -17,6 +18,7 @@ namespace {
 
 using namespace kvops;
 namespace vec = kvmosaic_vec;
+namespace rows = kvops::rows;
 
 // Widen one row to float. The bf16 case is a plain shift so the compiler vectorizes it.
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
@@ -87,85 +89,6 @@ void generic_items(const DecodeBatch<T>& db, float fscale, int64_t begin, int64_
   }
 }
 
-// One query head held in registers; dot() returns the lane-wise partial products of q . k for one
-// cached row (the caller sums the lanes). bf16 uses AVX512-BF16 dot products (float accumulation)
-// where the level has them, and otherwise widens K to float in registers.
-template <typename T, int NC>
-struct QueryDot {
-  vec::F16 q[NC];
-  void load(const T* p) {
-    for (int c = 0; c < NC; ++c) q[c] = vec::F16::load(p + c * 16);
-  }
-  vec::F16 dot(const T* k) const {
-    vec::F16 s = q[0] * vec::F16::load(k);
-    for (int c = 1; c < NC; ++c) s = vec::fma(q[c], vec::F16::load(k + c * 16), s);
-    return s;
-  }
-};
-
-#if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
-template <int NC>
-struct QueryDot<vec::bf16, NC> {
-  __m512bh q[NC / 2];
-  void load(const vec::bf16* p) {
-    for (int c = 0; c < NC / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p + c * 32));
-  }
-  vec::F16 dot(const vec::bf16* k) const {
-    __m512 s = _mm512_setzero_ps();
-    for (int c = 0; c < NC / 2; ++c)
-      s = _mm512_dpbf16_ps(s, q[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
-    return {s};
-  }
-};
-#endif
-
-// part[g][j] = the 16-lane partial dot products of G query heads (sharing one KV head) with the
-// chunk's K rows j < n (zero past n); the G queries stay in registers.
-template <typename T, int NC, int G, typename Prefetch>
-inline void head_scores(const QueryDot<T, NC>* qd, const T* krows, const int64_t* slots, int64_t n,
-                        int64_t slot_stride, vec::F16* part, const Prefetch& prefetch_row) {
-  QueryDot<T, NC> q[G];
-  for (int g = 0; g < G; ++g) q[g] = qd[g];
-  for (int64_t j = 0; j < 16; ++j) {
-    prefetch_row(j);
-    const T* row = krows + slots[j] * slot_stride;
-    for (int g = 0; g < G; ++g) part[g * 16 + j] = j < n ? q[g].dot(row) : vec::F16::zero();
-  }
-}
-
-// Register blocking of the p . v sums: HN heads x CB vectors of the head dimension at a time, so
-// the HN x CB sums, one V vector and the broadcast probabilities fit the level's registers (a
-// runtime head count left them on the stack, 2x slower).
-template <int NC>
-struct PvBlock {
-  static constexpr int CB = vec::kVecRegisters >= 32 ? NC : 2;
-  static constexpr int HN = vec::kVecRegisters >= 32 ? (NC <= 4 ? 4 : 2) : 3;
-};
-
-// acc[i] += sum over the chunk's n tokens j of probs[i][j] * v_j for HN heads sharing one KV head,
-// CB vectors of the head dimension at a time.
-template <typename T, int NC, int HN>
-inline void pv_heads(const T* vrows, const int64_t* slots, int64_t n, int64_t slot_stride, const float* probs,
-                     vec::F16* acc) {
-  constexpr int CB = PvBlock<NC>::CB;
-  for (int c0 = 0; c0 < NC; c0 += CB) {
-    vec::F16 a[HN][CB];
-    for (int i = 0; i < HN; ++i)
-      for (int c = 0; c < CB; ++c) a[i][c] = acc[i * NC + c0 + c];
-    for (int64_t j = 0; j < n; ++j) {
-      const T* row = vrows + slots[j] * slot_stride + c0 * 16;
-      vec::F16 p[HN];
-      for (int i = 0; i < HN; ++i) p[i] = vec::F16::set1(probs[i * 16 + j]);
-      for (int c = 0; c < CB; ++c) {
-        const vec::F16 vv = vec::F16::load(row + c * 16);
-        for (int i = 0; i < HN; ++i) a[i][c] = vec::fma(p[i], vv, a[i][c]);
-      }
-    }
-    for (int i = 0; i < HN; ++i)
-      for (int c = 0; c < CB; ++c) acc[i * NC + c0 + c] = a[i][c];
-  }
-}
-
 // Whether the register kernel asks for its K/V rows into L1 rather than L2: where the L1 data cache
 // holds 48 KiB or more. On a Zen 5 AVX-512 host (48 KiB L1D), Q4_1 weights, one stream,
 // float32 KV, in-process interleaved rounds against L2: 1.08x at a 2048-token context (8 rounds,
@@ -199,26 +122,23 @@ inline void prefetch_line(const char* line, bool to_l1) {
 #endif
 }
 
-// The tokens [t_begin, t_end) of sequence b that a work item of the register kernel covers
+// The tokens [t_begin, t_end) of sequence b that a work item of the register kernel covers: segment
+// `segment` of its context (rows::kSegment tokens from position segment * kSegment)
 struct Piece {
-  int64_t b, t_begin, t_end;
+  int64_t b, segment, t_begin, t_end;
   int64_t chunks() const { return (t_end - t_begin + 15) / 16; }
   static Piece of(const int64_t* lens, const AttentionWork& work, int64_t item) {
-    const int64_t b = item / work.splits, split = item % work.splits, ctx = lens[b];
-    // a split's tokens: an even share of the context (the last split's maybe fewer), in chunks of
-    // sixteen from its first; whole chunks per split left one thread up to 16 tokens more
-    const int64_t split_tokens = work.split_tokens(ctx);
-    const int64_t t_begin = std::min(ctx, split * split_tokens);
-    return {b, t_begin, std::min(ctx, t_begin + split_tokens)};
+    const int64_t b = work.row_of(item, 0), segment = item / work.head_groups - work.first[b], ctx = lens[b];
+    const int64_t t_begin = std::min(ctx, segment * rows::kSegment);
+    return {b, segment, t_begin, std::min(ctx, t_begin + rows::kSegment)};
   }
 };
 
-// Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass
-// over the context with an online softmax. One work item is one sequence: its K/V rows are read
-// from their blocks in place, all KV heads of a slot together (every cache line fetched is used),
-// sixteen tokens at a time, with the chunk after next prefetched. With fewer sequences than threads
-// (single-stream decode) a work item is a piece of a sequence's context (decode_attention_work), so
-// every thread has the same work; the pieces' partial sums are merged after.
+// Decode attention with the head dimension in registers (NC vectors of 16 floats), in one pass over
+// each segment of the context with an online softmax (row_attention.h's arithmetic). One work item is
+// one segment of a sequence with its KV heads (all, or one): its K/V rows are read from their blocks in
+// place, the item's KV heads of a slot together, sixteen tokens at a time, with the chunk after next
+// prefetched. Items of a sequence with several segments leave partial sums, merged after.
 template <typename T, int NC>
 void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work, float* partials, int64_t begin,
                int64_t end) {
@@ -226,10 +146,11 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
   const auto [batch, hq, hk, group, width, block_size, q_ptr, kc, vc, tables, lens, o_ptr, head_dim] = db;
   const int64_t slot_stride = hk * D;
   const vec::F16 vscale = vec::F16::set1(scale);
-  const int64_t splits = work.splits;
   const bool to_l1 = kv_prefetch_to_l1();
   {
-    std::vector<QueryDot<T, NC>> qd(hq);
+    std::vector<rows::QueryDot<T, NC>> qd(hq);
+    std::vector<const rows::QueryDot<T, NC>*> qp(hq);
+    for (int64_t h = 0; h < hq; ++h) qp[h] = qd.data() + h;
     std::vector<vec::F16> part(group * 16), acc(hq * NC);
     std::vector<vec::OnlineSoftmax> softmax(hq);
     std::vector<float> probs(hq * 16);
@@ -244,10 +165,14 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
     };
     for (int64_t item = begin; item < end; ++item) {
       const Piece piece = piece_of(item);
-      const int64_t b = piece.b, t_begin = piece.t_begin, t_end = piece.t_end, split = item % splits;
-      for (int64_t h = 0; h < hq; ++h) qd[h].load(q_ptr + (b * hq + h) * D);
-      std::fill(softmax.begin(), softmax.end(), vec::OnlineSoftmax());
-      std::fill(acc.begin(), acc.end(), vec::F16::zero());
+      const int64_t b = piece.b, t_begin = piece.t_begin, t_end = piece.t_end, unit = item / work.head_groups;
+      const int64_t kh0 = item % work.head_groups * work.heads_per_item;
+      const int64_t kh1 = std::min(hk, kh0 + work.heads_per_item), h0 = kh0 * group, h1 = kh1 * group;
+      for (int64_t h = h0; h < h1; ++h) {
+        qd[h].load(q_ptr + (b * hq + h) * D);
+        softmax[h] = vec::OnlineSoftmax();
+        for (int c = 0; c < NC; ++c) acc[h * NC + c] = vec::F16::zero();
+      }
       for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
         const int64_t n = chunk_slots(piece, (t0 - t_begin) / 16, slots);
         const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
@@ -261,12 +186,12 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
         int64_t n_ahead = 0;
         if (ahead < piece.chunks()) n_ahead = chunk_slots(piece, ahead, ahead_slots);
         else if (item + 1 < end) n_ahead = chunk_slots(piece_of(item + 1), ahead - piece.chunks(), ahead_slots);
-        int64_t ahead_row = 0, ahead_part = 0;  // what the next score call asks for: row c / hk, part c % hk
+        int64_t ahead_row = 0, ahead_part = kh0;  // what the next score call asks for: a row's part (KV head)
         auto prefetch_row = [&](int64_t) {
           if (ahead_row >= n_ahead) return;
           const int64_t at = ahead_slots[ahead_row] * slot_stride + ahead_part * D;
-          if (++ahead_part == hk) {
-            ahead_part = 0;
+          if (++ahead_part == kh1) {
+            ahead_part = kh0;
             ++ahead_row;
           }
           const char* k = reinterpret_cast<const char*>(kc + at);
@@ -277,57 +202,25 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
           }
         };
         // scores of the sixteen tokens for every head, folded into the running softmax
-        for (int64_t kh = 0; kh < hk; ++kh) {
-          const QueryDot<T, NC>* qh = qd.data() + kh * group;
-          const T* krows = kc + kh * D;
-          switch (group) {
-            case 1: head_scores<T, NC, 1>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
-            case 2: head_scores<T, NC, 2>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
-            case 3: head_scores<T, NC, 3>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
-            case 4: head_scores<T, NC, 4>(qh, krows, slots, n, slot_stride, part.data(), prefetch_row); break;
-            default:
-              for (int64_t j = 0; j < 16; ++j) {
-                prefetch_row(j);
-                for (int64_t g = 0; g < group; ++g)
-                  part[g * 16 + j] = j < n ? qh[g].dot(krows + slots[j] * slot_stride) : vec::F16::zero();
-              }
-          }
+        for (int64_t kh = kh0; kh < kh1; ++kh) {
+          rows::tile_scores<T, NC>(qp.data() + kh * group, group, kc + kh * D, slots, n, slot_stride, part.data(),
+                                   prefetch_row);
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kh * group + g;
-            const vec::F16 sc = vec::sum_lanes16(part.data() + g * 16) * vscale;
-            float corr;
-            softmax[h].update(sc, valid, &corr).store(probs.data() + h * 16);
-            if (corr != 1.f)
-              for (int c = 0; c < NC; ++c) acc[h * NC + c] = acc[h * NC + c] * vec::F16::set1(corr);
+            rows::fold_tile<NC>(part.data() + g * 16, vscale, valid, softmax[h], acc.data() + h * NC,
+                                probs.data() + h * 16);
           }
         }
         // acc[h] += p[h][j] * v_j, a few heads at a time with their accumulators in registers
-        constexpr int64_t HB = PvBlock<NC>::HN;
-        for (int64_t kh = 0; kh < hk; ++kh) {
-          for (int64_t g0 = 0; g0 < group; g0 += HB) {
-            const int64_t h0 = kh * group + g0;
-            const T* vrows = vc + kh * D;
-            float* pr = probs.data() + h0 * 16;
-            vec::F16* ac = acc.data() + h0 * NC;
-            switch (std::min(HB, group - g0)) {
-              case 1: pv_heads<T, NC, 1>(vrows, slots, n, slot_stride, pr, ac); break;
-              case 2: pv_heads<T, NC, 2>(vrows, slots, n, slot_stride, pr, ac); break;
-              case 3: pv_heads<T, NC, 3>(vrows, slots, n, slot_stride, pr, ac); break;
-              default: pv_heads<T, NC, HB>(vrows, slots, n, slot_stride, pr, ac); break;
-            }
-          }
-        }
+        for (int64_t kh = kh0; kh < kh1; ++kh)
+          rows::pv_rows<T, NC>(vc + kh * D, slots, n, slot_stride, probs.data() + kh * group * 16,
+                               acc.data() + kh * group * NC, group);
       }
-      for (int64_t h = 0; h < hq; ++h) {
-        if (splits > 1) {  // unscaled sums, the softmax reference and total, for merge_attention_splits
-          float* p = partials + ((b * hq + h) * splits + split) * (D + 2);
-          for (int c = 0; c < NC; ++c) acc[h * NC + c].store(p + c * 16);
-          p[D] = softmax[h].ref;
-          p[D + 1] = softmax[h].total();
-          continue;
-        }
-        const vec::F16 inv = vec::F16::set1(1.f / softmax[h].total());
-        for (int c = 0; c < NC; ++c) (acc[h * NC + c] * inv).store(o_ptr + (b * hq + h) * D + c * 16);
+      for (int64_t h = h0; h < h1; ++h) {
+        if (work.partial)  // unscaled sums, the softmax reference and total, for merge_attention_splits
+          rows::store_partial(acc.data() + h * NC, D, softmax[h], partials + (unit * hq + h) * (D + 2));
+        else
+          rows::store_normalised(acc.data() + h * NC, D, softmax[h], o_ptr + (b * hq + h) * D);
       }
     }
   }
@@ -338,19 +231,43 @@ void vec_items(const DecodeBatch<T>& db, float scale, const AttentionWork& work,
 namespace kvops {
 
 // The register-blocked kernel takes head_dim 64 / 128; other head sizes take the generic loop, one
-// item per KV head. An item of the register kernel is a sequence with all its KV heads; with fewer
-// sequences than threads (single-stream decode) each sequence's context is split into as many pieces
-// as it takes for the items to divide evenly among the threads, each piece an even share of its
-// tokens. One item per KV head and piece instead (the default model's 3 heads x 2 pieces on 2
-// threads) read 256 of every 768 bytes of a slot per item: 1.1-1.9x slower at 1024 tokens of
-// context, and 20-24% of a decode step at 128-256 tokens against 18% (AVX2 host, Q4_1, interleaved
-// runs); pieces of whole 16-token chunks left one thread up to a chunk more, ~30% more at 128-256.
-AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads) {
-  const bool registers = head_dim == 64 || head_dim == 128;
-  if (!registers) return {batch * hk, 1, true};
-  if (batch >= threads) return {batch, 1};
-  const int64_t splits = threads / std::gcd<int64_t>(batch, threads);
-  return {batch * splits, splits};
+// item per KV head. An item of the register kernel is a segment of a sequence's context with all its
+// KV heads, or with fewer segments than threads (single-stream decode) one KV head each: a context is
+// never cut by the thread count, so that its result does not depend on it. (Items of one KV head read
+// 256 of every 768 bytes of a slot with the default model: 1.1-1.9x slower than whole slots at 1024
+// tokens of context, AVX2 host, Q4_1, interleaved runs; so whole slots wherever the threads have
+// enough items.)
+AttentionWork decode_attention_work(const int64_t* lens, int64_t batch, int64_t hk, int64_t head_dim, int threads,
+                                    bool force_partial) {
+  AttentionWork work;
+  if (head_dim != 64 && head_dim != 128) {
+    work.items = batch * hk;
+    work.per_head = true;
+    return work;
+  }
+  work.first.resize(batch + 1);
+  work.first[0] = 0;
+  bool several = false;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t s = rows::segments(lens[b]);
+    several = several || s > 1;
+    work.first[b + 1] = work.first[b] + s;
+  }
+  const bool split_heads = work.first[batch] < threads;
+  work.heads_per_item = split_heads ? 1 : hk;
+  work.head_groups = split_heads ? hk : 1;
+  work.items = work.first[batch] * work.head_groups;
+  work.partial = several || force_partial;
+  return work;
+}
+
+int64_t AttentionWork::newest_item(const int64_t* lens, int64_t b, int64_t hk, int64_t kh) const {
+  if (per_head) return b * hk + kh;
+  return (first[b] + std::max<int64_t>(0, lens[b] - 1) / rows::kSegment) * head_groups + kh / heads_per_item;
+}
+
+int64_t max_partial_floats(int64_t batch, int64_t hq, int64_t head_dim, int64_t max_context) {
+  return batch * rows::segments(std::max<int64_t>(1, max_context)) * hq * (head_dim + 2);
 }
 
 template <typename T>
@@ -362,47 +279,18 @@ void decode_attention_items(const DecodeBatch<T>& db, double scale, const Attent
   generic_items<T>(db, fscale, i0, i1);
 }
 
-namespace {
-
-// One query head's splits (d + 2 floats each: unscaled sums, reference, total) brought to their common
-// reference: weight[s] rescales split s; returns (reference, total). A split with no tokens has
-// reference -inf; with no tokens at all the reference is -inf and the total 0.
-std::pair<float, float> split_weights(const float* p, int64_t d, int64_t splits, float* weight) {
-  const int64_t stride = d + 2;
-  float top = -std::numeric_limits<float>::infinity(), total = 0.f;
-  for (int64_t s = 0; s < splits; ++s) top = std::max(top, p[s * stride + d]);
-  for (int64_t s = 0; s < splits; ++s) {
-    const float ref = p[s * stride + d];
-    weight[s] = ref == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(ref - top);
-    total += weight[s] * p[s * stride + d + 1];
-  }
-  return {top, total};
-}
-
-// out[0, d) = the splits' sums, rescaled by weight, times inv
-template <typename T>
-void weighted_sums(const float* p, int64_t d, int64_t splits, const float* weight, float inv, T* out) {
-  for (int64_t c = 0; c < d; c += 16) {
-    vec::F16 sum = vec::F16::zero();
-    for (int64_t s = 0; s < splits; ++s)
-      sum = vec::fma(vec::F16::load(p + s * (d + 2) + c), vec::F16::set1(weight[s]), sum);
-    (sum * vec::F16::set1(inv)).store(out + c);
-  }
-}
-
-}  // namespace
-
-// Query heads [i0, i1) of the batch (item = sequence * hq + head): the splits' sums rescaled to their
-// common reference and divided by the common total.
+// Query heads [i0, i1) of the batch (item = sequence * hq + head): the segments' sums rescaled to
+// their common reference and divided by the common total (row_attention.h's merge_segments).
 template <typename T>
 void merge_attention_splits(const DecodeBatch<T>& db, const AttentionWork& work, const float* partials, int64_t i0,
                             int64_t i1) {
-  const int64_t d = db.head_dim, splits = work.splits;
-  std::vector<float> weight(splits);
+  const int64_t d = db.head_dim, hq = db.hq;
+  std::vector<float> weight;
   for (int64_t i = i0; i < i1; ++i) {
-    const float* p = partials + i * splits * (d + 2);
-    const float total = split_weights(p, d, splits, weight.data()).second;
-    weighted_sums(p, d, splits, weight.data(), 1.f / total, db.out + i * d);
+    const int64_t b = i / hq, h = i % hq, parts = work.segments_of(b);
+    weight.resize(parts);
+    rows::merge_segments(partials + (work.first[b] * hq + h) * (d + 2), d, parts, hq * (d + 2), weight.data(),
+                         db.out + i * d);
   }
 }
 
@@ -422,7 +310,7 @@ namespace {
 // Every item of the work under parallel_for; the splits' partial sums (none when splits == 1).
 template <typename T>
 std::vector<float> run_items(const DecodeBatch<T>& db, double scale, const AttentionWork& work) {
-  std::vector<float> partials(work.partial_floats(db.batch, db.hq, db.head_dim));
+  std::vector<float> partials(work.partial_floats(db.hq, db.head_dim));
   parallel_for(0, work.items, 1,
                [&](int64_t i0, int64_t i1) { decode_attention_items(db, scale, work, partials.data(), i0, i1); });
   return partials;
@@ -434,28 +322,29 @@ namespace kvops {
 
 template <typename T>
 void decode_attention(const DecodeBatch<T>& db, double scale) {
-  const AttentionWork work = decode_attention_work(db.batch, db.hk, db.head_dim, num_threads());
+  const AttentionWork work = decode_attention_work(db.lens, db.batch, db.hk, db.head_dim, num_threads());
   const std::vector<float> partials = run_items(db, scale, work);
   merge_attention_splits(db, work, partials.data(), 0, work.merge_items(db.batch, db.hq));  // a few heads' rows
 }
 
 template <typename T>
 void decode_attention_partial(const DecodeBatch<T>& batch, double scale, float* o, float* mx, float* se) {
-  // the split items leave their sums in `partials`, not in an output of T
+  // the items leave their sums in `partials`, not in an output of T
   const std::unique_ptr<T[]> unused(new T[batch.batch * batch.hq * batch.head_dim]);
   DecodeBatch<T> db = batch;
   db.out = unused.get();
-  const int64_t splits = std::max<int64_t>(2, decode_attention_work(db.batch, db.hk, db.head_dim,
-                                                                    num_threads()).splits);
-  const std::vector<float> partials = run_items(db, scale, AttentionWork{db.batch * splits, splits});
-  const int64_t d = db.head_dim;
-  std::vector<float> weight(splits);
-  for (int64_t i = 0; i < db.batch * db.hq; ++i) {
-    const float* p = partials.data() + i * splits * (d + 2);
-    const auto [top, total] = split_weights(p, d, splits, weight.data());
+  const AttentionWork work = decode_attention_work(db.lens, db.batch, db.hk, db.head_dim, num_threads(), true);
+  const std::vector<float> partials = run_items(db, scale, work);
+  const int64_t d = db.head_dim, hq = db.hq;
+  std::vector<float> weight;
+  for (int64_t i = 0; i < db.batch * hq; ++i) {
+    const int64_t b = i / hq, parts = work.segments_of(b), stride = hq * (d + 2);
+    const float* p = partials.data() + (work.first[b] * hq + i % hq) * (d + 2);
+    weight.resize(parts);
+    const auto [top, total] = rows::segment_weights(p, d, parts, stride, weight.data());
     mx[i] = top;
     se[i] = total;
-    if (total > 0.f) weighted_sums(p, d, splits, weight.data(), 1.f / total, o + i * d);
+    if (total > 0.f) rows::weighted_sums(p, d, parts, stride, weight.data(), 1.f / total, o + i * d);
     else std::fill(o + i * d, o + (i + 1) * d, 0.f);
   }
 }

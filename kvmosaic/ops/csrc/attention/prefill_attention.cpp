@@ -1,16 +1,20 @@
 // Causal attention of a prefill chunk over its paged float KV context.
 #include "attention/attention.h"
+#include "attention/row_attention.h"
+#include "common/batch_invariance.h"
 #include "common/ops_common.h"
 #include "common/parallel.h"
 #include "isa/amx.h"
 #include "isa/vec.h"
 
 #include <type_traits>
+#include <vector>
 
 namespace {
 
 using namespace kvops;
 namespace vec = kvmosaic_vec;
+namespace rows = kvops::rows;
 
 constexpr float kLog2e = 1.44269504088896341f;  // scores in log2 units: a probability is exp2(score - ref)
 
@@ -381,6 +385,78 @@ void prefill_attention_bf16(const PrefillChunk<vec::bf16>& c, double scale) {
 }
 #endif
 
+
+// Prefill attention with row_attention.h's arithmetic, so that each query row gets the bits the decode
+// kernel gives it (batch invariance): a work item is up to kRowBlock query rows of one KV head (in
+// token order), which walk their context together, segment by segment and tile by tile, reading each
+// tile's K/V rows in place from their blocks once for all of them. A row joins a tile while the tile
+// holds keys it sees (causal), with the keys past its own masked out of its softmax (probability 0).
+template <typename T, int NC>
+void prefill_rows(const PrefillChunk<T>& c, double scale) {
+  constexpr int64_t D = NC * 16;
+  constexpr int64_t kRowBlock = 8;
+  const int64_t n = c.n, hq = c.hq, hk = c.hk, group = hq / hk, start = c.context_len - n;
+  const int64_t slot_stride = hk * D, block_size = c.block_size;
+  const int64_t rows_per_head = n * group, row_blocks = (rows_per_head + kRowBlock - 1) / kRowBlock;
+  const vec::F16 vscale = vec::F16::set1(static_cast<float>(scale));
+  const int64_t most_segments = rows::segments(c.context_len);
+  parallel_for(0, hk * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    rows::QueryDot<T, NC> qd[kRowBlock];
+    const rows::QueryDot<T, NC>* qp[kRowBlock];
+    vec::F16 part[kRowBlock * 16], acc[kRowBlock * NC];
+    vec::OnlineSoftmax softmax[kRowBlock];
+    alignas(64) float probs[kRowBlock * 16];
+    int64_t slots[16], limit[kRowBlock];
+    T* out[kRowBlock];
+    std::vector<float> partials(kRowBlock * most_segments * (D + 2)), weight(most_segments);
+    auto none = [](int64_t) {};
+    for (int64_t item = begin; item < end; ++item) {
+      int64_t h, rb;
+      balanced_item(item, hk, row_blocks, &h, &rb);
+      const int64_t r0 = rb * kRowBlock, rn = std::min(kRowBlock, rows_per_head - r0);
+      for (int64_t r = 0; r < rn; ++r) {
+        const int64_t tok = (r0 + r) / group, g = (r0 + r) % group;
+        qd[r].load(c.q + (tok * hq + h * group + g) * D);
+        qp[r] = qd + r;
+        limit[r] = start + tok + 1;  // the keys row r sees
+        out[r] = c.out + (tok * hq + h * group + g) * D;
+      }
+      const int64_t last = limit[rn - 1];  // rows in token order: the last sees the most keys
+      for (int64_t seg = 0; seg * rows::kSegment < last; ++seg) {
+        const int64_t seg_begin = seg * rows::kSegment, seg_end = std::min(last, seg_begin + rows::kSegment);
+        int64_t a0 = 0;  // rows [a0, rn) see keys of this segment
+        while (limit[a0] <= seg_begin) ++a0;
+        for (int64_t r = a0; r < rn; ++r) {
+          softmax[r] = vec::OnlineSoftmax();
+          for (int cc = 0; cc < NC; ++cc) acc[r * NC + cc] = vec::F16::zero();
+        }
+        int64_t b0 = a0;  // rows [b0, rn) see keys of the tile
+        for (int64_t t0 = seg_begin; t0 < seg_end; t0 += 16) {
+          const int64_t keys = std::min<int64_t>(16, seg_end - t0);
+          for (int64_t j = 0; j < keys; ++j) slots[j] = slot_of(c.table, t0 + j, block_size);
+          while (limit[b0] <= t0) ++b0;
+          rows::tile_scores<T, NC>(qp + b0, rn - b0, c.k_cache + h * D, slots, keys, slot_stride, part + b0 * 16,
+                                   none);
+          for (int64_t r = b0; r < rn; ++r) {
+            const vec::Mask valid = vec::first_lanes(static_cast<int>(std::min<int64_t>(16, limit[r] - t0)));
+            rows::fold_tile<NC>(part + r * 16, vscale, valid, softmax[r], acc + r * NC, probs + r * 16);
+          }
+          rows::pv_rows<T, NC>(c.v_cache + h * D, slots, keys, slot_stride, probs + b0 * 16, acc + b0 * NC, rn - b0);
+        }
+        for (int64_t r = a0; r < rn; ++r) {
+          if (rows::segments(limit[r]) == 1) rows::store_normalised(acc + r * NC, D, softmax[r], out[r]);
+          else rows::store_partial(acc + r * NC, D, softmax[r], partials.data() + (r * most_segments + seg) * (D + 2));
+        }
+      }
+      for (int64_t r = 0; r < rn; ++r) {
+        const int64_t parts = rows::segments(limit[r]);
+        if (parts > 1)
+          rows::merge_segments(partials.data() + r * most_segments * (D + 2), D, parts, D + 2, weight.data(), out[r]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace kvops {
@@ -388,6 +464,11 @@ namespace kvops {
 template <typename T>
 void prefill_attention(const PrefillChunk<T>& chunk, double scale) {
   const int64_t d = chunk.head_dim;
+  if (batch_invariant()) {  // row_attention.h's arithmetic, the decode kernel's
+    if (d == 64) prefill_rows<T, 4>(chunk, scale);
+    if (d == 128) prefill_rows<T, 8>(chunk, scale);
+    return;
+  }
   if constexpr (std::is_same_v<T, vec::bf16>) {
 #if defined(KVM_VEC_AVX512) && defined(__AVX512BF16__)
     if (d == 64) prefill_attention_bf16<4>(chunk, scale);

@@ -12,6 +12,7 @@
 #include "bind/linear_bind.h"
 #include "bind/parallel_impl.h"
 #include "bind/team_bind.h"
+#include "common/batch_invariance.h"
 #include "isa/amx.h"
 
 using kvops::no_gil;
@@ -38,6 +39,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx", &kvops::amx::set_enabled, py::arg("on"),
         "switch the AMX tiles on (where supported) or off for the products they take; returns the new state");
   m.attr("AMX_MIN_ROWS") = kvops::amx::kMinRows;
+  m.def("batch_invariant", &kvops::batch_invariant,
+        "whether every kernel computes a row the same way whatever rows share the call (the default)");
+  m.def("set_batch_invariant", &kvops::set_batch_invariant, py::arg("on"),
+        "batch invariance on, or off to let products and prefill attention take row-count-dependent faster "
+        "paths (the AMX tiles, the register-tiled prefill attention); one switch for the process");
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] weight -> the packed layout of packed_linear");
   m.def("packed_linear", &packed_linear, no_gil, "x [M, K] times a packed weight (+ float32 bias)", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());

@@ -18,10 +18,11 @@ constexpr int64_t kMinRows = 16;
 
 // Compiled in, and the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use them.
 bool supported();
-// Whether bf16 products of kMinRows rows or more use the tiles (default: supported(), unless the
-// environment sets KVMOSAIC_AMX=0).
+// Whether bf16 products of kMinRows rows or more use the tiles: the switch is on (default: supported(),
+// unless the environment sets KVMOSAIC_AMX=0) and the kernels are not keeping batch invariance
+// (common/batch_invariance.h: a row's product must not change with the rows beside it).
 bool enabled();
-// Switches the tiles on or off (on only where supported); returns the new state.
+// Switches the tiles on or off (on only where supported); returns the switch's new state.
 bool set_enabled(bool on);
 // Whether a product of m rows on this weight runs on the tiles.
 bool takes(const PackedWeight& w, int64_t m);

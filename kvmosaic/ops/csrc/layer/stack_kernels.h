@@ -7,6 +7,9 @@
 
 #include "common/ops_common.h"
 
+#include <algorithm>
+#include <vector>
+
 namespace kvops {
 
 // ---- linears on packed float weights (gemm.cpp): a work item is a panel of output columns
@@ -108,26 +111,42 @@ template <typename T>
 void silu_columns(const T* gate_up, int64_t f, T* out, int64_t rows, int64_t c0, int64_t c1);
 
 // ---- decode attention (decode_attention.cpp)
-// A work item is a sequence (all its KV heads; one KV head in the generic loop) over one of `splits`
-// pieces of its context. With splits > 1 the items leave partial sums in `partials`
-// (partial_floats() floats) and merge_items(), after a barrier, writes the output: batch * hq items.
+// The register kernel's unit of work is one segment (attention/row_attention.h: kSegment tokens) of a
+// sequence's context; a work item is a unit's KV heads, all of them, or one each when there are fewer
+// units than threads (the arithmetic of a head is the same either way). The generic loop's item (other
+// head sizes) is one KV head of a sequence. The segments are fixed by the context lengths alone, so a
+// row's result does not depend on how the items are cut or shared. When some sequence has more than
+// one segment, every item leaves its partial sums in `partials` (partial_floats() floats) and
+// merge_items(), after a barrier, writes the output: batch * hq items.
 struct AttentionWork {
-  int64_t items, splits;
-  bool per_head = false;  // an item is one KV head of a sequence (the generic loop), not all of them
-  int64_t partial_floats(int64_t batch, int64_t hq, int64_t head_dim) const {
-    return splits > 1 ? batch * hq * splits * (head_dim + 2) : 0;
+  int64_t items = 0;
+  bool per_head = false;       // an item is one KV head of a sequence (the generic loop), not a segment
+  bool partial = false;        // items leave partial sums, merged after
+  int64_t head_groups = 1;     // items per unit: its KV heads in groups of heads_per_item
+  int64_t heads_per_item = 0;
+  std::vector<int64_t> first;  // register kernel: sequence b's units are [first[b], first[b + 1])
+  int64_t batch() const { return static_cast<int64_t>(first.size()) - 1; }
+  int64_t units() const { return first.back(); }
+  int64_t segments_of(int64_t b) const { return first[b + 1] - first[b]; }
+  int64_t partial_floats(int64_t hq, int64_t head_dim) const {
+    return partial ? units() * hq * (head_dim + 2) : 0;
   }
-  int64_t merge_items(int64_t batch, int64_t hq) const { return splits > 1 ? batch * hq : 0; }
-  // the tokens of each split of a context of ctx (the last split's maybe fewer, or none)
-  int64_t split_tokens(int64_t ctx) const { return (ctx + splits - 1) / splits; }
-  int64_t row_of(int64_t item, int64_t hk) const { return per_head ? item / hk : item / splits; }
+  int64_t merge_items(int64_t batch, int64_t hq) const { return partial ? batch * hq : 0; }
+  // the sequence an item belongs to
+  int64_t row_of(int64_t item, int64_t hk) const {
+    if (per_head) return item / hk;
+    const int64_t unit = item / head_groups;
+    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), unit) - first.begin()) - 1;
+  }
   // the item that reads the newest token (the last of lens[b]) of sequence b's KV head kh
-  int64_t newest_item(const int64_t* lens, int64_t b, int64_t hk, int64_t kh) const {
-    if (per_head) return b * hk + kh;
-    return b * splits + std::max<int64_t>(0, lens[b] - 1) / std::max<int64_t>(1, split_tokens(lens[b]));
-  }
+  int64_t newest_item(const int64_t* lens, int64_t b, int64_t hk, int64_t kh) const;
 };
-AttentionWork decode_attention_work(int64_t batch, int64_t hk, int64_t head_dim, int threads);
+// The items of a call over `batch` sequences of context lengths lens for `threads` threads;
+// force_partial: partial sums even when every context is one segment.
+AttentionWork decode_attention_work(const int64_t* lens, int64_t batch, int64_t hk, int64_t head_dim, int threads,
+                                    bool force_partial = false);
+// The most floats partial_floats() can ask of a call whose contexts hold at most max_context tokens
+int64_t max_partial_floats(int64_t batch, int64_t hq, int64_t head_dim, int64_t max_context);
 template <typename T>
 void decode_attention_items(const DecodeBatch<T>& batch, double scale, const AttentionWork& work, float* partials,
                             int64_t i0, int64_t i1);

@@ -6,11 +6,12 @@
 // loads and four TDPBF16PS. Sums go through one of two 4 KiB float buffers to the same epilogue as
 // the AVX-512 micro-kernel's (bias, or SwiGLU with the unfused path's bf16 roundings), which runs
 // for one block while the tiles compute the next.
+#include "common/batch_invariance.h"
+#include "common/check.h"
 #include "isa/amx.h"
 #include "isa/amx_tiles.h"
-
-#include "common/check.h"
 #include "linear/gemm_kernel.h"
+
 
 #include <algorithm>
 #include <atomic>
@@ -344,11 +345,13 @@ bool supported() {
   return yes;
 }
 
-bool enabled() { return switch_state().load(std::memory_order_relaxed); }
+// the tiles take a product from kMinRows rows only, so a row's arithmetic would depend on the batch:
+// they stay off while the kernels keep batch invariance (common/batch_invariance.h)
+bool enabled() { return switch_state().load(std::memory_order_relaxed) && !batch_invariant(); }
 
 bool set_enabled(bool on) {
   switch_state().store(on && supported(), std::memory_order_relaxed);
-  return enabled();
+  return switch_state().load(std::memory_order_relaxed);
 }
 
 bool takes(const PackedWeight& w, int64_t m) { return m >= kMinRows && w.k % kTileK == 0 && enabled(); }

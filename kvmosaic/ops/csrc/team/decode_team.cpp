@@ -241,8 +241,9 @@ DecodeRun<T>::DecodeRun(const DecodeRows& rows, const StackPlan& weights, const 
       // a copy per thread when some linear quantizes its rows privately: the last layer's kept rows
       // may be few even when the step's rows are many
       scratch_(n_, weights.widest_input(), kept_ <= kPrivateRows ? num_threads() : 1),
-      work_(decode_attention_work(n_, rows.hk, d_, num_threads())),
-      partials_(work_.partial_floats(n_, rows.hq, d_)) {
+      // room for the partial sums of every segment the rows' tables can hold (the passes of a call
+      // move the context lengths on; the segments of a pass come from its lengths)
+      partials_(aligned_buffer<float>(max_partial_floats(n_, rows.hq, d_, rows.table_width * caches.block_size))) {
   const int64_t hq = rows.hq, hk = rows.hk;
   normed_ = aligned_buffer<T>(n_ * h_);
   qkv_ = aligned_buffer<T>(n_ * (hq + 2 * hk) * d_);
@@ -304,7 +305,7 @@ void DecodeRun<T>::run(const Team& team) {
   T* act_p = act_.get();
   T* carry_p = carry_;
   T* qkv_p = qkv_.get();
-  const AttentionWork& work = work_;
+  const AttentionWork work = decode_attention_work(batch_.lens, n, batch_.hk, d, team.size());
   const Share items = team.share(work.items);
   const bool kv_by_items = kv_by_items_;
   const KvWriters writers{work, batch_.lens, n, batch_.hk, items, team.share(n * batch_.hk), kv_by_items};
@@ -332,14 +333,14 @@ void DecodeRun<T>::run(const Team& team) {
     team.sync();
     rope_for_items(r, writers, q_rows);
     if (!kv_by_items) team.sync();
-    decode_attention_items(db, scale_, work, partials_.data(), items.begin, items.end);
+    decode_attention_items(db, scale_, work, partials_.get(), items.begin, items.end);
     team.sync();
     const T* attn_rows = attn_.get();
-    if (work.splits > 1) {  // the pieces of a row's context merged
+    if (work.partial) {  // the segments of a row's context merged
       db.out = mine.attn;
       const int64_t heads = work.merge_items(n, hq);
       const Share s = alike ? Share{0, heads} : team.share(heads);
-      merge_attention_splits(db, work, partials_.data(), s.begin, s.end);
+      merge_attention_splits(db, work, partials_.get(), s.begin, s.end);
       rows_done();
       attn_rows = mine.attn;
     }

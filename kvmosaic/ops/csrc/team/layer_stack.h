@@ -173,8 +173,7 @@ class DecodeRun {
   std::vector<int64_t> keep_;
   int64_t kept_;
   QuantScratch scratch_;
-  AttentionWork work_;
-  std::vector<float> partials_;
+  Buffer<float> partials_;
   Buffer<T> normed_, qkv_, q_, attn_, o_, act_, gate_up_;
   Buffer<T> owned_carry_, owned_kept_residual_, owned_kept_attn_, owned_logits_;
   T* carry_;          // DecodeOut's or owned_carry_
