@@ -6,8 +6,6 @@ carries the whole stack through the decode team, the per-layer path and a prefil
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -26,7 +24,7 @@ from kvmosaic.worker.worker import Worker
 DTYPES = [torch.float32, torch.bfloat16]
 # a decode row alone, a few (one team with every thread doing the small phases), the decode rows of a
 # speculative step, many decode rows, a prefill's rows
-ROW_COUNTS = [2, 3, 4, 5, 12, 17, 64, 512]
+ROW_COUNTS = [2, 3, 4, 5, 12, 17, 64, 512]  # 17: past the AMX tiles' 16 rows
 K, N = 512, 48  # q4_k and q6_k need whole 256-weight super-blocks
 
 
@@ -133,15 +131,22 @@ def test_argmax_and_embedding_rows_are_the_same_at_any_row_count(ops):
         assert torch.equal(many[7:8], alone)
 
 
-def test_amx_tiles_start_off_unless_asked_for(ops):
+def test_amx_tiles_take_no_product_while_the_kernels_keep_batch_invariance(ops):
     """The AMX tiles sum a product of 16 rows or more in another order than the vector kernels (and
-    take q8 / q4 rows as bf16, not int8), so they start on only where supported and KVMOSAIC_AMX=1."""
-    assert not ops.amx_on_at_start(True, None)
-    assert not ops.amx_on_at_start(True, "0")
-    assert not ops.amx_on_at_start(True, "yes")
-    assert ops.amx_on_at_start(True, "1")
-    assert not ops.amx_on_at_start(False, "1")
-    assert ops.amx_enabled() == ops.amx_on_at_start(ops.amx_supported(), os.environ.get("KVMOSAIC_AMX"))
+    take q8 / q4 rows as bf16, not int8): switched on, they still take nothing while batch invariance
+    is on (the default), and take their products where supported once it is off."""
+    invariant = ops.batch_invariant()
+    ops.set_batch_invariant(False)
+    switch = ops.amx_enabled()
+    try:
+        ops.set_amx(True)
+        ops.set_batch_invariant(True)
+        assert not ops.amx_enabled()
+        ops.set_batch_invariant(False)
+        assert ops.amx_enabled() == ops.amx_supported()
+    finally:
+        ops.set_amx(switch)
+        ops.set_batch_invariant(invariant)
 
 
 # ---- the whole stack, on a sequence's first token ----------------------------------------------------
