@@ -123,7 +123,8 @@ def table(rows: list[KLRow]) -> list[str]:
              "| top-1 float act. | llama.cpp top-1 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         (k8, t8), (kw, tw), (kl, tl) = cells(r.int8), cells(r.weights_only), cells(r.llamacpp)
-        lines.append(f"| {r.label} | {r.held} | {k8} | {kw} | {r.int8.mean_kl - r.weights_only.mean_kl:+.5f} | {kl} "
+        label = r.label if r.source.path is not None else f"{r.label} ({r.source.made_by})"
+        lines.append(f"| {label} | {r.held} | {k8} | {kw} | {r.int8.mean_kl - r.weights_only.mean_kl:+.5f} | {kl} "
                      f"| {t8} | {tw} | {tl} |")
     return lines
 

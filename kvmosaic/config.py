@@ -221,6 +221,8 @@ class EngineConfig:
     # cache and speculation; False lets the kernels take row-count-dependent faster paths
     # (kvmosaic.ops: set_batch_invariant)
     deterministic: bool = True
+    # a GGUF's unpacked weights kept on disk and mapped at the next start (kvmosaic.model.weight_cache)
+    weight_cache: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -82,6 +82,9 @@ class EngineArgs:
     deterministic: bool = option(
         True, help="batch-invariant kernels: a request's output does not depend on the requests beside it, the "
                    "prefill chunking, the prefix cache or speculation (--no-deterministic: faster paths on AMX)")
+    weight_cache: bool = option(
+        True, help="keep a GGUF's unpacked weights on disk (KVMOSAIC_CACHE_DIR, default ~/.cache/kvmosaic) and "
+                   "map them at the next start instead of unpacking the file again")
     num_threads: int | None = option(
         None, flags=("--threads",),
         help="torch threads (default: every core; with instances > 1, the cores shared among them)")
@@ -188,7 +191,8 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             num_scheduler_steps=self.num_scheduler_steps)
         engine = EngineConfig(model=self.model, dtype=self.dtype, quantization=self.quantization, seed=self.seed,
-                              deterministic=self.deterministic, num_threads=num_threads, cache=cache,
+                              deterministic=self.deterministic, weight_cache=self.weight_cache,
+                              num_threads=num_threads, cache=cache,
                               scheduler=scheduler, speculative=self.speculative)
         restart = RestartPolicy(max_restarts=self.max_worker_restarts)
         if self.disaggregated:  # ray_address goes to the workers

@@ -177,6 +177,32 @@ def peers_latest(records: list[Record]) -> list[str]:
     return lines + sources(used)
 
 
+def peers_real_size(records: list[Record]) -> list[str]:
+    """The real-size shapes (peers.py --model <shape>): each engine per workload and weight format,
+    kvmosaic over llama.cpp, and each A / L run's share of the DRAM read roofline."""
+    found = [r for r in records if r.data["bench"].startswith("peers-") and (r.data.get("config") or {}).get("model")]
+    if not found:
+        return ["_No results recorded yet._"]
+    lines = ["| host kind | model | workload | metric | weights | kvmosaic | llama.cpp | vLLM | kvmosaic / llama.cpp "
+             "| roofline share: kvmosaic / llama.cpp |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    order = {w: i for i, w in enumerate("ABCLS")}
+    for rec in found:
+        shares = {(s["workload"], s["dtype"], s["engine"]): s["share"] for s in rec.data.get("roofline_shares", [])}
+        model = rec.data["config"]["model"]
+        for row in sorted(rec.data["rows"], key=lambda r: (order.get(r["workload"], 9), r["dtype"])):
+            eng = row["engines"]
+            ours, theirs = eng.get("kvmosaic"), eng.get("llamacpp")
+            spec = "{:.2f}" if row["workload"] == "S" else "{:.1f}"
+            ratio = (theirs / ours if row["workload"] == "S" else ours / theirs) if ours and theirs else None
+            share = [shares.get((row["workload"], row["dtype"], e)) for e in ("kvmosaic", "llamacpp")]
+            share_cell = " / ".join(fmt(v, "{:.0%}") for v in share) if any(v is not None for v in share) else ""
+            lines.append(f"| {rec.kind} | {model} | {row['workload']} | {row['metric']} | {row['dtype']} | "
+                         f"{fmt(ours, spec)} | {fmt(theirs, spec)} | {fmt(eng.get('vllm'), spec)} | "
+                         f"{fmt(ratio, '{:.2f}x')} | {share_cell} |")
+    return lines + sources(found)
+
+
 TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
     "peers-summary": peers_summary,
     "trees": rows_table("trees", [("case", "case", "{}"), ("old tok/s", "old_median", "{:.1f}"),
@@ -184,6 +210,13 @@ TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
     "install-time": rows_table("install_time", [("step", "step", "{}"), ("kernel level", "level", "{}"),
                                                 ("seconds", "seconds", "{:.0f}"), ("cold caches", "cold", "{}")]),
     "peers-latest": peers_latest,
+    "peers-real-size": peers_real_size,
+    "level-agreement": rows_table("level_agreement", [("dtype", "dtype", "{}"), ("level", "level", "{}"),
+                                                      ("against", "against", "{}"),
+                                                      ("identical texts", "identical", "{}"),
+                                                      ("of", "prompts", "{}"),
+                                                      ("first differing token", "first_difference", "{}"),
+                                                      ("max logprob gap before it", "max_logprob_gap", "{:.3f}")]),
     "throughput": rows_table("throughput", [("engine", "engine", "{}"), ("dtype", "dtype", "{}"),
                                             ("seconds", "seconds", "{:.2f}"), ("req/s", "requests_per_s", "{:.2f}"),
                                             ("output tok/s", "output_tokens_per_s", "{:.1f}")]),
@@ -212,6 +245,16 @@ TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
                                             ("kvmosaic PPL", "kvmosaic", "{:.4f}"),
                                             ("llama.cpp PPL", "llamacpp", "{:.4f}"),
                                             ("difference", "difference", "{:+.2%}")]),
+    "quant-kl": rows_table("quant_kl", [("weights", "label", "{}"), ("kvmosaic holds", "held", "{}"),
+                                        ("KL int8 act.", "int8.mean_kl", "{:.5f}"),
+                                        ("KL float act.", "weights_only.mean_kl", "{:.5f}"),
+                                        ("int8 adds", "activation_kl", "{:+.5f}"),
+                                        ("llama.cpp KL", "llamacpp.mean_kl", "{:.5f}"),
+                                        ("p99 KL int8 act.", "int8.p99_kl", "{:.4f}"),
+                                        ("llama.cpp p99 KL", "llamacpp.p99_kl", "{:.4f}"),
+                                        ("top-1 int8 act.", "int8.top1", "{:.2%}"),
+                                        ("top-1 float act.", "weights_only.top1", "{:.2%}"),
+                                        ("llama.cpp top-1", "llamacpp.top1", "{:.2%}")]),
     "disagg": rows_table("disagg", [("mode", "mode", "{}"), ("class", "class", "{}"),
                                     *pair("TTFT", "ttft_ms", "{:,.0f}"), *pair("TPOT", "tpot_ms", "{:.0f}"),
                                     *pair("ITL", "itl_ms", "{:,.0f}", ("p99", "max")),

@@ -16,6 +16,7 @@ from kvmosaic.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvmosaic.model.gguf_file import GGUFFile, GGUFTensor
 from kvmosaic.model.gguf_tokenizer import gguf_eos_token_ids, gguf_field
 from kvmosaic.model.tokenizer import Tokenizer
+from kvmosaic.model.weight_cache import cached_weights
 from kvmosaic.quant import weights as qw
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,12 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
 
 
-def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
+def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, weight_cache: bool = False
               ) -> tuple[ModelConfig, dict[str, torch.Tensor | qw.QuantizedWeight], Tokenizer]:
     """``keep_quantized``: matrices of a type the kernels run natively (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay
     quantized (``QuantizedWeight``), those of the other quantized types are held as Q8_0
-    (``qw.requantize``); everything else is dequantized to ``dtype``."""
+    (``qw.requantize``); everything else is dequantized to ``dtype``. ``weight_cache``: the unpacked
+    weights come from (or go to) the file's entry in ``kvmosaic.model.weight_cache``."""
     reader = GGUFFile(path)
     fields = reader.fields
     if gguf_field(fields, "split.count", 1) > 1:
@@ -58,6 +60,15 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
     tensors = {t.name: t for t in reader.tensors}
     config = gguf_model_config(fields, tensors)
     tokenizer = Tokenizer.from_gguf(fields)  # before the slow dequantization, so a bad vocab fails fast
+    build = lambda: _gguf_weights(tensors, config, dtype, keep_quantized)
+    if not weight_cache:
+        return config, build(), tokenizer
+    options = {"dtype": str(dtype), "keep_quantized": str(keep_quantized)}
+    return config, cached_weights(path, options, build), tokenizer
+
+
+def _gguf_weights(tensors: Mapping[str, GGUFTensor], config: ModelConfig, dtype: torch.dtype,
+                  keep_quantized: bool) -> dict[str, torch.Tensor | qw.QuantizedWeight]:
     weights = {}
     for name, tensor in tensors.items():
         hf_name = hf_tensor_name(name)
@@ -87,7 +98,7 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
             weights[hf_name] = qw.requantize(weight, qtype.name)
         else:
             weights[hf_name] = weight.to(dtype)
-    return config, weights, tokenizer
+    return weights
 
 
 def _permuted_heads(config: ModelConfig, hf_name: str) -> int:

@@ -56,11 +56,13 @@ def check_quantization(quantization: str | None) -> str:
     return name
 
 
-def load_model(path: str | None, dtype: torch.dtype = torch.float32, quantization: str | None = "auto") -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype = torch.float32, quantization: str | None = "auto",
+               weight_cache: bool = False) -> LoadedModel:
     """Load a .gguf file or an HF directory (config.json + safetensors + tokenizer.json).
 
     ``dtype`` is the activation (and float weight) precision; ``quantization`` the weight format
-    (QUANTIZATIONS): matrices quantized at load are requantized from float32 values."""
+    (QUANTIZATIONS): matrices quantized at load are requantized from float32 values. ``weight_cache``:
+    a GGUF's unpacked weights are kept on disk and mapped at the next load (``kvmosaic.model.weight_cache``)."""
     if not dtype.is_floating_point:
         raise ValueError(f"weights dtype must be floating point, got {dtype}")
     fmt = check_quantization(quantization)
@@ -71,7 +73,8 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, quantizatio
     if source.is_dir():
         config, weights, tokenizer = load_hf_dir(source, load_dtype)
     elif _is_gguf(source):
-        config, weights, tokenizer = load_gguf(source, load_dtype, keep_quantized=fmt == "auto")
+        config, weights, tokenizer = load_gguf(source, load_dtype, keep_quantized=fmt == "auto",
+                                                     weight_cache=weight_cache)
     else:
         raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model directory")
     if fmt in qw.QUANTIZATIONS:

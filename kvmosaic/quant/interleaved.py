@@ -17,7 +17,6 @@ from kvmosaic.quant.weights import (
     PAIR_SHIFTS,
     SUB,
     QuantizedWeight,
-    codes_of,
     dequantize,
     kind_of,
     pack_nibbles,
@@ -78,14 +77,26 @@ def interleave(w: QuantizedWeight) -> InterleavedWeight:
     elif w.kind == "q6":
         codes = _q6_vectors(w.codes, n, k)
     else:
-        split = codes_of(w).view(n // COLUMNS, COLUMNS, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
-        codes = (split[..., 0] | (split[..., 1] << 4)).contiguous()
+        codes = _q4_vectors(w.codes, n, k)
     return InterleavedWeight(codes, by_columns(w.scale), by_columns(w.min), w.source, by_columns(w.super_scale))
+
+
+def _q4_vectors(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """uint8 [N, K/2] in Q4_0 order -> the q4 code bytes [N/16, K/8, 16, 4], straight from the packed bytes.
+
+    In a block, byte j holds k = j (low) and j + 16 (high); the kernels' byte t of group g holds
+    k = 8g + t low and 8g + 4 + t high: groups 0-1 take the low nibbles of byte quads (0, 1) and (2, 3),
+    groups 2-3 their high nibbles."""
+    quads = packed.view(n, k // BLOCK, 4, 4)  # [N, blocks, quad, t]
+    first, second = quads[:, :, 0::2], quads[:, :, 1::2]  # quads (0, 2) and (1, 3): [N, blocks, 2, 4]
+    groups = torch.cat([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], dim=2)
+    return groups.view(n // COLUMNS, COLUMNS, k // 8, 4).transpose(1, 2).contiguous()
 
 
 def _q6_vectors(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """int8 q [N, K] -> the q6 code vectors [N/16, K/32, 6, 16, 4]."""
-    u = (codes + 32).view(torch.uint8).view(n // COLUMNS, COLUMNS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    # one copy into the kernels' order first, so every bit operation below runs over contiguous bytes
+    u = (codes.view(n // COLUMNS, COLUMNS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous() + 32).view(torch.uint8)
     low = u & 0x0F  # [N/16, K/32, 8 (k // 4 in the block), 16, 4]
     nibbles = low[:, :, 0::2] | (low[:, :, 1::2] << 4)  # vector g: k 8g + t low, 8g + 4 + t high
     pairs = (u >> 4).reshape(n // COLUMNS, k // BLOCK, 2, 4, COLUMNS, 4) << PAIR_SHIFTS.view(4, 1, 1)

@@ -91,7 +91,8 @@ def load_weights(config: EngineConfig, loader: ModelLoader | None = None, kernel
         torch.set_num_threads(config.num_threads)
     kernels = kernels if kernels is not None else Kernels.load()
     kernels.set_batch_invariant(config.deterministic)
-    loader = loader or functools.partial(load_model, quantization=config.quantization)
+    loader = loader or functools.partial(load_model, quantization=config.quantization,
+                                         weight_cache=config.weight_cache)
     loaded = loader(config.model, config.torch_dtype)
     resolved = config.for_model(loaded.config)
     model = LlamaForCausalLM(loaded.config, loaded.weights, kernels,

@@ -132,3 +132,31 @@ def test_committed_records_say_where_their_numbers_come_from():
             assert data["date"] and data["git"]["commit"] and data["command"], r.path
         else:  # no run date in the old log: the commit that logged the figures stands in for it
             assert data["date"] is None and data["logged"]["commit"] and data["logged"]["date"], r.path
+
+
+def test_quant_kl_table_leaves_llamacpp_empty_when_it_did_not_run(repo):
+    divergence = {"num_tokens": 2044, "mean_kl": 0.0049, "p99_kl": 0.031, "top1": 0.9606}
+    rows = [{"label": "q8_0", "held": "Q8_0 x211", "int8": divergence, "activation_kl": 0.0035, "llamacpp": None,
+             "weights_only": {**divergence, "mean_kl": 0.0014, "top1": 0.9803}}]
+    (repo / "benchmarks" / "results" / "test-host" / "quant_kl.json").write_text(json.dumps(record(
+        "quant_kl", rows, "2026-02-03T00:00:00Z")))
+    (repo / "docs" / "weights.md").write_text("<!-- results:quant-kl -->\n<!-- /results -->\n")
+    assert render_docs.main(["--root", str(repo)]) == 0
+    text = (repo / "docs" / "weights.md").read_text()
+    assert "| q8_0 | Q8_0 x211 | 0.00490 | 0.00140 | +0.00350 | - | 0.0310 | - | 96.06% | 98.03% | - |" in text
+
+
+def test_real_size_table_gives_ratios_and_roofline_shares(repo):
+    rows = [peers_row("A", "q4_k_m", 30.0, 24.0),
+            {"workload": "S", "metric": "start-up s", "dtype": "q4_k_m", "engines": {"kvmosaic": 2.0, "llamacpp": 1.0},
+             "best_peer": None, "ratio": None}]
+    shares = [{"workload": "A", "dtype": "q4_k_m", "engine": "kvmosaic", "share": 0.8},
+              {"workload": "A", "dtype": "q4_k_m", "engine": "llamacpp", "share": 0.64}]
+    (repo / "benchmarks" / "results" / "test-host" / "peers-llama-3_2-1b.json").write_text(json.dumps(record(
+        "peers-llama-3_2-1b", rows, "2026-02-03T00:00:00Z", config={"model": "llama-3.2-1b"}, roofline_shares=shares)))
+    (repo / "docs" / "real.md").write_text("<!-- results:peers-real-size -->\n<!-- /results -->\n")
+    assert render_docs.main(["--root", str(repo)]) == 0
+    text = (repo / "docs" / "real.md").read_text()
+    assert "| test-host | llama-3.2-1b | A | decode tok/s | q4_k_m | 30.0 | 24.0 | - | 1.25x | 80% / 64% |" in text
+    # start-up: lower is better, so the ratio is llama.cpp's time over kvmosaic's
+    assert "| test-host | llama-3.2-1b | S | start-up s | q4_k_m | 2.00 | 1.00 | - | 0.50x |  |" in text
