@@ -11,6 +11,15 @@ from unittest import mock
 
 # Must precede any transformers / huggingface_hub import: tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Engines started by the tests keep their repacked-weight cache (kvmosaic/model/weight_cache.py) in a
+# directory of this run's own, never in the user's cache.
+if "KVMOSAIC_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["KVMOSAIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvmosaic-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KVMOSAIC_CACHE_DIR"], ignore_errors=True)
 
 # The tests mirror the package's folders; a test module may use another's helpers by its name
 # (``from test_disagg_server import body``) and the shared helper modules at this level, wherever it sits.

@@ -59,7 +59,9 @@ def _flatten(weights: Weights) -> tuple[dict[str, torch.Tensor], dict[str, str]]
 
 
 def _unflatten(tensors: Mapping[str, torch.Tensor], sources: Mapping[str, str]) -> Weights:
-    weights: Weights = {name: t for name, t in tensors.items() if "#" not in name}
+    # Every tensor of an entry keeps the whole file mapped (its read pages count in RSS), and the model
+    # holds norms and biases as they come: copies of those let the map go once the matrices are packed.
+    weights: Weights = {name: t.clone() if t.dim() < 2 else t for name, t in tensors.items() if "#" not in name}
     for name, source in sources.items():
         parts = [tensors.get(f"{name}#{p}") for p in _PARTS]
         weights[name] = qw.QuantizedWeight(parts[0], parts[1], parts[2], source, parts[3])

@@ -184,7 +184,24 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 
 def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The distribution a non-greedy row samples from: temperature, then top-k, top-p and min-p."""
+    """The distribution a non-greedy row samples from: temperature, then top-k, top-p and min-p.
+
+    A seeded row's is computed from its logits alone: together, the rows' filters share widths (top-k's
+    padding to the batch's largest k) and paths (top-p over the kept values or the whole vocab), which
+    move a row's probabilities by float rounding, so its seeded draws would depend on its batch."""
+    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+    if not seeded or len(rows) == 1:
+        return _batch_probs(logits, rows)
+    probs = torch.empty_like(logits)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        probs[unseeded] = _batch_probs(logits[unseeded], [rows[i] for i in unseeded])
+    for i in seeded:
+        probs[i] = _batch_probs(logits[i:i + 1], [rows[i]])[0]
+    return probs
+
+
+def _batch_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     device = logits.device
     logits = logits / _param_tensor(rows, "temperature", device)[:, None]  # a copy the masks may overwrite
     top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
@@ -198,8 +215,9 @@ def sampled_tokens(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list
     chosen: list[float | None] = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.params.tracks_logprobs]
     if wanted:
-        logits = _take_rows(raw_logits, wanted).float()
-        values = logits.gather(1, token_ids[wanted][:, None]).flatten() - torch.logsumexp(logits, dim=-1)
+        # the same log-softmax as top and prompt logprobs: a token's logprob is one number wherever it is reported
+        logprobs = compute_logprobs(_take_rows(raw_logits, wanted))
+        values = logprobs.gather(1, token_ids[wanted][:, None]).flatten()
         for i, value in zip(wanted, values.tolist(), strict=True):
             chosen[i] = value
     tops = _top_logprobs(raw_logits, rows)

@@ -119,17 +119,18 @@ def test_linear_packs_supported_weights_and_falls_back_otherwise(level_kernels, 
     from kvmosaic.model.layers.linear import make_linear
 
     _packing_ops(ops, dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for out_features, packed in ((64, True), (40, False)):  # 40: not a multiple of 16 -> dense path
-        w = torch.randn(out_features, 96).to(dtype)
-        bias = torch.randn(out_features).to(dtype)
+    # 40: not a multiple of 16, packed with zero columns and cut back; float16: no kernel, the dense path
+    for out_features, wdtype, packed in ((64, dtype, True), (40, dtype, True), (40, torch.float16, False)):
+        w = torch.randn(out_features, 96).to(wdtype)
+        bias = torch.randn(out_features).to(wdtype)
         layer = make_linear(w, bias, level_kernels)
         assert layer.method.name == ("packed" if packed else "dense")
+        tol = 1e-5 if wdtype == torch.float32 else 2e-2
         for shape in ((0, 96), (1, 96), (5, 96), (3, 7, 96)):  # 0 rows: a step that samples nothing
-            x = torch.randn(*shape).to(dtype)
+            x = torch.randn(*shape).to(wdtype)
             ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
             out = layer(x)
-            assert out.shape == (*shape[:-1], out_features) and out.dtype == dtype
+            assert out.shape == (*shape[:-1], out_features) and out.dtype == wdtype
             torch.testing.assert_close(out.double(), ref, atol=tol * 5, rtol=tol)
 
 

@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmosaic.sample.penalties import apply_penalties, pad_token_ids
-from kvmosaic.sample.sampler import SamplingRow, add_logit_bias_, compute_logprobs, random_sample, sample
+from kvmosaic.sample.sampler import (
+    SamplingRow,
+    add_logit_bias_,
+    compute_logprobs,
+    random_sample,
+    sample,
+    target_probs,
+)
 from kvmosaic.sample.topk_topp import apply_top_k_top_p_min_p
 from kvmosaic.sampling_params import SamplingParams
 
@@ -332,3 +339,28 @@ def test_logit_bias_shared_by_rows_is_added_to_each_row_once():
                 expected[row, token] += value
     add_logit_bias_(logits, biases)
     assert torch.equal(logits, expected)
+
+
+def test_a_tokens_logprob_is_the_same_number_as_its_top_and_prompt_logprob():
+    """The chosen token's logprob is read off the same log-softmax as the top logprobs and the prompt
+    logprobs (compute_logprobs), so a token scored as a prompt token and sampled gets one number."""
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    out = sample(logits, [_row(temperature=0.0, logprobs=2) for _ in range(6)])
+    reference = compute_logprobs(logits)
+    for i, token in enumerate(out):
+        assert token.logprob == reference[i, token.token_id].item()
+        assert token.top_logprobs[token.token_id] == token.logprob
+
+
+def test_seeded_rows_distribution_is_computed_from_its_row_alone():
+    """Rows filtered together share widths (top-k's padding to the batch's largest k) and paths (top-p
+    over the kept values or the whole vocab); a seeded row's probabilities, which its draws follow,
+    are its own bit for bit, whatever else is in the batch."""
+    gen = torch.Generator().manual_seed(4)
+    mine = torch.randn(1, 4096, generator=gen) * 3
+    params = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02)
+    alone = target_probs(mine, [_row(torch.Generator(), **params)])
+    for others in ([dict(top_k=900, top_p=0.8)], [dict(top_p=0.5)], [dict(min_p=0.1, temperature=1.3)] * 19):
+        logits = torch.cat([torch.randn(len(others), 4096, generator=gen) * 3, mine])
+        rows = [_row(**o) for o in others] + [_row(torch.Generator(), **params)]
+        assert torch.equal(target_probs(logits, rows)[-1:], alone)

@@ -3,8 +3,9 @@
 A method is chosen once, at load, from the weight (a float tensor or a ``QuantizedWeight``) and the
 kernels at hand (``linear_method`` / ``gated_method``), and handed to ``Linear`` / ``GatedProjection``:
 
-* ``DenseFloat``: the weight as is, oneDNN or ``F.linear`` (no kernels, or a shape they do not take).
-* ``PackedFloat``: 16-column blocks for ``ops.packed_linear`` (``ops.packed_swiglu`` with SwiGLU fused).
+* ``DenseFloat``: the weight as is, oneDNN or ``F.linear`` (no kernels, or a dtype they do not take).
+* ``PackedFloat``: 16-column blocks for ``ops.packed_linear`` (``ops.packed_swiglu`` with SwiGLU fused),
+  zero-padded to whole blocks.
 * ``QuantizedKernel``: a q8 / q4 / q6 weight in the interleaved layout for ``ops.quantized_linear``.
 * ``QuantizedReference``: the same weight through the PyTorch reference of that kernel.
 
@@ -70,6 +71,10 @@ class DenseFloat:
 
 
 class PackedFloat:
+    """A weight of out_features not a multiple of the 16-column block is packed with zero columns up to
+    the next one, and its product's output cut back: the packed product computes a row the same way at
+    any row count, oneDNN's and ``F.linear``'s do not (their kernels change with the rows)."""
+
     name = "packed"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType, swiglu: bool = False,
@@ -77,16 +82,22 @@ class PackedFloat:
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0] // 2 if swiglu else weight.shape[0]
         self.fuses_swiglu = swiglu
+        self.padded = not swiglu and weight.shape[0] % PACKED_BLOCK != 0
+        if self.padded:
+            weight, bias = _padded_rows(weight), None if bias is None else _padded_rows(bias)
         pack = ops.pack_swiglu_weight if swiglu else ops.pack_linear_weight
         self.packed = place(pack(weight))  # streamed whole every decode step
         self.bias = None if bias is None else bias.float().contiguous()
         self._kernel = ops.packed_swiglu if swiglu else ops.packed_linear
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, self.packed) if self.fuses_swiglu else self._kernel(x, self.packed, self.bias)
+        if self.fuses_swiglu:
+            return self._kernel(x, self.packed)
+        out = self._kernel(x, self.packed, self.bias)
+        return out[:, : self.out_features].contiguous() if self.padded else out
 
-    def stack_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.packed, _NONE, _NONE
+    def stack_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return None if self.padded else (self.packed, _NONE, _NONE)  # the stack does not cut outputs
 
 
 class QuantizedKernel:
@@ -134,11 +145,21 @@ class QuantizedReference:
 Weight = torch.Tensor | qw.QuantizedWeight
 
 
+PACKED_BLOCK = 16  # output columns of a packed weight block (ops.pack_linear_weight)
+
+
+def _padded_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] with zero rows up to the next multiple of PACKED_BLOCK."""
+    extra = -t.shape[0] % PACKED_BLOCK
+    return torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t
+
+
 def _float_ops(weight: torch.Tensor, kernels: Kernels) -> ModuleType | None:
     ops = kernels.ops
     if weight.device.type != "cpu" or not kernels.has("packed_linear"):
         return None
-    return ops if ops.packed_linear_supports(weight.dtype, weight.shape[0], weight.shape[1]) else None
+    rows = weight.shape[0] + -weight.shape[0] % PACKED_BLOCK  # as PackedFloat pads them
+    return ops if ops.packed_linear_supports(weight.dtype, rows, weight.shape[1]) else None
 
 
 def _quantized_kernel_ok(weight: qw.QuantizedWeight, kernels: Kernels) -> bool:
