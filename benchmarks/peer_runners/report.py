@@ -100,8 +100,9 @@ def summary_rows(results: list[dict], startup: list[dict]) -> list[dict]:
         ours = rates.get("kvmosaic")
         rows.append({"workload": workload, "metric": WORKLOADS[workload].metric, "dtype": dtype, "engines": rates,
                      "best_peer": best, "ratio": round(ours / peers[best], 4) if best and ours else None})
-    for res in startup:
-        rows.append({"workload": "S", "metric": "start-up s", "dtype": res["dtype"],
-                     "engines": {"kvmosaic": res.get("seconds") if succeeded(res) else None}, "best_peer": None,
+    for dtype in sorted({res["dtype"] for res in startup}):  # one row per dtype, every engine that started
+        times = {res.get("engine", "kvmosaic"): (res.get("seconds") if succeeded(res) else None)
+                 for res in startup if res["dtype"] == dtype}
+        rows.append({"workload": "S", "metric": "start-up s", "dtype": dtype, "engines": times, "best_peer": None,
                      "ratio": None})
     return rows
