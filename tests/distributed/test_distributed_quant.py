@@ -32,7 +32,7 @@ def test_a_quantized_pool_lends_and_the_tokens_are_one_large_instances(ray_runti
     tokens = prompt(11, 300)  # 300 + 12 tokens: 20 blocks of 16, an instance has 16
     big = quantized(64, kv_cache_dtype)
     engine = Engine(big, LocalExecutor(big, cached_loader))
-    engine.add_request("ref", tokens, dataclasses.replace(params(MAX_TOKENS), logprobs=2))
+    engine.add_request("ref", tokens, dataclasses.replace(params(MAX_TOKENS), logprobs=5))
     reference = None
     while engine.has_unfinished():
         for out in engine.step():
