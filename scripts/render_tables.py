@@ -180,7 +180,7 @@ def peers_latest(records: list[Record]) -> list[str]:
 def peers_real_size(records: list[Record]) -> list[str]:
     """The real-size shapes (peers.py --model <shape>): each engine per workload and weight format,
     kvmosaic over llama.cpp, and each A / L run's share of the DRAM read roofline."""
-    found = [r for r in records if r.data["bench"].startswith("peers-") and (r.data.get("config") or {}).get("model")]
+    found = _real_size_records(records)
     if not found:
         return ["_No results recorded yet._"]
     lines = ["| host kind | model | workload | metric | weights | kvmosaic | llama.cpp | vLLM | kvmosaic / llama.cpp "
@@ -203,6 +203,40 @@ def peers_real_size(records: list[Record]) -> list[str]:
     return lines + sources(found)
 
 
+
+def _gb(value: float | None) -> float | None:
+    return None if value is None else value / 1e9
+
+
+def _real_size_records(records: list[Record]) -> list[Record]:
+    return [r for r in records if r.data["bench"].startswith("peers-") and (r.data.get("config") or {}).get("model")]
+
+
+def peers_real_size_memory(records: list[Record]) -> list[str]:
+    """Each engine's highest peak RSS over a real-size record's runs of one weight format, against the
+    weights' bytes plus its KV pool (the issue's allowance: 15% over those)."""
+    found = _real_size_records(records)
+    if not found:
+        return ["_No results recorded yet._"]
+    lines = ["| host kind | model | weights | engine | peak RSS GB | in workload | weights GB | KV pool GB "
+             "| RSS / (weights + KV pool) |", "|---|---|---|---|---:|---|---:|---:|---:|"]
+    for rec in found:
+        peaks: dict[tuple[str, str], dict] = {}
+        for res in [*rec.data.get("results", []), *rec.data.get("startup", [])]:
+            if not res.get("peak_rss_bytes"):
+                continue
+            key = (res["dtype"], res["engine"])
+            if key not in peaks or res["peak_rss_bytes"] > peaks[key]["peak_rss_bytes"]:
+                peaks[key] = res
+        for (dtype, engine), res in sorted(peaks.items()):
+            weights, kv = res.get("weights_bytes"), res.get("kv_pool_bytes")
+            budget = weights + kv if weights is not None and kv is not None else None
+            share = res["peak_rss_bytes"] / budget if budget else None
+            lines.append(f"| {rec.kind} | {rec.data['config']['model']} | {dtype} | {engine} | "
+                         f"{fmt(_gb(res['peak_rss_bytes']), '{:.2f}')} | {res['workload']} | "
+                         f"{fmt(_gb(weights), '{:.2f}')} | {fmt(_gb(kv), '{:.2f}')} | {fmt(share, '{:.2f}')} |")
+    return lines + sources(found)
+
 TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
     "peers-summary": peers_summary,
     "trees": rows_table("trees", [("case", "case", "{}"), ("old tok/s", "old_median", "{:.1f}"),
@@ -211,6 +245,7 @@ TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
                                                 ("seconds", "seconds", "{:.0f}"), ("cold caches", "cold", "{}")]),
     "peers-latest": peers_latest,
     "peers-real-size": peers_real_size,
+    "peers-real-size-memory": peers_real_size_memory,
     "level-agreement": rows_table("level_agreement", [("dtype", "dtype", "{}"), ("level", "level", "{}"),
                                                       ("against", "against", "{}"),
                                                       ("identical texts", "identical", "{}"),
