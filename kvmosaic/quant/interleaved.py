@@ -3,6 +3,8 @@
 ``interleave`` puts 16 output columns side by side per 4 (q8) or 8 (q4, q6's low nibbles) k steps,
 so one 64-byte load feeds an int8 dot product into 16 column sums (kvmosaic/ops/csrc/linear/qlinear.cpp);
 ``deinterleave`` is its inverse and ``dequantize_rows`` reads float rows of it (an embedding lookup).
+The repack-once cache (``kvmosaic.model.weight_cache``) stores this layout and keys its entries by a
+fingerprint of what ``interleave`` makes, so a change here invalidates them with no version to bump.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from kvmosaic.attention.kv_cache import KVCache, bytes_per_block, kv_format
 from kvmosaic.config import EngineConfig, ModelConfig
 from kvmosaic.model.llama import LlamaForCausalLM
 from kvmosaic.model.loader import LoadedModel, load_model
+from kvmosaic.model.weight_cache import packed_store
 from kvmosaic.ops import Kernels
 from kvmosaic.outputs import ScheduledRequest
 from kvmosaic.quant import thresholds as kv_thresholds
@@ -95,8 +96,10 @@ def load_weights(config: EngineConfig, loader: ModelLoader | None = None, kernel
                                          weight_cache=config.weight_cache)
     loaded = loader(config.model, config.torch_dtype)
     resolved = config.for_model(loaded.config)
+    packed = packed_store(loaded.cache_source, kernels)
     model = LlamaForCausalLM(loaded.config, loaded.weights, kernels,
-                             max_positions=resolved.scheduler.max_model_len).eval()
+                             max_positions=resolved.scheduler.max_model_len, packed=packed).eval()
+    packed.finish()
     if config.cache.kv_cache_dtype == "oaken" and thresholds is None:
         identity = kv_thresholds.ModelIdentity.of(loaded.config, loaded.weights)
         thresholds = kv_thresholds.for_model(config.cache.kv_thresholds, identity, config.model is None)

@@ -446,3 +446,19 @@ def test_gguf_file_refuses_a_file_that_is_not_gguf(tmp_path):
     (tmp_path / "y.gguf").write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match="bad magic"):
         GGUFFile(tmp_path / "y.gguf")
+
+
+def test_gguf_weights_are_read_only_when_asked_for(tmp_path, monkeypatch):
+    """Loading reads the header (shapes are checked from it); each weight is unpacked when it is read,
+    and not kept, so a model built from the repack-once cache never unpacks a matrix."""
+    path = tmp_path / "q8.gguf"
+    write_tiny_gguf(path, matrix_type=Q.Q8_0)
+    unpacked = []
+    from_gguf = qw.from_gguf
+    monkeypatch.setattr(qw, "from_gguf", lambda *args: unpacked.append(1) or from_gguf(*args))
+    weights = load_model(str(path), quantization="auto").weights
+    assert unpacked == [] and "model.layers.0.self_attn.q_proj.weight" in weights and unpacked == []
+    q_proj = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert unpacked == [1] and isinstance(q_proj, qw.QuantizedWeight)
+    assert weights["model.layers.0.self_attn.q_proj.weight"] is not q_proj and unpacked == [1, 1]
+    assert weights.shape("model.layers.0.self_attn.q_proj.weight") == tuple(q_proj.shape)

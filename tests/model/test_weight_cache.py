@@ -1,4 +1,4 @@
-"""The weight cache: a GGUF's unpacked weights stored once, mapped at the next load."""
+"""The repack-once cache: the products a model streams, stored by one start and read by the next."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import torch
 from test_loader import write_tiny_gguf
 
 from kvmosaic import LLM, SamplingParams
-from kvmosaic.model import gguf_loader, weight_cache
+from kvmosaic.model import weight_cache
+from kvmosaic.model.layers.linear_methods import QuantizedKernel
+from kvmosaic.model.llama import LlamaForCausalLM
 from kvmosaic.model.loader import load_model
+from kvmosaic.ops import Kernels
+from kvmosaic.quant import interleaved as qi
 from kvmosaic.quant import weights as qw
 
 Q = gguf.GGMLQuantizationType
@@ -31,96 +35,145 @@ def tiny_q8(tmp_path):
     return path
 
 
-def _count_builds(monkeypatch) -> list[int]:
-    builds = []
-    original = gguf_loader._gguf_weights
-
-    def counted(*args, **kwargs):
-        builds.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(gguf_loader, "_gguf_weights", counted)
-    return builds
+@pytest.fixture(scope="module")
+def kernels() -> Kernels:
+    loaded = Kernels.load()
+    if not loaded.has("quantized_linear"):
+        pytest.skip("the quantized kernels are not built")
+    return loaded
 
 
-def _parts(w) -> list[torch.Tensor]:
-    if isinstance(w, qw.QuantizedWeight):
-        return [t for t in (w.codes, w.scale, w.min, w.super_scale) if t is not None]
-    return [w]
+def _build(path, kernels, dtype=torch.float32):
+    """A model built through the cache as a worker builds it, and the store it asked."""
+    loaded = load_model(str(path), dtype, "auto", weight_cache=True)
+    store = weight_cache.PackedCache.open(loaded.cache_source, kernels)
+    model = LlamaForCausalLM(loaded.config, loaded.weights, kernels, packed=store)
+    store.finish()
+    return model, store
 
 
-def _assert_bit_identical(a: dict, b: dict) -> None:
-    assert set(a) == set(b)
+def _streamed(model) -> dict[str, list[torch.Tensor]]:
+    """Every quantized product's tensors as the kernels read them."""
+    out = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "method", None)
+        if isinstance(method, QuantizedKernel):
+            w = method.weight
+            out[name] = [w.source, *(t for t in (w.codes, w.scale, w.min, w.super_scale) if t is not None)]
+    return out
+
+
+def _assert_same_products(a: dict, b: dict) -> None:
+    assert a and set(a) == set(b)
     for name in a:
-        assert type(a[name]) is type(b[name]), name
-        if isinstance(a[name], qw.QuantizedWeight):
-            assert a[name].source == b[name].source, name
-        for x, y in zip(_parts(a[name]), _parts(b[name]), strict=True):
+        assert a[name][0] == b[name][0], name
+        for x, y in zip(a[name][1:], b[name][1:], strict=True):
             assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
 
 
-def test_hit_gives_the_same_bits_without_unpacking(cache_dir, tiny_q8, monkeypatch):
-    plain = load_model(str(tiny_q8), torch.float32, "auto").weights
-    builds = _count_builds(monkeypatch)
-    first = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).weights
-    second = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).weights
-    assert builds == [1]  # the second load came from the cache
-    assert len(list(cache_dir.glob("tiny-q8.gguf.*.pt"))) == 1
-    assert any(isinstance(w, qw.QuantizedWeight) for w in second.values())
-    _assert_bit_identical(plain, first)
-    _assert_bit_identical(plain, second)
+def _forbid_repacking(monkeypatch) -> None:
+    weight_cache.layout_fingerprint()  # computed once per process, before anything is forbidden
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a warm start repacked a weight")
+
+    for module, name in ((qi, "interleave"), (qw, "concat_rows"), (qw, "requantize")):
+        monkeypatch.setattr(module, name, forbidden)
 
 
-def test_options_that_change_the_weights_have_their_own_entry(cache_dir, tiny_q8, monkeypatch):
-    builds = _count_builds(monkeypatch)
-    quantized = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).weights
-    floats = load_model(str(tiny_q8), torch.bfloat16, "none", weight_cache=True).weights
-    assert builds == [1, 1] and len(list(cache_dir.glob("*.pt"))) == 2
-    assert all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in floats.values())
-    _assert_bit_identical(quantized, load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).weights)
+def test_a_warm_start_reads_every_product_without_repacking(cache_dir, tiny_q8, kernels, monkeypatch):
+    plain = LlamaForCausalLM(*_loaded_parts(tiny_q8), kernels)
+    cold, cold_store = _build(tiny_q8, kernels)
+    assert not cold_store.hit and "lm_head" in cold_store.built
+    assert len(list(cache_dir.glob("tiny-q8.gguf.*.packed"))) == 1
+    _forbid_repacking(monkeypatch)
+    warm, warm_store = _build(tiny_q8, kernels)
+    # built again: only what runs off the quantized kernels (float down_proj, a 259-row head), never held
+    assert warm_store.hit and warm_store.held and warm_store.held.isdisjoint(warm_store.built)
+    assert set(warm_store.built) | warm_store.held == set(cold_store.built)
+    _assert_same_products(_streamed(plain), _streamed(cold))
+    _assert_same_products(_streamed(cold), _streamed(warm))
 
 
-def test_a_changed_file_is_unpacked_again(cache_dir, tiny_q8, monkeypatch):
-    builds = _count_builds(monkeypatch)
-    load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True)
+def _loaded_parts(path):
+    loaded = load_model(str(path), torch.float32, "auto")
+    return loaded.config, loaded.weights
+
+
+def test_a_warm_start_gives_the_same_logprobs(cache_dir, tiny_q8):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    options = dict(dtype="float32", kv_cache_memory="16MiB")
+    plain = LLM(str(tiny_q8), weight_cache=False, **options).generate(["hello there"], params)[0]
+    assert not cache_dir.exists()  # turned off: nothing written
+    cold = LLM(str(tiny_q8), **options).generate(["hello there"], params)[0]
+    warm = LLM(str(tiny_q8), **options).generate(["hello there"], params)[0]
+    assert len(list(cache_dir.glob("*.packed"))) == 1
+    for out in (cold, warm):
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert out.outputs[0].logprobs == plain.outputs[0].logprobs
+        assert out.prompt_logprobs == plain.prompt_logprobs
+
+
+def test_options_and_layout_have_their_own_entries(cache_dir, tiny_q8, kernels, monkeypatch):
+    assert not _build(tiny_q8, kernels)[1].hit
+    assert not _build(tiny_q8, kernels, torch.bfloat16)[1].hit  # another dtype: another entry
+    assert _build(tiny_q8, kernels)[1].hit and _build(tiny_q8, kernels, torch.bfloat16)[1].hit
+    monkeypatch.setattr(weight_cache, "LAYOUT_VERSION", weight_cache.LAYOUT_VERSION + 1)
+    assert not _build(tiny_q8, kernels)[1].hit
+    monkeypatch.setattr(weight_cache, "layout_fingerprint", lambda: "another interleaved layout")
+    assert not _build(tiny_q8, kernels)[1].hit
+    assert len(list(cache_dir.glob("*.packed"))) == 4
+
+
+def test_a_changed_file_is_repacked(cache_dir, tiny_q8, kernels):
+    _build(tiny_q8, kernels)
     write_tiny_gguf(tiny_q8, matrix_type=Q.Q4_0)  # same name, new contents
     stat = tiny_q8.stat()
     os.utime(tiny_q8, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    again = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).weights
-    assert builds == [1, 1]
-    assert {w.source for w in again.values() if isinstance(w, qw.QuantizedWeight)} == {"Q4_0"}
-    _assert_bit_identical(load_model(str(tiny_q8), torch.float32, "auto").weights, again)
+    model, store = _build(tiny_q8, kernels)
+    assert not store.hit
+    assert {products[0] for products in _streamed(model).values()} == {"Q4_0"}
+    _assert_same_products(_streamed(LlamaForCausalLM(*_loaded_parts(tiny_q8), kernels)), _streamed(model))
 
 
-def test_a_corrupt_entry_is_rebuilt_with_a_warning(cache_dir, tiny_q8, monkeypatch):
-    load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True)
-    (entry,) = cache_dir.glob("*.pt")
-    entry.write_bytes(b"not a torch file")
-    expected = load_model(str(tiny_q8), torch.float32, "auto").weights
-    builds = _count_builds(monkeypatch)
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_entry_is_rebuilt_with_a_warning(cache_dir, tiny_q8, kernels, damage):
+    expected = _streamed(_build(tiny_q8, kernels)[0])
+    (entry,) = cache_dir.glob("*.packed")
+    data = entry.read_bytes()
+    entry.write_bytes(b"not an entry" if damage == "garbage" else data[: len(data) // 2] + data[-16:])
     with pytest.warns(UserWarning, match="ignoring the weight cache entry"):
-        weights = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).weights
-    assert builds == [1]
-    _assert_bit_identical(expected, weights)
-    load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True)  # rewritten: a hit, no warning
-    assert builds == [1]
+        model, store = _build(tiny_q8, kernels)
+    assert not store.hit
+    _assert_same_products(expected, _streamed(model))
+    assert _build(tiny_q8, kernels)[1].hit  # rewritten: a hit, no warning
 
 
-def test_an_unwritable_cache_dir_falls_back_with_a_warning(tmp_path, tiny_q8, monkeypatch):
+def test_an_unwritable_cache_dir_falls_back_with_a_warning(tmp_path, tiny_q8, kernels, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv(weight_cache.CACHE_DIR_ENV, str(blocker / "cache"))  # under a file: cannot be made
     with pytest.warns(UserWarning, match="cannot write the weight cache entry"):
-        weights = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).weights
-    _assert_bit_identical(load_model(str(tiny_q8), torch.float32, "auto").weights, weights)
+        model, store = _build(tiny_q8, kernels)
+    assert not store.hit
+    _assert_same_products(_streamed(LlamaForCausalLM(*_loaded_parts(tiny_q8), kernels)), _streamed(model))
 
 
-def test_a_cache_hit_gives_the_same_greedy_tokens(cache_dir, tiny_q8):
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    options = dict(dtype="float32", kv_cache_memory="16MiB")
-    plain = LLM(str(tiny_q8), weight_cache=False, **options).generate(["hello there"], params)
-    assert not cache_dir.exists()  # turned off: nothing written
-    cold = LLM(str(tiny_q8), **options).generate(["hello there"], params)
-    warm = LLM(str(tiny_q8), **options).generate(["hello there"], params)
-    tokens = [out.outputs[0].token_ids for out in (plain[0], cold[0], warm[0])]
-    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 12
+def test_formats_other_than_auto_are_not_cached(tiny_q8):
+    assert load_model(str(tiny_q8), torch.float32, "none", weight_cache=True).cache_source is None
+    assert load_model(str(tiny_q8), torch.float32, "auto").cache_source is None
+
+
+def test_the_tokenizer_description_is_cached(cache_dir, tiny_q8):
+    plain = load_model(str(tiny_q8), torch.float32, "auto").tokenizer
+    cold = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).tokenizer
+    (entry,) = cache_dir.glob("*.tokenizer.json")
+    warm = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).tokenizer
+    text = "hello there, 123 <|im_end|>"
+    assert plain.encode(text) == cold.encode(text) == warm.encode(text)
+    entry.write_text(entry.read_text()[:-5])  # cut short: its key is gone
+    with pytest.warns(UserWarning, match="ignoring the weight cache entry"):
+        again = load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).tokenizer
+    assert again.encode(text) == plain.encode(text)
+    assert load_model(str(tiny_q8), torch.float32, "auto", weight_cache=True).tokenizer.encode(text) == plain.encode(
+        text)

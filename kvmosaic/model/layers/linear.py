@@ -18,7 +18,16 @@ import torch
 from torch import nn
 
 from kvmosaic.model.layers.activation import silu_and_mul
-from kvmosaic.model.layers.linear_methods import LinearMethod, Placement, Weight, gated_method, linear_method
+from kvmosaic.model.layers.linear_methods import (
+    KernelWeight,
+    LinearMethod,
+    Placement,
+    Weight,
+    fuse_gate_up,
+    gated_method,
+    kernel_layout,
+    linear_method,
+)
 from kvmosaic.ops import NO_KERNELS, Kernels
 from kvmosaic.ops.memory import to_huge
 
@@ -66,7 +75,7 @@ class GatedProjection(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.method.name}"
 
 
-def make_linear(weight: Weight, bias: torch.Tensor | None = None, kernels: Kernels = NO_KERNELS,
+def make_linear(weight: KernelWeight, bias: torch.Tensor | None = None, kernels: Kernels = NO_KERNELS,
                 place: Placement = to_huge) -> Linear:
     """A Linear in the format ``weight`` and ``kernels`` call for; ``place`` stores what the kernels stream."""
     return Linear(linear_method(weight, bias, kernels, place))
@@ -74,4 +83,10 @@ def make_linear(weight: Weight, bias: torch.Tensor | None = None, kernels: Kerne
 
 def make_gated(gate: Weight, up: Weight, kernels: Kernels = NO_KERNELS, dtype: torch.dtype = torch.float32,
                place: Placement = to_huge) -> GatedProjection:
-    return GatedProjection(gated_method(gate, up, kernels, dtype, place), kernels.ops)
+    """The gate/up projection of two separate weights (a model built from a store uses ``gated``)."""
+    return gated(kernel_layout(fuse_gate_up(gate, up, dtype), kernels), kernels, place)
+
+
+def gated(fused: KernelWeight, kernels: Kernels = NO_KERNELS, place: Placement = to_huge) -> GatedProjection:
+    """The gate/up projection of a fused [2F, K] weight in its kernels' layout."""
+    return GatedProjection(gated_method(fused, kernels, place), kernels.ops)

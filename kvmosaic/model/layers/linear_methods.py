@@ -12,6 +12,10 @@ kernels at hand (``linear_method`` / ``gated_method``), and handed to ``Linear``
 ``stack_weights`` gives what ``ops.layer_stack`` takes for the method (weight, scales, mins or q6's
 super-block scales; empty
 tensors where a format has none), or None when the method does not run inside it.
+
+A model asks a ``PackedWeights`` store for each product's weight by module name (``kernel_layout``
+of what its ``build`` makes): ``Unpacked`` builds it every time, the repack-once cache
+(``kvmosaic.model.weight_cache``) maps what an earlier start built.
 """
 
 from __future__ import annotations
@@ -103,11 +107,12 @@ class PackedFloat:
 class QuantizedKernel:
     fuses_swiglu = False
 
-    def __init__(self, weight: qw.QuantizedWeight, bias: torch.Tensor | None, ops: ModuleType,
-                 place: Placement = to_huge) -> None:
+    def __init__(self, weight: qw.QuantizedWeight | qi.InterleavedWeight, bias: torch.Tensor | None,
+                 ops: ModuleType, place: Placement = to_huge) -> None:
         self.out_features, self.in_features = weight.shape
         self.name = weight.source.lower()
-        self.weight = qi.interleave(weight).placed(place)
+        interleaved = weight if isinstance(weight, qi.InterleavedWeight) else qi.interleave(weight)
+        self.weight = interleaved.placed(place)
         self.codes, self.scale, self.extra = self.weight.codes, self.weight.scale, self.weight.extra
         self.bias = None if bias is None else bias.float().contiguous()
         self._kernel = ops.quantized_linear
@@ -143,6 +148,36 @@ class QuantizedReference:
 
 
 Weight = torch.Tensor | qw.QuantizedWeight
+KernelWeight = Weight | qi.InterleavedWeight  # a weight in the layout its method streams
+
+
+class PackedWeights(Protocol):
+    def __call__(self, name: str, build: Callable[[], Weight]) -> KernelWeight:
+        """The weight of the product ``name`` (a module name) in its kernels' layout; ``build`` makes
+        it from the loaded weights when the store does not hold it."""
+
+    def placement(self, fallback: Placement) -> Placement:
+        """Where the model stores the tensors it streams: what the store holds in place stays there,
+        the rest goes to ``fallback``."""
+
+    def finish(self) -> None:
+        """Every product has been asked for: keep what was built (a cache writes its entry)."""
+
+
+class Unpacked:
+    """Builds and lays out every weight at each start (no store)."""
+
+    def __init__(self, kernels: Kernels) -> None:
+        self.kernels = kernels
+
+    def __call__(self, name: str, build: Callable[[], Weight]) -> KernelWeight:
+        return kernel_layout(build(), self.kernels)
+
+    def placement(self, fallback: Placement) -> Placement:
+        return fallback
+
+    def finish(self) -> None:
+        pass
 
 
 PACKED_BLOCK = 16  # output columns of a packed weight block (ops.pack_linear_weight)
@@ -166,9 +201,19 @@ def _quantized_kernel_ok(weight: qw.QuantizedWeight, kernels: Kernels) -> bool:
     return kernels.has("quantized_linear") and weight.shape[0] % qi.COLUMNS == 0
 
 
-def linear_method(weight: Weight, bias: torch.Tensor | None, kernels: Kernels,
+def kernel_layout(weight: Weight, kernels: Kernels) -> KernelWeight:
+    """``weight`` as its method streams it: a quantized weight the kernels take, interleaved; any
+    other as it is (a float weight is packed by its method)."""
+    if isinstance(weight, qw.QuantizedWeight) and _quantized_kernel_ok(weight, kernels):
+        return qi.interleave(weight)
+    return weight
+
+
+def linear_method(weight: KernelWeight, bias: torch.Tensor | None, kernels: Kernels,
                   place: Placement = to_huge) -> LinearMethod:
     """The format a [N, K] weight runs in with these kernels; ``place`` stores what the kernels stream."""
+    if isinstance(weight, qi.InterleavedWeight):
+        return QuantizedKernel(weight, bias, kernels.ops, place)
     if isinstance(weight, qw.QuantizedWeight):
         if _quantized_kernel_ok(weight, kernels):
             return QuantizedKernel(weight, bias, kernels.ops, place)
@@ -177,19 +222,22 @@ def linear_method(weight: Weight, bias: torch.Tensor | None, kernels: Kernels,
     return PackedFloat(weight, bias, ops, place=place) if ops is not None else DenseFloat(weight, bias)
 
 
-def gated_method(gate: Weight, up: Weight, kernels: Kernels, dtype: torch.dtype = torch.float32,
-                 place: Placement = to_huge) -> LinearMethod:
-    """The format of a fused [2F, K] gate/up projection; ``fuses_swiglu`` says whether its output is
-    already silu(gate) * up or still (gate | up)."""
-    if tuple(gate.shape) != tuple(up.shape):
-        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} projections differ in shape")
-    fused = fuse_rows([gate, up], dtype)
+def gated_method(fused: KernelWeight, kernels: Kernels, place: Placement = to_huge) -> LinearMethod:
+    """The format of a fused [2F, K] gate/up projection (``fuse_gate_up``); ``fuses_swiglu`` says
+    whether its output is already silu(gate) * up or still (gate | up)."""
     if isinstance(fused, torch.Tensor):
         ops = _float_ops(fused, kernels)
         if ops is not None and kernels.has("packed_swiglu") and ops.packed_swiglu_supports(
-                fused.dtype, gate.shape[0], gate.shape[1]):
+                fused.dtype, fused.shape[0] // 2, fused.shape[1]):
             return PackedFloat(fused, None, ops, swiglu=True, place=place)
     return linear_method(fused, None, kernels, place)
+
+
+def fuse_gate_up(gate: Weight, up: Weight, dtype: torch.dtype = torch.float32) -> Weight:
+    """The [2F, K] weight of a gate/up projection: gate rows, then up rows."""
+    if tuple(gate.shape) != tuple(up.shape):
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} projections differ in shape")
+    return fuse_rows([gate, up], dtype)
 
 
 def fuse_rows(weights: list[Weight], dtype: torch.dtype = torch.float32) -> Weight:
