@@ -7,8 +7,8 @@ there is one, and otherwise builds the weight (unpack, fuse, requantize, interle
 a new entry. An entry holds the interleaved tensors exactly as the kernels read them, back to back in
 the order a step reads them, so a warm start unpacks, fuses, interleaves and copies nothing: the
 kernels read the entry's mapping (``placement`` keeps its tensors where they are). With the file in the
-page cache the mapping costs no memory of its own, and Linux maps a page cache's 2 MiB folios with
-huge TLB entries, as the weight arena's anonymous huge pages would be.
+page cache the mapping costs no memory of its own, and Linux maps the page cache's 2 MiB folios with
+huge TLB entries (its smaller folios with 4 KiB ones; see docs/weight-formats.md for the trade-off).
 
 An entry is keyed by the GGUF's absolute path, size and mtime_ns, ``LAYOUT_VERSION``, a fingerprint of
 the layout functions themselves (a change to interleaving, fusing or requantizing makes new keys
