@@ -16,6 +16,7 @@ from kvmosaic.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvmosaic.model.gguf_file import GGUFFile, GGUFTensor
 from kvmosaic.model.gguf_tokenizer import gguf_eos_token_ids, gguf_field
 from kvmosaic.model.tokenizer import Tokenizer
+from kvmosaic.ops.memory import drop_mapped_pages
 from kvmosaic.quant import weights as qw
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,11 @@ class GGUFWeights(Mapping):
                 logger.warning("ignoring unexpected GGUF tensor %s", name)
 
     def __getitem__(self, name: str) -> torch.Tensor | qw.QuantizedWeight:
-        return _gguf_weight(self._names[name], name, self._config, self._dtype, self._keep_quantized)
+        tensor = self._names[name]
+        weight = _gguf_weight(tensor, name, self._config, self._dtype, self._keep_quantized)
+        # every weight comes out as a copy: its file pages need not stay in this process's RSS
+        drop_mapped_pages(tensor.data.ctypes.data, tensor.data.nbytes)
+        return weight
 
     def __contains__(self, name: object) -> bool:  # Mapping's own would read the weight
         return name in self._names

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 HUGE_PAGE = 2 << 20
+_MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -30,18 +31,32 @@ _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 @functools.cache
 def _madvise():
     """libc's madvise when transparent huge pages can be asked for, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         setting = _THP_SETTING.read_text()
     except OSError:
         return None
-    if "[never]" in setting:
+    return None if "[never]" in setting else _libc_madvise()
+
+
+@functools.cache
+def _libc_madvise():
+    """libc's madvise on Linux, else None."""
+    if not sys.platform.startswith("linux"):
         return None
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     madvise.restype = ctypes.c_int
     return madvise
+
+
+def drop_mapped_pages(address: int, nbytes: int) -> None:
+    """Let the whole pages of a read-only file mapping in [address, address + nbytes) leave this
+    process's resident set (the page cache keeps them; a later read maps them again). Off Linux, nothing."""
+    madvise = _libc_madvise()
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if madvise is not None and end > start:
+        madvise(start, end - start, _MADV_DONTNEED)  # best effort: a refusal leaves the pages counted
 
 
 def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,7 @@ import mmap
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,3 +166,21 @@ def test_kv_pool_is_resident_at_start_only_when_prefaulted(prefault):
     else:
         assert grown < 16 * MiB
     assert not cache.device_pool[:, :, ::97].any()
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RssFile is Linux's")
+def test_dropped_pages_of_a_file_mapping_leave_rss_and_read_back(tmp_path):
+    path = tmp_path / "weights.bin"
+    values = np.arange(8 << 20, dtype=np.uint8)
+    values.tofile(path)
+    mapped = np.memmap(path, mode="r")
+    assert int(mapped.sum(dtype=np.uint64)) == int(values.sum(dtype=np.uint64))  # every page read
+    before = _rss_file_kib()
+    memory.drop_mapped_pages(mapped.ctypes.data, mapped.nbytes)
+    assert before - _rss_file_kib() >= 6 << 10
+    assert np.array_equal(mapped, values)  # read again from the page cache
