@@ -40,8 +40,11 @@ Keys reach the encoder with their layer's calibrated center subtracted (see
 added back); values are encoded as they are.
 
 The capacity is fixed per head vector so blocks keep a fixed size. Outer values take the slots
-first, then inner values, each in index order; the ones left over are folded into the middle group
-(an inner value then decodes to its side's middle level nearest to it) and counted as overflow.
+first, farthest past their threshold first (ties: lower index), then inner values in index order;
+the entries are stored in index order. The ones left over are folded into the middle group and
+counted as overflow: an outer value folded widens the middle range that every middle code of its
+vector shares, so the ones folded are those nearest their threshold (widening it least); an inner
+value decodes to its side's middle level nearest to it.
 """
 
 from __future__ import annotations
@@ -71,11 +74,16 @@ def split_groups(x: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tenso
     return outer, inner
 
 
-def select_sparse(outer: torch.Tensor, inner: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outliers kept in the sparse list of each head vector: outer first, then inner, in index order."""
-    outer_rank = outer.cumsum(-1)
-    inner_rank = outer.sum(-1, keepdim=True) + inner.cumsum(-1)
-    return outer & (outer_rank <= capacity), inner & (inner_rank <= capacity)
+def select_sparse(outer: torch.Tensor, inner: torch.Tensor, outer_magnitude: torch.Tensor,
+                  capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outliers kept in the sparse list of each head vector: the ``capacity`` outer values farthest past
+    their threshold (ties: lower index first), then inner values in index order."""
+    m = torch.where(outer, outer_magnitude, -1.0)
+    index = torch.arange(m.shape[-1])
+    ahead = (m[..., None, :] > m[..., :, None]) | ((m[..., None, :] == m[..., :, None]) & (index < index[:, None]))
+    keep_outer = outer & ((ahead & outer[..., None, :]).sum(-1) < capacity)
+    inner_rank = keep_outer.sum(-1, keepdim=True) + inner.cumsum(-1)
+    return keep_outer, inner & (inner_rank <= capacity)
 
 
 def _magnitude_codes(m: torch.Tensor, member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,12 +129,13 @@ def encode(x: torch.Tensor, thresholds: torch.Tensor, fmt: KVFormat) -> tuple[to
     x = x.float()
     outer_lo, inner_lo, inner_hi, outer_hi = thresholds.float().tolist()
     outer, inner = split_groups(x, thresholds)
-    keep_outer, keep_inner = select_sparse(outer, inner, fmt.sparse_capacity)
-    overflow = (outer | inner).sum() - (keep_outer | keep_inner).sum()
     neg = x < 0
+    outer_m = torch.where(neg, outer_lo - x, x - outer_hi)
+    keep_outer, keep_inner = select_sparse(outer, inner, outer_m, fmt.sparse_capacity)
+    overflow = (outer | inner).sum() - (keep_outer | keep_inner).sum()
     middle = ~(keep_outer | keep_inner)
     mid_codes, mid_lo, mid_scale = _middle_codes(x - torch.where(neg, inner_lo, inner_hi), middle, neg)
-    out_codes, out_scale = _magnitude_codes(torch.where(neg, outer_lo - x, x - outer_hi), keep_outer)
+    out_codes, out_scale = _magnitude_codes(outer_m, keep_outer)
     in_codes, in_scale = _magnitude_codes(x.abs(), keep_inner)
     codes = torch.where(keep_outer, out_codes, torch.where(keep_inner, in_codes, mid_codes)).to(torch.uint8)
     n, hk = x.shape[0], fmt.num_kv_heads

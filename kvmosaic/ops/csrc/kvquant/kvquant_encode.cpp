@@ -31,25 +31,42 @@ void encode_int_head(const float* x, const Format& f, uint8_t* out) {
   }
 }
 
-// Groups: 0 middle, 1 kept outer, 2 kept inner. Returns the outliers folded into the middle.
-int64_t oaken_groups(const float* x, const Format& f, const Thresholds& t, uint8_t* group) {
+inline bool is_outer(float x, const Thresholds& t) { return x > t.outer_hi || x < t.outer_lo; }
+// How far an outer value lies past its threshold.
+inline float outer_magnitude(float x, const Thresholds& t) { return x < 0.f ? t.outer_lo - x : x - t.outer_hi; }
+
+// Whether outer value i of a head vector is among the `capacity` farthest past their threshold (ties:
+// lower index first); quadratic, but it runs only for a vector with more outer values than slots.
+inline bool among_farthest(const float* m, const uint8_t* outer, int64_t d, int64_t i, int64_t capacity) {
+  int64_t ahead = 0;
+  for (int64_t j = 0; j < d && ahead < capacity; ++j)
+    ahead += outer[j] && (m[j] > m[i] || (m[j] == m[i] && j < i));
+  return ahead < capacity;
+}
+
+// Groups: 0 middle, 1 kept outer, 2 kept inner. The sparse slots go to the outer values farthest
+// past their threshold, then to inner values in index order. Returns the outliers folded into the middle.
+int64_t oaken_groups(const float* x, const Format& f, const Thresholds& t, uint8_t* group, float* m) {
   int64_t folded = 0;
   for (int64_t h = 0; h < f.hk; ++h) {
     const float* xh = x + h * f.d;
     uint8_t* gh = group + h * f.d;
     int64_t n_outer = 0;
-    for (int64_t i = 0; i < f.d; ++i) n_outer += (xh[i] > t.outer_hi || xh[i] < t.outer_lo);
-    int64_t outer_rank = 0, inner_rank = n_outer;
     for (int64_t i = 0; i < f.d; ++i) {
-      gh[i] = 0;
-      if (xh[i] > t.outer_hi || xh[i] < t.outer_lo) {
-        if (++outer_rank <= f.capacity) gh[i] = 1;
-      } else if (xh[i] >= t.inner_lo && xh[i] <= t.inner_hi) {
-        if (++inner_rank <= f.capacity) gh[i] = 2;
-      } else {
-        continue;
-      }
-      folded += gh[i] == 0;
+      gh[i] = is_outer(xh[i], t);
+      m[i] = outer_magnitude(xh[i], t);
+      n_outer += gh[i];
+    }
+    if (n_outer > f.capacity) {
+      std::vector<uint8_t> outer(gh, gh + f.d);
+      for (int64_t i = 0; i < f.d; ++i)
+        if (outer[i] && !among_farthest(m, outer.data(), f.d, i, f.capacity)) gh[i] = 0, ++folded;
+    }
+    int64_t inner_rank = std::min(n_outer, f.capacity);
+    for (int64_t i = 0; i < f.d; ++i) {
+      if (is_outer(xh[i], t) || !(xh[i] >= t.inner_lo && xh[i] <= t.inner_hi)) continue;
+      if (++inner_rank <= f.capacity) gh[i] = 2;
+      else ++folded;
     }
   }
   return folded;
@@ -96,6 +113,22 @@ void encode_oaken_head(const float* x, const uint8_t* group, const Format& f, co
 // sparse entries in index order. Returns the outliers folded.
 inline uint64_t low_bits(int64_t k) { return k >= 64 ? ~uint64_t{0} : (uint64_t{1} << k) - 1; }
 
+// The `capacity` outer values farthest past their threshold (ties: lower index first), as a mask.
+inline uint64_t farthest_outer(uint64_t outer, const float* m, int64_t capacity) {
+  if (__builtin_popcountll(outer) <= capacity) return outer;
+  uint64_t kept = 0;
+  for (uint64_t rest = outer; rest != 0; rest &= rest - 1) {
+    const int i = __builtin_ctzll(rest);
+    int64_t ahead = 0;
+    for (uint64_t other = outer; other != 0 && ahead < capacity; other &= other - 1) {
+      const int j = __builtin_ctzll(other);
+      ahead += m[j] > m[i] || (m[j] == m[i] && j < i);
+    }
+    if (ahead < capacity) kept |= uint64_t{1} << i;
+  }
+  return kept;
+}
+
 // The k lowest set bits of mask.
 inline uint64_t first_set_bits(uint64_t mask, int64_t k) {
 #if defined(__BMI2__)
@@ -116,7 +149,8 @@ int64_t encode_oaken_head64(const float* x, const Format& f, const Thresholds& t
   const F16 inner_lo = F16::set1(t.inner_lo), inner_hi = F16::set1(t.inner_hi);
   const F16 neg_inf = F16::set1(-std::numeric_limits<float>::infinity());
   const F16 pos_inf = F16::set1(std::numeric_limits<float>::infinity());
-  F16 v[4];
+  F16 v[4], m[4];
+  alignas(64) float past[64];  // how far each value lies past its outer threshold
   uint64_t outer = 0, inner = 0, neg = 0;
   for (int c = 0; c < 4; ++c) {
     v[c] = F16::load(x + 16 * c);
@@ -124,21 +158,23 @@ int64_t encode_oaken_head64(const float* x, const Format& f, const Thresholds& t
     const vec::Mask o = vec::greater(v[c], outer_hi) | vec::greater(outer_lo, v[c]);
     const vec::Mask i = ordered & ~vec::greater(inner_lo, v[c]) & ~vec::greater(v[c], inner_hi) & ~o & 0xFFFFu;
     outer |= uint64_t{o} << (16 * c), inner |= uint64_t{i} << (16 * c);
-    neg |= uint64_t{vec::greater(zero, v[c])} << (16 * c);
+    const vec::Mask nc = vec::greater(zero, v[c]);
+    neg |= uint64_t{nc} << (16 * c);
+    m[c] = vec::select(nc, outer_lo - v[c], v[c] - outer_hi);
+    m[c].store(past + 16 * c);
   }
   const int64_t n_outer = __builtin_popcountll(outer), n_inner = __builtin_popcountll(inner);
-  const uint64_t keep_outer = first_set_bits(outer, std::min(f.capacity, n_outer));
+  const uint64_t keep_outer = farthest_outer(outer, past, f.capacity);
   const uint64_t keep_inner = first_set_bits(inner, std::max<int64_t>(0, f.capacity - n_outer));
   const uint64_t kept = keep_outer | keep_inner;
   const int64_t folded = n_outer + n_inner - __builtin_popcountll(kept);
-  F16 w[4], m[4];
+  F16 w[4];
   F16 mid_lo = zero, mid_hi = zero, out_max = zero, in_max = zero;
   for (int c = 0; c < 4; ++c) {
     const vec::Mask nc = chunk(neg, c), mid = chunk(~kept, c);
     w[c] = v[c] - vec::select(nc, inner_lo, inner_hi);
     mid_lo = vec::select(mid, vec::min(mid_lo, w[c]), mid_lo);
     mid_hi = vec::select(mid, vec::max(mid_hi, w[c]), mid_hi);
-    m[c] = vec::select(nc, outer_lo - v[c], v[c] - outer_hi);
     out_max = vec::select(chunk(keep_outer, c), vec::max(out_max, m[c]), out_max);
     in_max = vec::select(chunk(keep_inner, c), vec::max(in_max, vec::abs(v[c])), in_max);
   }
@@ -185,7 +221,7 @@ int64_t encode_oaken_token(const float* x, const Format& f, const Thresholds& t,
     return folded;
   }
   const int64_t n = f.hk * f.d;
-  const int64_t folded = oaken_groups(x, f, t, group.data());
+  const int64_t folded = oaken_groups(x, f, t, group.data(), code.data());  // code: scratch until encoded
   for (int64_t h = 0; h < f.hk; ++h)
     encode_oaken_head(x + h * f.d, group.data() + h * f.d, f, t, out + h * kOakenHeader, code.data() + h * f.d);
   uint8_t* dense = out + kOakenHeader * f.hk;
