@@ -31,6 +31,7 @@ struct QuantizedRows {  // m activation rows quantized to int8 per 32 values
   int8_t* codes;        // [m, K]
   float* scale;         // [m, K / 32]
   float* sum;           // [m, K / 32]: scale * sum of the block's codes
+  float* half_sum;      // [m, K / 16]: sum of each 16 codes (an exact integer; q6's unsigned dots subtract it)
   // the rows' scales and sums in one buffer of m * floats_per_row(k) floats
   static QuantizedRows over(int8_t* codes, float* floats, int64_t m, int64_t k);
   static int64_t floats_per_row(int64_t k);

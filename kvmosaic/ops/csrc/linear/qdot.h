@@ -42,6 +42,7 @@ struct I16 {
   __m512i v;
   static I16 zero() { return {_mm512_setzero_si512()}; }
   static I16 load_s8(const int8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static I16 set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
   F16 to_float() const { return {_mm512_cvtepi32_ps(v)}; }
   I16 operator*(I16 o) const { return {_mm512_mullo_epi32(v, o.v)}; }
   // each int32 lane's low 16 bits in both of its int16 halves (a multiplier for madd)
@@ -102,6 +103,7 @@ struct V64 {
 struct I16 {
   __m256i lo, hi;
   static I16 zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static I16 set1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
   static I16 load_s8(const int8_t* p) {
     const __m128i* q = reinterpret_cast<const __m128i*>(p);
     return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(q)), _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
@@ -170,6 +172,11 @@ struct V64 {
 struct I16 {
   int32_t v[16];
   static I16 zero() { return {}; }
+  static I16 set1(int32_t x) {
+    I16 r;
+    for (int j = 0; j < 16; ++j) r.v[j] = x;
+    return r;
+  }
   static I16 load_s8(const int8_t* p) {
     I16 r;
     for (int j = 0; j < 16; ++j) r.v[j] = p[j];
@@ -217,6 +224,7 @@ inline I16 add(I16 a, I16 b) {
 // q6 sub-blocks use it too: 4 dots of |q| <= 32 by sign, 4 * 2 * 32 * 127 = 32512, and scaled(sc)
 // widens with the sub-block's int8 scale as madd's multiplier (|sum| * 128 * 2 fits int32).
 #if (defined(KVM_VEC_AVX512) && !defined(__AVX512VNNI__)) || (defined(KVM_VEC_AVX2) && !defined(__AVXVNNI__))
+constexpr bool kInt32Q4Sums = false;
 #if defined(KVM_VEC_AVX512)
 struct Q4Sum {
   __m512i v;
@@ -240,6 +248,7 @@ struct Q4Sum {
 };
 #endif
 #else
+constexpr bool kInt32Q4Sums = true;
 struct Q4Sum {  // VNNI's dot instruction, or the portable loops: int32 sums throughout
   I16 v;
   static Q4Sum zero() { return {I16::zero()}; }

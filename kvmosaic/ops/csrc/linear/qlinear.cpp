@@ -64,13 +64,14 @@ constexpr int64_t kStreamAhead = 1024;
 
 // One row's activations quantized per 32 values.
 struct QuantRow {
-  const int8_t* codes;   // [K]
-  const float* scale;    // [K / 32]: d
-  const float* sum;      // [K / 32]: d * sum of the block's codes
+  const int8_t* codes;     // [K]
+  const float* scale;      // [K / 32]: d
+  const float* sum;        // [K / 32]: d * sum of the block's codes
+  const float* half_sum;   // [K / 16]: sum of each 16 codes
 };
 
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum) {
+void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum, float* half_sum) {
   for (int64_t b = 0; b < k / kQBlock; ++b) {
     const T* xb = x + b * kQBlock;
     const F16 v0 = F16::load(xb), v1 = F16::load(xb + 16);
@@ -80,14 +81,16 @@ void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum
     alignas(64) float rounded[kQBlock];
     kvmosaic_vec::round_nearest(v0 * F16::set1(id)).store(rounded);
     kvmosaic_vec::round_nearest(v1 * F16::set1(id)).store(rounded + 16);
-    int32_t total = 0;
+    int32_t halves[2] = {0, 0};
     for (int64_t j = 0; j < kQBlock; ++j) {
       const int32_t q = static_cast<int32_t>(rounded[j]);
       codes[b * kQBlock + j] = static_cast<int8_t>(q);
-      total += q;
+      halves[j / kQ6Sub] += q;
     }
     scale[b] = d;
-    sum[b] = d * static_cast<float>(total);
+    sum[b] = d * static_cast<float>(halves[0] + halves[1]);
+    half_sum[2 * b] = static_cast<float>(halves[0]);
+    half_sum[2 * b + 1] = static_cast<float>(halves[1]);
   }
 }
 
@@ -160,18 +163,35 @@ void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* 
   for (int r = 0; r < R; ++r) (acc[r] + bv).store(out + r * ldo);
 }
 
-// Four code bytes of q6 sub-vector kS (k = 4 kS .. 4 kS + 3 of the block) of each column, as signed
-// codes, dotted with R rows' activations into sums: the low nibble comes from vector kS / 2, the high
-// bit pair from vector 4 + kS / 4.
+// Four code bytes of q6 sub-vector kS (k = 4 kS .. 4 kS + 3 of the block) of each column dotted with
+// R rows' activations into sums: the low nibble comes from vector kS / 2, the high bit pair from vector
+// 4 + kS / 4. Where the sums are int32 (qdot.h's kInt32Q4Sums) the stored codes q + 32 (0..63) go into
+// the dot as they are and the sub-block's total subtracts 32 x its activation sum afterwards, the same
+// integer as the signed dot and half the instructions; int16 sums (maddubs) would overflow on 0..63,
+// so they take the signed codes by the sign trick.
 template <int kS, int R>
 inline void q6_dots(V64 nibbles, V64 pairs, const QuantRow* rows, int64_t b, Q4Sum* sums) {
   const V64 low = kS % 2 == 0 ? nibbles.low_nibbles() : nibbles.high_nibbles();
-  const V64 w = (low | pairs.template pair_bits<kS % 4>()).minus32();
-  const V64 magnitude = w.abs_s8();
-  for (int r = 0; r < R; ++r) {
-    const V64 x = V64::broadcast4(load4(rows[r].codes + b * kQBlock + 4 * kS));
-    sums[r] = sums[r].add(magnitude, w.sign_of(x));
+  const V64 biased = low | pairs.template pair_bits<kS % 4>();
+  if constexpr (kvmosaic_qdot::kInt32Q4Sums) {
+    for (int r = 0; r < R; ++r)
+      sums[r] = sums[r].add(biased, V64::broadcast4(load4(rows[r].codes + b * kQBlock + 4 * kS)));
+  } else {
+    const V64 w = biased.minus32();
+    const V64 magnitude = w.abs_s8();
+    for (int r = 0; r < R; ++r) {
+      const V64 x = V64::broadcast4(load4(rows[r].codes + b * kQBlock + 4 * kS));
+      sums[r] = sums[r].add(magnitude, w.sign_of(x));
+    }
   }
+}
+
+// A q6 sub-block's signed sum from q6_dots' sums: the unsigned codes' bias of 32 removed (int32 sums).
+inline I16 q6_signed(Q4Sum sum, const QuantRow& row, int64_t sub) {
+  if constexpr (kvmosaic_qdot::kInt32Q4Sums)
+    return kvmosaic_qdot::add(sum.total(), I16::set1(-32 * static_cast<int32_t>(row.half_sum[sub])));
+  else
+    return sum.total();
 }
 
 // R rows x one group of 16 columns of a q6 weight: per 32-k block two sub-blocks of 16, each an int16
@@ -203,7 +223,11 @@ void group_rows_q6(const QuantRow* rows, int64_t k, const uint8_t* codes, const 
     const I16 sc0 = I16::load_s8(scale + (2 * b) * kCols), sc1 = I16::load_s8(scale + (2 * b + 1) * kCols);
     const F16 d = F16::load(supers + (b * kQBlock / kQ6Super) * kCols);
     for (int r = 0; r < R; ++r) {
-      const I16 total = kvmosaic_qdot::add(first[r].scaled(sc0), second[r].scaled(sc1));
+      I16 total;
+      if constexpr (kvmosaic_qdot::kInt32Q4Sums)
+        total = kvmosaic_qdot::add(q6_signed(first[r], rows[r], 2 * b) * sc0, q6_signed(second[r], rows[r], 2 * b + 1) * sc1);
+      else
+        total = kvmosaic_qdot::add(first[r].scaled(sc0), second[r].scaled(sc1));
       acc[r] = kvmosaic_vec::fma(total.to_float(), d * F16::set1(rows[r].scale[b]), acc[r]);
     }
   }
@@ -249,7 +273,8 @@ void groups_of(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* o
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
       QuantRow q[kMaxRows];
       for (int r = 0; r < rows; ++r)
-        q[r] = {x.codes + (r0 + r) * k, x.scale + (r0 + r) * blocks, x.sum + (r0 + r) * blocks};
+        q[r] = {x.codes + (r0 + r) * k, x.scale + (r0 + r) * blocks, x.sum + (r0 + r) * blocks,
+                x.half_sum + (r0 + r) * 2 * blocks};
       rows_dispatch<T, S, kKind>(rows, q, k, w.codes + g * group_bytes, scale + g * group_scales, extra,
                                  w.bias != nullptr ? w.bias + g * kCols : nullptr, out + r0 * ldo + g * kCols, ldo,
                                  r0 == 0);
@@ -262,16 +287,18 @@ void groups_of(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* o
 namespace kvops {
 
 QuantizedRows QuantizedRows::over(int8_t* codes, float* floats, int64_t m, int64_t k) {
-  return {codes, floats, floats + m * (k / kQBlock)};
+  const int64_t blocks = k / kQBlock;
+  return {codes, floats, floats + m * blocks, floats + 2 * m * blocks};
 }
 
-int64_t QuantizedRows::floats_per_row(int64_t k) { return 2 * (k / kQBlock); }
+int64_t QuantizedRows::floats_per_row(int64_t k) { return 4 * (k / kQBlock); }
 
 template <typename T>
 void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, int64_t r1) {
   const int64_t blocks = k / kQBlock;
   for (int64_t r = r0; r < r1; ++r)
-    quantize_row(x + r * k, k, out.codes + r * k, out.scale + r * blocks, out.sum + r * blocks);
+    quantize_row(x + r * k, k, out.codes + r * k, out.scale + r * blocks, out.sum + r * blocks,
+                 out.half_sum + r * 2 * blocks);
 }
 
 void bf16_rows(const float* x, int64_t k, bf16* out, int64_t r0, int64_t r1) {
