@@ -221,7 +221,7 @@ class EngineConfig:
     # cache and speculation; False lets the kernels take row-count-dependent faster paths
     # (kvmosaic.ops: set_batch_invariant)
     deterministic: bool = True
-    # a GGUF's unpacked weights kept on disk and mapped at the next start (kvmosaic.model.weight_cache)
+    # a GGUF's weights kept on disk in the kernels' layout, mapped at the next start (kvmosaic.model.weight_cache)
     weight_cache: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

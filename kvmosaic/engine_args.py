@@ -83,8 +83,8 @@ class EngineArgs:
         True, help="batch-invariant kernels: a request's output does not depend on the requests beside it, the "
                    "prefill chunking, the prefix cache or speculation (--no-deterministic: faster paths on AMX)")
     weight_cache: bool = option(
-        True, help="keep a GGUF's unpacked weights on disk (KVMOSAIC_CACHE_DIR, default ~/.cache/kvmosaic) and "
-                   "map them at the next start instead of unpacking the file again")
+        True, help="keep a GGUF's weights on disk in the kernels' layout (KVMOSAIC_CACHE_DIR, default "
+                   "~/.cache/kvmosaic) and map them at the next start instead of repacking the file again")
     num_threads: int | None = option(
         None, flags=("--threads",),
         help="torch threads (default: every core; with instances > 1, the cores shared among them)")
