@@ -2,8 +2,9 @@
 alone, first or in the middle of a batch of 16 or 64, after a warm prefix (its prompt cached), with
 its prompt cut into chunks, with n-gram or self-draft speculation, preempted and recomputed or swapped,
 and in another engine instance; a seeded sampled request draws the same tokens alone and in a batch.
-Both activation dtypes throughout; every weight format (float, Q8_0, the shipped Q4_1, Q4_K) at the
-best ISA level built here and the shipped one at the others (KVMOSAIC_TEST_LEVELS=best: the best only).
+Both activation dtypes throughout; every weight format (float, Q8_0, the shipped Q4_1, Q4_K) at every
+ISA level built here for the batch and prefix cases, the shipped one at the best level for the
+scheduling cases (KVMOSAIC_TEST_LEVELS=best: the best level only).
 Each case runs an engine instance of its own and compares against what the same prompts gave alone on
 a first engine of the same level, format and dtype (so every case also compares two instances)."""
 
@@ -27,12 +28,11 @@ pytestmark = pytest.mark.slow  # every case runs the full default model
 
 FORMATS = ["none", "q8_0", "auto", "q4_k"]  # auto: the shipped file's own Q4_1 (with its Q8_0 embedding/head)
 DTYPES = ["float32", "bfloat16"]
-# Within the suite's time budget: every format and dtype at the best level, the shipped format at the
-# others (the kernels' row invariance at every level and format: test_row_invariance.py); the
-# scheduling cases at the best level.
+# Within the suite's time budget: every format and dtype at every level for the batch and prefix
+# cases; the scheduling cases (whose kernels are those of the batch cases) with the shipped format at
+# the best level.
 LEVELS = levels_under_test()  # none built: every case is skipped
-EVERY_CASE = [(level, f, d) for i, level in enumerate(LEVELS) for f in (FORMATS if i == 0 else ["auto"])
-              for d in DTYPES]
+EVERY_CASE = [(level, f, d) for level in LEVELS for f in FORMATS for d in DTYPES]
 SHIPPED = [(level, "auto", d) for level in LEVELS[:1] for d in DTYPES]
 MAX_TOKENS = 24
 
