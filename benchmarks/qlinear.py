@@ -147,19 +147,22 @@ def gguf_profile(ops, args, dtype: torch.dtype) -> list[dict]:
         torch.set_num_threads(threads)
         dram = measure_read_bandwidth(1.0) / 1e9
         print(f"{threads} threads: DRAM read probe {dram:.1f} GB/s ({cold_bytes >> 20} MiB); one {args.dtype} row")
-        print(f"{'product kind':28s} {'shape':>14s} {'MB':>7s} {'per tok':>7s} {'cold GB/s':>9s} {'hot GB/s':>9s} "
-              f"{'cold/DRAM':>9s} {'ms/token':>8s}")
+        print(f"{'product kind (held as)':28s} {'shape':>14s} {'MB':>7s} {'bits/w':>6s} {'per tok':>7s} "
+              f"{'cold GB/s':>9s} {'hot GB/s':>9s} {'cold/DRAM':>9s} {'ms/token':>8s}")
         total_ms = total_mb = 0.0
         for name, w in kinds.items():
             rate = kind_rates(ops, w, dtype, cold_bytes)
             ms = count[name] * rate["cold_us"] / 1e3
             total_ms, total_mb = total_ms + ms, total_mb + count[name] * w.nbytes / 1e6
             n, k = w.shape
-            print(f"{name:28s} {f'{n}x{k}':>14s} {w.nbytes / 1e6:7.2f} {count[name]:7d} {rate['cold_gb_s']:9.1f} "
-                  f"{rate['hot_gb_s']:9.1f} {rate['cold_gb_s'] / dram:9.2f} {ms:8.2f}", flush=True)
-            rows.append({"threads": threads, "kind": name, "n": n, "k": k, "bytes": w.nbytes, "per_token": count[name],
-                         "dram_gb_s": dram, **rate, "ms_per_token": ms})
-        print(f"{'all products':28s} {'':>14s} {total_mb:7.1f} {'':>7s} {total_mb / total_ms:9.1f} {'':>9s} "
+            bits = w.nbytes * 8 / (n * k)  # what the kernel reads per weight, as held (q4k: 4.625)
+            print(f"{f'{name} ({w.kind})':28s} {f'{n}x{k}':>14s} {w.nbytes / 1e6:7.2f} {bits:6.3f} {count[name]:7d} "
+                  f"{rate['cold_gb_s']:9.1f} {rate['hot_gb_s']:9.1f} {rate['cold_gb_s'] / dram:9.2f} {ms:8.2f}",
+                  flush=True)
+            rows.append({"threads": threads, "kind": name, "held": w.kind, "n": n, "k": k, "bytes": w.nbytes,
+                         "bits_per_weight": bits, "per_token": count[name], "dram_gb_s": dram, **rate,
+                         "ms_per_token": ms})
+        print(f"{'all products':28s} {'':>14s} {total_mb:7.1f} {'':>6s} {'':>7s} {total_mb / total_ms:9.1f} {'':>9s} "
               f"{total_mb / total_ms / dram:9.2f} {total_ms:8.2f}")
     return rows
 

@@ -76,13 +76,15 @@ class CacheSource:
 
 @functools.cache
 def layout_fingerprint() -> str:
-    """A digest of what the layout code makes of small fixed weights of every kind (q8, q4, q6, and a
-    q/k/v of mixed kinds that meets as Q8_0): it changes whenever that code's output does."""
+    """A digest of what the layout code makes of small fixed weights of every kind (q8, q4, q4k, q6, a
+    q4k gate/up pair and a q/k/v of mixed kinds that meets as Q8_0): it changes whenever that code's
+    output does."""
     gen = torch.Generator().manual_seed(57)
-    values = torch.randn(48, 256, generator=gen)
-    kinds = [qw.quantize(values[:16], "q8_0"), qw.quantize(values[16:32], "q4_k"), qw.quantize(values[32:], "q6_k")]
+    values = torch.randn(64, 256, generator=gen)
+    kinds = [qw.quantize(values[:16], "q8_0"), qw.quantize(values[16:32], "q4_k"), qw.quantize(values[32:48], "q6_k"),
+             qw.quantize(values[48:], "q4_1")]
     digest = hashlib.sha256()
-    for w in [*kinds, fuse_rows(kinds)]:
+    for w in [*kinds, fuse_rows(kinds[1:2] * 2), fuse_rows(kinds[:3])]:
         laid = qi.interleave(w)
         digest.update(laid.source.encode())
         for part in _PARTS:

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 # Bytes per element of each storage dtype; aliases map onto the short names. The GGUF block formats
 # count their scales: Q8_0 34 B / 32 weights, Q4_0 18 / 32, Q4_1 20 / 32, Q4_K 144 / 256, Q6_K 210 / 256.
+# "q4k" and "q6" are what the kernels read of a Q4_K / Q6_K matrix as held (kvmosaic.quant.interleaved):
+# Q4_K's 6-bit sc and m a byte each (148 / 256), Q6_K's d widened to float32 (212 / 256).
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
                                  "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q4_k": 144 / 256,
-                                 "q6_k": 210 / 256}
+                                 "q6_k": 210 / 256, "q4k": 148 / 256, "q6": 212 / 256}
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 # Matmul arithmetic runs in one of these; fp16 and fp8 share the bf16 / int8 rates here.
 _COMPUTE_RATE = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16", "int8": "int8", "fp8": "int8"}

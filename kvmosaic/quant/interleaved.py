@@ -1,6 +1,6 @@
-"""The quantized kernels' layout of a weight (``kvmosaic.quant.weights``' q8, q4 and q6 kinds).
+"""The quantized kernels' layout of a weight (``kvmosaic.quant.weights``' q8, q4, q4k and q6 kinds).
 
-``interleave`` puts 16 output columns side by side per 4 (q8) or 8 (q4, q6's low nibbles) k steps,
+``interleave`` puts 16 output columns side by side per 4 (q8) or 8 (q4, q4k, q6's low nibbles) k steps,
 so one 64-byte load feeds an int8 dot product into 16 column sums (kvmosaic/ops/csrc/linear/qlinear.cpp);
 ``deinterleave`` is its inverse and ``dequantize_rows`` reads float rows of it (an embedding lookup).
 The repack-once cache (``kvmosaic.model.weight_cache``) stores this layout and keys its entries by a
@@ -25,6 +25,7 @@ from kvmosaic.quant.weights import (
 )
 
 COLUMNS = 16  # output columns side by side
+_BY_SIXTEEN = ("q6", "q4k")  # kinds whose interleaved scale tensor has a row per 16 k
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +33,14 @@ class InterleavedWeight:
     """The kernels' layout of a QuantizedWeight with N % 16 == 0.
 
     q8 codes: int8 [N/16, K/4, 16, 4] (column j's k..k+3 at [.., k/4, j, :]).
-    q4 codes: uint8 [N/16, K/8, 16, 4] (byte t of column j holds k = 8g + t low, 8g + 4 + t high).
+    q4 and q4k codes: uint8 [N/16, K/8, 16, 4] (byte t of column j holds k = 8g + t low, 8g + 4 + t high).
     q6 codes: uint8 [N/16, K/32, 6, 16, 4], per 32 k six 64-byte vectors of q + 32 (0..63): four of
     low nibbles as q4's, then two of high bit pairs (vector h, byte t of column j: k = 16h + 4s + t in
     bits 2s, 2s + 1).
     scale / min: [N/16, K/32, 16], the source's dtype; min of q8 and q6 is None.
-    q6 scale: int8 [N/16, K/16, 16]; super_scale: float32 [N/16, K/256, 16]."""
+    q6 scale: int8 [N/16, K/16, 16]; super_scale: float32 [N/16, K/256, 16].
+    q4k scale: uint8 [N/16, K/16, 16], per 32 k the 16 columns' sc then their m (the kernels' one
+    scale tensor); min: None; super_scale: float16 [N/16, K/128, 16], per 256 k d then -dmin."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -47,11 +50,11 @@ class InterleavedWeight:
 
     @property
     def kind(self) -> str:
-        return kind_of(self.min, self.super_scale)
+        return kind_of(self.scale, self.min, self.super_scale)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scale.shape[0] * COLUMNS, self.scale.shape[1] * (SUB if self.kind == "q6" else BLOCK)
+        return self.scale.shape[0] * COLUMNS, self.scale.shape[1] * (SUB if self.kind in _BY_SIXTEEN else BLOCK)
 
     @property
     def nbytes(self) -> int:
@@ -59,8 +62,8 @@ class InterleavedWeight:
 
     @property
     def extra(self) -> torch.Tensor | None:
-        """The kernels' third tensor: q4's mins, q6's super-block scales, None for q8."""
-        return self.super_scale if self.kind == "q6" else self.min
+        """The kernels' third tensor: q4's mins, q6's and q4k's super-block scales, None for q8."""
+        return self.super_scale if self.kind in _BY_SIXTEEN else self.min
 
     def placed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> InterleavedWeight:
         """The same weight with every tensor moved by ``place`` (into huge pages, an arena)."""
@@ -80,6 +83,9 @@ def interleave(w: QuantizedWeight) -> InterleavedWeight:
         codes = _q6_vectors(w.codes, n, k)
     else:
         codes = _q4_vectors(w.codes, n, k)
+    if w.kind == "q4k":  # sc and m of a block side by side: one tensor for the kernels
+        scale = torch.stack([by_columns(w.scale), by_columns(w.min)], dim=2).view(n // COLUMNS, -1, COLUMNS)
+        return InterleavedWeight(codes, scale, None, w.source, by_columns(w.super_scale))
     return InterleavedWeight(codes, by_columns(w.scale), by_columns(w.min), w.source, by_columns(w.super_scale))
 
 
@@ -123,6 +129,10 @@ def deinterleave(w: InterleavedWeight) -> QuantizedWeight:
     if w.kind == "q6":
         codes = _q6_codes(w.codes).permute(0, 3, 1, 2, 4).reshape(n, k).contiguous()  # via [N/16, 16, K/32, 8, 4]
         return QuantizedWeight(codes, rows(w.scale), None, w.source, rows(w.super_scale))
+    if w.kind == "q4k":
+        pairs = w.scale.view(n // COLUMNS, -1, 2, COLUMNS)
+        return QuantizedWeight(_rows_of_q4(w.codes, n, k), rows(pairs[:, :, 0]), rows(pairs[:, :, 1]), w.source,
+                               rows(w.super_scale))
     return QuantizedWeight(_rows_of_q4(w.codes, n, k), rows(w.scale), rows(w.min), w.source)
 
 
@@ -135,7 +145,7 @@ def _rows_of_q4(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def dequantize_rows(w: InterleavedWeight, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``index`` of the float weight [len(index), K] (an embedding lookup of a tied head)."""
     group, lane = index // COLUMNS, index % COLUMNS
-    if w.kind == "q6":
+    if w.kind in _BY_SIXTEEN:
         picked = deinterleave(InterleavedWeight(w.codes[group], w.scale[group], None, w.source, w.super_scale[group]))
         return dequantize(picked.rows(torch.arange(len(index)) * COLUMNS + lane), dtype)
     scale = w.scale[group, :, lane].float().unsqueeze(-1)  # [n, K/32, 1]

@@ -5,7 +5,8 @@ int8 per 32 values (d = max|x| / 127, codes rounded half to even) and each weigh
 dot product (exact in float32: |sum| < 2^24), scaled per block:
     out[m, n] = sum_b scale[n, b] d[m, b] isum[m, n, b] + min[n, b] d[m, b] xsum[m, b]
 (a q6 weight's isum weighs each 16 codes by their int8 scale sc, and its scale is the super-block's d:
-the integer sum stays below 2^24, so this is still exact)
+the integer sum stays below 2^24, so this is still exact; a q4k weight's scale d * sc and min (-dmin) * m
+are exact float32 products, so it is the q4 weight ``as_q4`` makes)
 summed block after block with one rounding per multiply-add, as the kernel's fused multiply-adds
 do, so the two agree bit for bit (float64 carries each product exactly; rounding it and the sum to
 float32 differs from a single rounding only in double-rounding ties, vanishingly rare). That matters:
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmosaic.quant.weights import BLOCK, SUB, SUPER, QuantizedWeight, codes_of
+from kvmosaic.quant.weights import BLOCK, SUB, SUPER, QuantizedWeight, as_q4, codes_of
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -33,6 +34,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight, rows_per_pass: int = 64) -> torch.Tensor:
     """The kernel's arithmetic in float32 [M, N], ``rows_per_pass`` rows at a time (bounded memory)."""
     n, _ = weight.shape
+    if weight.kind == "q4k":
+        weight = as_q4(weight)
     wq, block_scale = _integer_blocks(weight)
     mins = None if weight.min is None else weight.min.float()
     parts = []

@@ -1,18 +1,24 @@
 """Quantized linear weights: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K as pure tensor functions.
 
-Three in-memory kinds, whatever the GGUF type they came from:
+Four in-memory kinds, whatever the GGUF type they came from:
 
 * ``q8``: int8 codes [N, K] and one scale per 32 weights: w = scale * q.
 * ``q4``: uint8 [N, K / 2], 16 bytes per 32 weights (byte j: weight j in the low nibble, weight
   j + 16 in the high one, GGUF's Q4_0 order) and a scale and a min per 32 weights: w = scale * q + min.
-  Q4_0 is min = -8 d; Q4_K's sub-block scale d * sc and min -dmin * m.
+  Q4_0 is min = -8 d.
+* ``q4k`` (Q4_K): q4's codes, a uint8 scale sc and min m (6 bits each) per 32 weights and per 256 a
+  float16 pair (d, -dmin) (``super_scale`` [N, K / 128]: d of super-block s at 2 s, -dmin at 2 s + 1):
+  w = (d * sc) * q + (-dmin) * m: 4.625 bits a weight as held (the file's 4.5 with its 6-bit sc and m
+  unpacked to a byte each). The products d * sc and (-dmin) * m are exact in float32 (11 + 6 bits),
+  so they are the scale and min a ``q4`` weight with float32 scales would hold: products are the same.
 * ``q6`` (Q6_K): int8 codes q in [-32, 31] [N, K], an int8 scale sc per 16 weights and a float32 d
   per 256 (``super_scale``): w = (d * sc) * q. In the kernels' layout the codes take 6 bits.
 
 Scales and mins keep the narrowest dtype that is exact: float16 for Q8_0, Q4_0 and Q4_1 (their d and
-m are float16 in the file and -8 d is exact), float32 for Q4_K, whose d * sc needs up to 17 mantissa
-bits. So every dequantized value equals ``gguf.quants.dequantize`` bit for bit, and the default
-model's Q4_1 stays at 20 bytes per 32 weights instead of the 24 a float32 scale and min would take.
+m are float16 in the file and -8 d is exact), float32 where a q4k weight widens to q4 (``as_q4``: its
+d * sc needs up to 17 mantissa bits). So every dequantized value equals ``gguf.quants.dequantize`` bit
+for bit, and the default model's Q4_1 stays at 20 bytes per 32 weights instead of the 24 a float32
+scale and min would take.
 
 GGUF types with no kernel of their own (Q5_0, Q5_1, Q2_K, Q3_K and Q5_K: 2 to 5 bits a weight)
 are requantized to Q8_0 at load (``requantize``): 8.5 bits a weight instead of a float copy, and an
@@ -41,24 +47,26 @@ SUPER_BLOCK_TYPES = (Q.Q4_K, Q.Q6_K)  # in_features must fill 256-weight super-b
 PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # Q6_K: four 2-bit high parts per byte
 
 
-def kind_of(mins: torch.Tensor | None, super_scale: torch.Tensor | None) -> str:
-    """The kind of a weight (row or interleaved layout) from the tensors it carries besides codes and scales."""
+def kind_of(scale: torch.Tensor, mins: torch.Tensor | None, super_scale: torch.Tensor | None) -> str:
+    """The kind of a weight (row or interleaved layout) from the tensors it carries besides its codes."""
+    if scale.dtype == torch.uint8:
+        return "q4k"
     return "q6" if super_scale is not None else ("q8" if mins is None else "q4")
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A [N, K] linear weight in the q8, q4 or q6 kind (see the module doc); ``source`` is its GGUF type."""
+    """A [N, K] linear weight in the q8, q4, q4k or q6 kind (see the module doc); ``source`` is its GGUF type."""
 
-    codes: torch.Tensor  # int8 [N, K] (q8, q6) or uint8 [N, K / 2] (q4)
-    scale: torch.Tensor  # [N, K / 32] float16 or float32; q6: int8 [N, K / 16]
-    min: torch.Tensor | None  # q4: like scale; q8, q6: None
+    codes: torch.Tensor  # int8 [N, K] (q8, q6) or uint8 [N, K / 2] (q4, q4k)
+    scale: torch.Tensor  # [N, K / 32] float16 or float32; q6: int8 [N, K / 16]; q4k: uint8 sc [N, K / 32]
+    min: torch.Tensor | None  # q4: like scale; q4k: uint8 m [N, K / 32]; q8, q6: None
     source: str
-    super_scale: torch.Tensor | None = None  # q6: float32 [N, K / 256]
+    super_scale: torch.Tensor | None = None  # q6: float32 d [N, K / 256]; q4k: float16 (d, -dmin) [N, K / 128]
 
     def __post_init__(self) -> None:
         n, k = self.shape
-        packed = self.kind == "q4"
+        packed = self.kind in ("q4", "q4k")
         expected = torch.uint8 if packed else torch.int8
         if self.codes.dtype != expected or tuple(self.codes.shape) != (n, k // 2 if packed else k):
             raise ValueError(f"{self.kind} codes must be {expected} [{n}, {k // 2 if packed else k}], got "
@@ -69,6 +77,13 @@ class QuantizedWeight:
             if self.super_scale.dtype != torch.float32 or tuple(self.super_scale.shape) != (n, k // SUPER):
                 raise ValueError(f"q6 super-block scales must be float32 [{n}, {k // SUPER}]")
             return
+        if self.kind == "q4k":
+            if self.min is None or self.min.dtype != torch.uint8 or self.min.shape != self.scale.shape or k % SUPER:
+                raise ValueError("q4k weights have uint8 sub-block mins like their scales and whole 256-weight "
+                                 "super-blocks")
+            if self.super_scale.dtype != torch.float16 or tuple(self.super_scale.shape) != (n, 2 * k // SUPER):
+                raise ValueError(f"q4k super-block (d, -dmin) pairs must be float16 [{n}, {2 * k // SUPER}]")
+            return
         if self.scale.dtype not in (torch.float16, torch.float32):
             raise ValueError(f"scales must be float16 or float32, got {self.scale.dtype}")
         if self.min is not None and (self.min.shape != self.scale.shape or self.min.dtype != self.scale.dtype):
@@ -76,7 +91,7 @@ class QuantizedWeight:
 
     @property
     def kind(self) -> str:
-        return kind_of(self.min, self.super_scale)
+        return kind_of(self.scale, self.min, self.super_scale)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -134,12 +149,13 @@ def from_gguf(raw: np.ndarray | torch.Tensor, qtype: Q) -> QuantizedWeight:
     if qtype == Q.Q4_K:
         blocks = data.view(n, -1, 144)
         sc, mn = _q4k_scales(blocks[..., 4:16])
-        scale = _f16(blocks[..., 0:2]) * sc.float()  # [n, supers, 1] * [n, supers, 8]
-        low = -(_f16(blocks[..., 2:4]) * mn.float())
+        d = blocks[..., 0:2].contiguous().view(torch.float16)  # [n, supers, 1]
+        minus_dmin = -blocks[..., 2:4].contiguous().view(torch.float16)  # negating a float16 is exact
         qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
         codes = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 32)  # [n, sub-blocks, 32]
-        return QuantizedWeight(pack_nibbles(codes).reshape(n, -1), scale.reshape(n, -1).contiguous(),
-                               low.reshape(n, -1).contiguous(), qtype.name)
+        return QuantizedWeight(pack_nibbles(codes).reshape(n, -1), sc.reshape(n, -1).contiguous(),
+                               mn.reshape(n, -1).contiguous(), qtype.name,
+                               torch.cat([d, minus_dmin], dim=-1).reshape(n, -1).contiguous())
     if qtype == Q.Q6_K:  # per 128 weights r: ql byte r % 64 (nibble r // 64), qh byte r % 32 (bits 2 (r // 32))
         blocks = data.view(n, -1, 210)
         ql = blocks[..., :128].reshape(n, -1, 2, 64)
@@ -154,8 +170,8 @@ def from_gguf(raw: np.ndarray | torch.Tensor, qtype: Q) -> QuantizedWeight:
 
 
 def codes_of(w: QuantizedWeight) -> torch.Tensor:
-    """The integer codes [N, K] (int8 for q8 and q6, 0..15 as uint8 for q4)."""
-    if w.kind != "q4":
+    """The integer codes [N, K] (int8 for q8 and q6, 0..15 as uint8 for q4 and q4k)."""
+    if w.kind not in ("q4", "q4k"):
         return w.codes
     n = w.codes.shape[0]
     return _nibble_codes(w.codes.view(n, -1, 16)).reshape(n, -1)
@@ -166,11 +182,28 @@ def sub_block_scales(w: QuantizedWeight) -> torch.Tensor:
     return w.super_scale.repeat_interleave(SUPER // SUB, dim=1) * w.scale.float()
 
 
+def q4k_scales(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q4k weight's float32 scale d * sc and min (-dmin) * m of each 32 weights [N, K / 32], exact."""
+    n = w.scale.shape[0]
+    pairs = w.super_scale.float().view(n, -1, 1, 2)  # [N, supers, 1, (d, -dmin)]
+    per_super = SUPER // BLOCK
+    return ((pairs[..., 0] * w.scale.float().view(n, -1, per_super)).view(n, -1),
+            (pairs[..., 1] * w.min.float().view(n, -1, per_super)).view(n, -1))
+
+
+def as_q4(w: QuantizedWeight) -> QuantizedWeight:
+    """A q4k weight as the q4 kind with float32 scales and mins: the same values, 6 bits a weight."""
+    scale, low = q4k_scales(w)
+    return QuantizedWeight(w.codes, scale, low, w.source)
+
+
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Float [N, K]; in float32 equal bit for bit to ``gguf.quants.dequantize`` of the source blocks."""
     n, k = w.shape
     if w.kind == "q6":
         return (w.codes.float().view(n, -1, SUB) * sub_block_scales(w).unsqueeze(-1)).view(n, k).to(dtype)
+    if w.kind == "q4k":
+        w = as_q4(w)
     codes = codes_of(w).float().view(n, -1, BLOCK)
     values = codes * w.scale.float().unsqueeze(-1)
     if w.min is not None:
@@ -278,15 +311,20 @@ def requantize(weight: torch.Tensor, source: str) -> QuantizedWeight:
 
 
 def _widened(w: QuantizedWeight) -> QuantizedWeight:
-    """The same weight with float32 scales and mins (float16 ones widen exactly)."""
+    """The same weight with float32 scales and mins (float16 ones widen exactly; q4k becomes q4)."""
+    if w.kind == "q4k":
+        return as_q4(w)
     wide = lambda t: None if t is None else t.float()
     return QuantizedWeight(w.codes, wide(w.scale), wide(w.min), w.source)
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights stacked along out_features (q/k/v, gate/up). Scales of different dtypes widen to
-    float32 (exact); weights of different kinds (a Q4_K file's Q6_K v projection next to its Q4_K q
-    and k) meet as Q8_0: the others are requantized, as a fused product has one kind."""
+    float32 (exact), q4k next to q4 as q4 (``as_q4``, exact); weights of other different kinds (a Q4_K
+    file's Q6_K v projection next to its Q4_K q and k) meet as Q8_0: the others are requantized, as a
+    fused product has one kind."""
+    if {w.kind for w in weights} == {"q4", "q4k"}:
+        weights = [_widened(w) for w in weights]
     first = weights[0]
     if any(w.kind != first.kind for w in weights):
         weights = [w if w.kind == "q8" else requantize(dequantize(w), w.source) for w in weights]

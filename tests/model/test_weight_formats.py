@@ -49,7 +49,9 @@ def test_quantization_error_is_small(qtype, tolerance):
 def test_scale_dtypes_are_exact_and_small():
     w = _weight()
     assert qw.quantize(w, "q4_1").scale.dtype == torch.float16  # 20 bytes per 32 weights, as the file
-    assert qw.quantize(w, "q4_k").scale.dtype == torch.float32  # d * sc needs 17 bits
+    q4k = qw.quantize(w, "q4_k")  # byte sc and m per 32, float16 (d, -dmin) per 256: 148 bytes a 256
+    assert q4k.kind == "q4k" and q4k.scale.dtype == torch.uint8 and q4k.nbytes == w.numel() // 256 * 148
+    assert qw.as_q4(q4k).scale.dtype == torch.float32  # as q4, d * sc needs 17 bits
     q41 = qw.quantize(w, "q4_1")
     assert q41.nbytes == w.numel() // 32 * 20
     assert qw.quantize(w[:, :32 * 9], "q4_k").source == "Q4_1"  # no whole super-block: Q4_1

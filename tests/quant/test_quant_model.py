@@ -83,23 +83,24 @@ def _step(worker: Worker, new: list[int], start: int) -> torch.Tensor:
     return worker.runner.compute_logits([req])[1][0]
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "q6_k")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "q6_k"),
+                                                ("float32", "q4_k"), ("bfloat16", "q4_k")])
 def test_greedy_decode_equals_pytorch_reference(native_model, dtype, quantization):
     """The engine's quantized kernels (int8 steps inside one layer_stack call) give bit for bit the
     logits, so the greedy tokens, of the PyTorch reference of the same arithmetic (the layer loop,
     other ops on the same kernels), for the prompt's prefill rows as for the decode steps. Bit for
-    bit matters: int8 activation rounding is chaotic (see the next test). q6_k: the down projections
-    requantized to Q6_K (1536-wide rows; 576-wide ones fill no 256-weight super-block)."""
+    bit matters: int8 activation rounding is chaotic (see the next test). q6_k / q4_k: the down
+    projections requantized to Q6_K / Q4_K (1536-wide rows; 576-wide ones fill no 256-weight super-block)."""
     kernels = Kernels.load()
     if not kernels.has("quantized_linear"):
         pytest.skip("no C++ kernels built")
     config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=8))
     loaded = native_model if dtype == "float32" else load_model(None, torch.bfloat16)
-    if quantization == "q6_k":
-        down = {name: qw.quantize(qw.dequantize(w), "q6_k") for name, w in loaded.weights.items()
+    if quantization != "auto":
+        down = {name: qw.quantize(qw.dequantize(w), quantization) for name, w in loaded.weights.items()
                 if name.endswith("down_proj.weight")}
         loaded = dataclasses.replace(loaded, weights={**loaded.weights, **down})
-        assert loaded.weights["model.layers.3.mlp.down_proj.weight"].kind == "q6"
+        assert loaded.weights["model.layers.3.mlp.down_proj.weight"].kind == {"q6_k": "q6", "q4_k": "q4k"}[quantization]
     fast = Worker.start(config, loader=lambda path, d: loaded, kernels=kernels)
     slow_kernels = Kernels(_WithoutQuantizedLinear(kernels.ops), kernels.quant, kernels.level)
     slow = Worker.start(config, loader=lambda path, d: loaded, kernels=slow_kernels)

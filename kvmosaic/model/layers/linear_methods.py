@@ -6,12 +6,12 @@ kernels at hand (``linear_method`` / ``gated_method``), and handed to ``Linear``
 * ``DenseFloat``: the weight as is, oneDNN or ``F.linear`` (no kernels, or a dtype they do not take).
 * ``PackedFloat``: 16-column blocks for ``ops.packed_linear`` (``ops.packed_swiglu`` with SwiGLU fused),
   zero-padded to whole blocks.
-* ``QuantizedKernel``: a q8 / q4 / q6 weight in the interleaved layout for ``ops.quantized_linear``.
+* ``QuantizedKernel``: a q8 / q4 / q4k / q6 weight in the interleaved layout for ``ops.quantized_linear``.
 * ``QuantizedReference``: the same weight through the PyTorch reference of that kernel.
 
-``stack_weights`` gives what ``ops.layer_stack`` takes for the method (weight, scales, mins or q6's
-super-block scales; empty
-tensors where a format has none), or None when the method does not run inside it.
+``stack_weights`` gives what ``ops.layer_stack`` takes for the method (weight, scales, mins or q6's /
+q4k's super-block scales; empty tensors where a format has none), or None when the method does not run
+inside it.
 
 A model asks a ``PackedWeights`` store for each product's weight by module name (``kernel_layout``
 of what its ``build`` makes): ``Unpacked`` builds it every time, the repack-once cache

@@ -37,8 +37,8 @@ DecodeBatch<T> decode_batch(const at::Tensor& q, const at::Tensor& k_cache, cons
 PackedWeight packed_weight(const at::Tensor& packed, bool swiglu, const float* bias);
 
 // A quantized weight in the interleaved layout, checked: the kind follows the dtypes (q6: int8 scales;
-// q4: uint8 codes; q8: int8 codes); extra is q4's mins or q6's super-block scales, null for q8; `who`
-// names the caller in errors.
+// q4k: uint8 scales; q4: uint8 codes; q8: int8 codes); extra is q4's mins or q6's / q4k's super-block
+// scales, null for q8; `who` names the caller in errors.
 QuantizedWeight quantized_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
                                  const float* bias, const char* who);
 
@@ -68,7 +68,7 @@ at::Tensor pack_swiglu_weight(const at::Tensor& gate_up);
 at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // linears on quantized (q8 / q4 / q6) weights in the interleaved layout of kvmosaic/quant/weights.py;
-// extra: q4's mins, q6's super-block scales.
+// extra: q4's mins, q6's and q4k's super-block scales.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& extra, const c10::optional<at::Tensor>& bias);
 at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,

@@ -53,12 +53,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_swiglu_weight", &pack_swiglu_weight, "[2F, K] gate/up weight -> the packed layout of packed_swiglu");
   m.def("packed_swiglu", &packed_swiglu, no_gil, "silu(x G^T) * (x U^T) on a packed gate/up weight");
   m.def("quantized_linear", &quantized_linear, no_gil,
-        "x [M, K] times a q8 / q4 / q6 weight in the interleaved layout (extra: q4's mins, q6's super-block scales)",
+        "x [M, K] times a q8 / q4 / q4k / q6 weight in the interleaved layout (extra: q4's mins, q6's and "
+        "q4k's super-block scales)",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("extra") = py::none(), py::arg("bias") = py::none());
   m.def("quantized_rows", [](const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,
                              const at::Tensor& index, py::object dtype) {
     return quantized_rows(codes, scale, extra, index, torch::python::detail::py_object_to_dtype(dtype));
-  }, "rows of a q8 / q4 / q6 weight in the interleaved layout, dequantized (an embedding lookup)", py::arg("codes"),
+  }, "rows of a q8 / q4 / q4k / q6 weight in the interleaved layout, dequantized (an embedding lookup)",
+        py::arg("codes"),
         py::arg("scale"), py::arg("extra"), py::arg("index"), py::arg("dtype"));
   kvops::bind_team(m);
   kvops::bind_float_lane(m, &paged_decode_attention_partial);

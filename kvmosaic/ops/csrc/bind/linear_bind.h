@@ -26,11 +26,21 @@ QuantizedWeight quantized_weight(const at::Tensor& codes, const at::Tensor& scal
                 who, ": q6 weights come with float32 super-block scales [N/16, K/256, 16]");
     return {codes.data_ptr<uint8_t>(), scale.data_ptr(), nullptr, extra->data_ptr<float>(), false, k, groups, bias};
   }
+  if (scale.scalar_type() == at::kByte) {  // q4k: sc and m per 32 k side by side
+    const int64_t k = scale.size(1) * kQ6Sub;
+    TORCH_CHECK(codes.scalar_type() == at::kByte && k % kQ6Super == 0 && codes.numel() == groups * kCols * k / 2,
+                who, ": q4k codes do not match the scales");
+    TORCH_CHECK(extra != nullptr && extra->scalar_type() == at::kHalf && extra->is_contiguous() &&
+                    extra->sizes() == at::IntArrayRef({groups, 2 * k / kQ6Super, kCols}),
+                who, ": q4k weights come with float16 super-block (d, -dmin) pairs [N/16, K/128, 16]");
+    return {codes.data_ptr<uint8_t>(), scale.data_ptr(), nullptr, nullptr, false, k, groups, bias,
+            reinterpret_cast<const kvmosaic_vec::half*>(extra->data_ptr())};
+  }
   const bool q4 = codes.scalar_type() == at::kByte;
   TORCH_CHECK(q4 == (extra != nullptr), who, ": q4 (uint8) codes come with mins, q8 (int8) without");
   TORCH_CHECK(q4 || codes.scalar_type() == at::kChar, who, ": codes must be int8 or uint8");
   TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, who,
-              ": scales must be float16 or float32 (int8 for q6)");
+              ": scales must be float16 or float32 (int8 for q6, uint8 for q4k)");
   const int64_t k = scale.size(1) * kQuantBlock;
   TORCH_CHECK(codes.numel() == groups * kCols * k / (q4 ? 2 : 1), who, ": codes do not match the scales");
   if (q4)
@@ -121,7 +131,8 @@ at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 // x [M, K] (float32 or bfloat16) times a quantized weight: q8 (int8 codes), q4 (uint8 codes, extra = its
-// mins) or q6 (uint8 codes, int8 scales, extra = its float32 super-block scales).
+// mins), q6 (uint8 codes, int8 scales, extra = its float32 super-block scales) or q4k (uint8 codes, uint8
+// scales and mins, extra = its float16 super-block (d, -dmin) pairs).
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& extra, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "quantized_linear needs x [M, K]");

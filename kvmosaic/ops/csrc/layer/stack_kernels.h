@@ -39,12 +39,16 @@ struct QuantizedRows {  // m activation rows quantized to int8 per 32 values
 
 struct QuantizedWeight {
   const uint8_t* codes;
-  const void* scale;         // float16 or float32 [groups, K / 32, 16]; q6: int8 [groups, K / 16, 16]
-  const void* mins;          // like scale, q4 only (null for q8 and q6)
+  const void* scale;         // float16 or float32 [groups, K / 32, 16]; q6: int8 [groups, K / 16, 16];
+                             // q4k: uint8 [groups, K / 16, 16], per 32 k the columns' sc, then their m
+  const void* mins;          // like scale, q4 only (null for q8, q6 and q4k)
   const float* super_scale;  // q6 only: [groups, K / 256, 16]
   bool half_scales;
   int64_t k, groups;
   const float* bias;  // [groups * 16] or null
+  // q4k only: [groups, K / 128, 16], per 256 k the columns' d, then their -dmin (w = d sc q + (-dmin) m)
+  const kvmosaic_vec::half* q4k_supers = nullptr;
+  bool nibbles() const { return mins != nullptr || q4k_supers != nullptr; }  // q4 or q4k codes
   int64_t group_code_bytes() const;   // codes of one group of 16 columns
   int64_t group_scale_bytes() const;  // scales (and as many mins) of one group
 };

@@ -14,7 +14,7 @@ constexpr int64_t kPackedBlock = 16;  // output columns per block of a packed fl
 constexpr int64_t kQuantCols = 16;    // output columns per group of an interleaved quantized weight
 constexpr int64_t kQuantBlock = 32;   // weights of a column under one q8 / q4 scale (and min)
 constexpr int64_t kQ6Sub = 16;        // weights per q6 sub-block scale
-constexpr int64_t kQ6Super = 256;     // weights per q6 super-block scale
+constexpr int64_t kQ6Super = 256;     // weights per q6 super-block scale (and per q4k d, -dmin pair)
 
 // x [m, w.k] (contiguous) times a packed weight into out [m, w.width()] (+ its bias; SwiGLU for a
 // packed gate/up pair). T: float or kvmosaic_vec::bf16, the weight's dtype.

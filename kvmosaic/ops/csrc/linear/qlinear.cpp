@@ -1,8 +1,10 @@
 // Linear layers on quantized weights (q8: w = scale * q; q4: w = scale * q + min; one scale and min per
-// 32 weights of a column; q6: w = d * sc * q, an int8 sc per 16 weights and a float d per 256), in the
-// interleaved layout of kvmosaic/quant/weights.py: 16 output columns side by side, codes
-// [N/16, K/4 (q8) or K/8 (q4), 16, 4] bytes or [N/16, K/32, 6, 16, 4] (q6), scales and mins
-// [N/16, K/32, 16], q6 scales [N/16, K/16, 16] and super-block scales [N/16, K/256, 16].
+// 32 weights of a column; q6: w = d * sc * q, an int8 sc per 16 weights and a float d per 256; q4k: q4
+// whose scale d * sc and min (-dmin) * m are made per block from a uint8 sc and m per 32 weights and a
+// float16 d and -dmin per 256), in the interleaved layout of kvmosaic/quant/interleaved.py: 16 output
+// columns side by side, codes [N/16, K/4 (q8) or K/8 (q4, q4k), 16, 4] bytes or [N/16, K/32, 6, 16, 4]
+// (q6), scales and mins [N/16, K/32, 16], q6 scales [N/16, K/16, 16] and super-block scales
+// [N/16, K/256, 16], q4k scales (sc, m) [N/16, K/16, 16] and super-block pairs (d, -dmin) [N/16, K/128, 16].
 //
 // The activations are quantized to int8 per 32 values (d = max|x| / 127, codes rounded half to even)
 // and every weight block is an integer dot product per column:
@@ -100,13 +102,28 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// R rows x one group of 16 columns. codes: the group's bytes; S: the scale dtype; kQ4: nibbles.
+enum class Kind { kQ8, kQ4, kQ4K, kQ6 };
+
+// A q4k block's float32 scale d * sc and min (-dmin) * m of 16 columns: exact products (11 + 6 bits),
+// so the very values a q4 weight with float32 scales holds. scale: the block's sc then m bytes (0..63);
+// pair: the super-block's d then -dmin.
+inline void q4k_block(const uint8_t* scale, const kvmosaic_vec::half* pair, F16& sc, F16& mn) {
+  const auto sub = [](const uint8_t* p) { return I16::load_s8(reinterpret_cast<const int8_t*>(p)).to_float(); };
+  sc = kvmosaic_qdot::load_half16(pair) * sub(scale);
+  mn = kvmosaic_qdot::load_half16(pair + kCols) * sub(scale + kCols);
+}
+
+// R rows x one group of 16 columns of a q8, q4 or q4k weight. codes: the group's bytes; S: the scale
+// dtype (uint8 for q4k); extra: q4's mins (S), q4k's super-block pairs (half).
 // A block's integer dots go to kChains independent accumulators per row, summed at the block's end: one
 // chain would serialize the block's 8 dot instructions on their latency, which bounds a decode row
 // (one accumulator in flight) below the memory bandwidth.
-template <typename T, typename S, bool kQ4, int R>
-void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* scale, const S* mins,
+template <typename T, typename S, Kind kKind, int R>
+void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* scale, const void* extra,
                 const float* bias, T* out, int64_t ldo, bool stream) {
+  constexpr bool kQ4 = kKind != Kind::kQ8;  // nibbles
+  constexpr int64_t kScaleRows = kKind == Kind::kQ4K ? 2 : 1;  // q4k: sc and m
+  const S* mins = static_cast<const S*>(extra);
   constexpr int64_t kGroups = kQ4 ? 4 : 8;  // 64-byte vectors per 32-k block
   constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
   F16 acc[R];
@@ -124,8 +141,8 @@ void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* 
     if (kStreamAhead > 0 && stream) {
       constexpr int64_t kBlocksAhead = kStreamAhead / (kGroups * 64);
       for (int64_t q = 0; q < kGroups * 64; q += 64) kvmosaic_vec::prefetch_l1(wb + kStreamAhead + q);
-      kvmosaic_vec::prefetch_l1(scale + (b + kBlocksAhead) * kCols);
-      if constexpr (kQ4) kvmosaic_vec::prefetch_l1(mins + (b + kBlocksAhead) * kCols);
+      kvmosaic_vec::prefetch_l1(scale + (b + kBlocksAhead) * kScaleRows * kCols);
+      if constexpr (kKind == Kind::kQ4) kvmosaic_vec::prefetch_l1(mins + (b + kBlocksAhead) * kCols);
     }
 #pragma GCC unroll 8
     for (int64_t g = 0; g < kGroups; ++g) {
@@ -146,7 +163,13 @@ void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* 
         }
       }
     }
-    const F16 sc = kvmosaic_qdot::load_scale16(scale + b * kCols);
+    F16 sc, mn;
+    if constexpr (kKind == Kind::kQ4K) {
+      q4k_block(scale + 2 * b * kCols, static_cast<const kvmosaic_vec::half*>(extra) + (b / 8) * 2 * kCols, sc, mn);
+    } else {
+      sc = kvmosaic_qdot::load_scale16(scale + b * kCols);
+      if constexpr (kQ4) mn = kvmosaic_qdot::load_scale16(mins + b * kCols);
+    }
     for (int r = 0; r < R; ++r) {
       if constexpr (kQ4)
         for (int c = 0; c < kChains; ++c) dots[r][c] = q4sums[r][c].total();
@@ -154,10 +177,8 @@ void group_rows(const QuantRow* rows, int64_t k, const uint8_t* codes, const S* 
       for (int c = 1; c < kChains; ++c) total = kvmosaic_qdot::add(total, dots[r][c]);
       acc[r] = kvmosaic_vec::fma(total.to_float(), sc * F16::set1(rows[r].scale[b]), acc[r]);
     }
-    if constexpr (kQ4) {
-      const F16 mn = kvmosaic_qdot::load_scale16(mins + b * kCols);
+    if constexpr (kQ4)
       for (int r = 0; r < R; ++r) acc[r] = kvmosaic_vec::fma(mn, F16::set1(rows[r].sum[b]), acc[r]);
-    }
   }
   const F16 bv = bias != nullptr ? F16::load(bias) : F16::zero();
   for (int r = 0; r < R; ++r) (acc[r] + bv).store(out + r * ldo);
@@ -235,16 +256,15 @@ void group_rows_q6(const QuantRow* rows, int64_t k, const uint8_t* codes, const 
   for (int r = 0; r < R; ++r) (acc[r] + bv).store(out + r * ldo);
 }
 
-enum class Kind { kQ8, kQ4, kQ6 };
-
-// S: the scale dtype (int8 for q6); extra: q4's mins (S) or q6's super-block scales (float)
+// S: the scale dtype (int8 for q6, uint8 for q4k); extra: q4's mins (S), q6's super-block scales (float)
+// or q4k's super-block pairs (half)
 template <typename T, typename S, Kind kKind, int R>
 void group_rows_of(const QuantRow* q, int64_t k, const uint8_t* codes, const S* scale, const void* extra,
                    const float* bias, T* out, int64_t ldo, bool stream) {
   if constexpr (kKind == Kind::kQ6)
     group_rows_q6<T, R>(q, k, codes, scale, static_cast<const float*>(extra), bias, out, ldo, stream);
   else
-    group_rows<T, S, kKind == Kind::kQ4, R>(q, k, codes, scale, static_cast<const S*>(extra), bias, out, ldo, stream);
+    group_rows<T, S, kKind, R>(q, k, codes, scale, extra, bias, out, ldo, stream);
 }
 
 template <typename T, typename S, Kind kKind>
@@ -263,12 +283,13 @@ void groups_of(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* o
                int64_t g1) {
   const int64_t k = w.k, blocks = k / kQBlock;
   const int64_t group_bytes = w.group_code_bytes();
-  const int64_t group_scales = (kKind == Kind::kQ6 ? k / kQ6Sub : blocks) * kCols;
+  const int64_t group_scales = (kKind == Kind::kQ6 || kKind == Kind::kQ4K ? k / kQ6Sub : blocks) * kCols;
   const S* scale = static_cast<const S*>(w.scale);
   for (int64_t g = g0; g < g1; ++g) {
     const void* extra = nullptr;
     if constexpr (kKind == Kind::kQ4) extra = static_cast<const S*>(w.mins) + g * group_scales;
     if constexpr (kKind == Kind::kQ6) extra = w.super_scale + g * (k / kQ6Super) * kCols;
+    if constexpr (kKind == Kind::kQ4K) extra = w.q4k_supers + g * (2 * k / kQ6Super) * kCols;
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
       QuantRow q[kMaxRows];
@@ -310,6 +331,8 @@ void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t 
                       int64_t g1) {
   if (w.super_scale != nullptr) {
     groups_of<T, int8_t, Kind::kQ6>(w, x, m, out, ldo, g0, g1);
+  } else if (w.q4k_supers != nullptr) {
+    groups_of<T, uint8_t, Kind::kQ4K>(w, x, m, out, ldo, g0, g1);
   } else if (w.half_scales) {
     if (w.mins != nullptr) groups_of<T, kvmosaic_vec::half, Kind::kQ4>(w, x, m, out, ldo, g0, g1);
     else groups_of<T, kvmosaic_vec::half, Kind::kQ8>(w, x, m, out, ldo, g0, g1);
@@ -328,11 +351,11 @@ template void quantized_groups<bf16>(const QuantizedWeight&, const QuantizedRows
 
 int64_t QuantizedWeight::group_code_bytes() const {
   if (super_scale != nullptr) return k * kCols * 3 / 4;
-  return k * kCols / (mins != nullptr ? 2 : 1);
+  return k * kCols / (nibbles() ? 2 : 1);
 }
 
 int64_t QuantizedWeight::group_scale_bytes() const {
-  if (super_scale != nullptr) return (k / kQ6Sub) * kCols;
+  if (super_scale != nullptr || q4k_supers != nullptr) return (k / kQ6Sub) * kCols;  // q4k: sc and m bytes
   return (k / kQBlock) * kCols * (half_scales ? 2 : 4);
 }
 
@@ -386,7 +409,7 @@ inline int code_at(const QuantizedWeight& w, const uint8_t* group, int64_t lane,
     const int low = sub % 2 == 0 ? nibbles & 0x0F : nibbles >> 4;
     return (low | (((pairs >> (2 * (sub % 4))) & 3) << 4)) - 32;
   }
-  if (w.mins != nullptr) {  // byte [k / 8, lane, k % 4] holds k % 8 < 4 in its low nibble, the rest in its high one
+  if (w.nibbles()) {  // byte [k / 8, lane, k % 4] holds k % 8 < 4 in its low nibble, the rest in its high one
     const uint8_t byte = group[((kk / 8) * kCols + lane) * 4 + kk % 4];
     return kk % 8 < 4 ? byte & 0x0F : byte >> 4;
   }
@@ -399,7 +422,7 @@ template <typename T, typename S>
 void rows_of(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
   const int64_t k = w.k, group_bytes = w.group_code_bytes();
   const bool q6 = w.super_scale != nullptr;
-  const int64_t per_group = (q6 ? k / kQ6Sub : k / kQBlock) * kCols;
+  const int64_t per_group = (q6 || w.q4k_supers != nullptr ? k / kQ6Sub : k / kQBlock) * kCols;
   for (int64_t r = 0; r < count; ++r) {
     const int64_t group = index[r] / kCols, lane = index[r] % kCols;
     const uint8_t* gc = w.codes + group * group_bytes;
@@ -407,7 +430,13 @@ void rows_of(const QuantizedWeight& w, const int64_t* index, int64_t count, T* o
     for (int64_t kk = 0; kk < k; ++kk) {
       const float code = static_cast<float>(code_at(w, gc, lane, kk));
       float v;
-      if (q6) {
+      if (w.q4k_supers != nullptr) {  // (d * sc) * q + (-dmin) * m, as the product's exact scale and min
+        const int64_t block = kk / kQBlock, super = kk / kQ6Super;
+        const uint8_t* sc = static_cast<const uint8_t*>(w.scale) + group * per_group + 2 * block * kCols + lane;
+        const kvmosaic_vec::half* pair = w.q4k_supers + (group * (2 * k / kQ6Super) + 2 * super) * kCols + lane;
+        v = code * (static_cast<float>(pair[0]) * static_cast<float>(sc[0]));
+        v += static_cast<float>(pair[kCols]) * static_cast<float>(sc[kCols]);
+      } else if (q6) {
         const float d = w.super_scale[(group * (k / kQ6Super) + kk / kQ6Super) * kCols + lane];
         v = code * (d * static_cast<float>(static_cast<const int8_t*>(w.scale)[group * per_group + (kk / kQ6Sub) * kCols + lane]));
       } else {
