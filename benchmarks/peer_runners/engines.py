@@ -17,7 +17,7 @@ from peer_runners.footprint import weights_bytes
 from peer_runners.machine_load import children_cpu_seconds, cpu_busy_seconds
 from peer_runners.models import PEERS, ROOT, THREADS, base_env
 
-RUNNERS = Path(__file__).resolve().parent / "peer_runners"
+RUNNERS = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)

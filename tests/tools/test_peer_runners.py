@@ -58,3 +58,14 @@ def test_a_run_with_missing_tokens_is_an_error(clock):
     engine = FakeEngine(clock, [1.0, 1.0, 1.0, 1.0], short=0)
     with pytest.raises(RuntimeError, match="wrong lengths"):
         common.measure(engine, common.WORKLOADS["C"])
+
+
+def test_every_engine_names_a_runner_script_that_exists():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from peer_runners.engines import ENGINES, capped
+
+    for engine in ENGINES:
+        assert engine.runner.is_file(), engine.runner
+        assert engine.runner.name == f"{engine.key}_runner.py"
+        if (cap := capped(engine)) is not None:
+            assert cap.runner == engine.runner
