@@ -8,12 +8,13 @@ on the tiles with the weights dequantized to bf16, and each format also gets an 
 the tiles switched off (the same rows, the path every other CPU runs). Prints a table and writes JSON.
 
 With ``--gguf FILE`` it profiles one decode row over a real model file instead: every matrix kind a
-token reads (each as the loader holds it: fused q/k/v, which meet as Q8_0 when v's type differs from
-q's; fused gate/up; o; down; the LM head), the kernel's weight GB/s on the real shape cold (a set of
-copies at least 4x the last-level cache, called in turn, so the weights come from DRAM) and hot (a
-slice of about 4 MiB called again and again, so it sits in cache), at each thread count, against the
-DRAM read probe at that thread count; and the milliseconds a token spends in each kind at the cold
-rate. A kind whose hot GB/s is not well above the probe's is bound by its arithmetic, not by memory.
+token reads (each as the loader holds it: fused q/k/v, a composite when v's type differs from q's,
+each of its parts timed as a kind of its own; fused gate/up; o; down; the LM head), the kernel's
+weight GB/s on the real shape cold (a set of copies at least 4x the last-level cache, called in turn,
+so the weights come from DRAM) and hot (a slice of about 4 MiB called again and again, so it sits in
+cache), at each thread count, against the DRAM read probe at that thread count; and the milliseconds
+a token spends in each kind at the cold rate. A kind whose hot GB/s is not well above the probe's is
+bound by its arithmetic, not by memory.
 
     .venv/bin/python benchmarks/qlinear.py [--rows 1,4,64,512] [--dtype float32] [--threads 2] [--level avx2]
                                            [--out PATH]
@@ -35,6 +36,7 @@ from kvmosaic.ops import Kernels
 from kvmosaic.ops.cpu import isa_summary
 from kvmosaic.quant import interleaved as qi
 from kvmosaic.quant import weights as qw
+from kvmosaic.quant.composite import CompositeWeight
 
 FORMATS = ("q8_0", "q4_1", "q4_k")
 
@@ -76,7 +78,7 @@ GGUF_LAYER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",)
                     "down": ("ffn_down",)}
 
 
-def _layer_weight(tensors: dict, layer: int, parts: tuple[str, ...]) -> qw.QuantizedWeight:
+def _layer_weight(tensors: dict, layer: int, parts: tuple[str, ...]) -> qw.QuantizedWeight | CompositeWeight:
     """The loader's weight for a layer product: its parts' matrices fused as concat_rows fuses them."""
     found = [tensors[f"blk.{layer}.{p}.weight"] for p in parts]
     return qw.concat_rows([qw.from_gguf(t.data, qw.Q(t.tensor_type)) for t in found])
@@ -90,14 +92,17 @@ def gguf_kinds(path: str) -> tuple[dict[str, qi.InterleavedWeight], Counter]:
     layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
     kinds: dict[str, qi.InterleavedWeight] = {}
     count: Counter = Counter()
+    names: dict[str, list[str]] = {}  # a product's name -> its parts' names (a composite's parts each)
     for layer in range(layers):
         for product, parts in GGUF_LAYER_PARTS.items():
             types = "+".join(dict.fromkeys(qw.Q(tensors[f"blk.{layer}.{p}.weight"].tensor_type).name for p in parts))
             name = f"{product} {types}"
-            count[name] += 1
-            if name not in kinds:
-                w = _layer_weight(tensors, layer, parts)
-                kinds[f"{product} {types}"] = qi.interleave(w)
+            if name not in names:
+                w = qi.interleave(_layer_weight(tensors, layer, parts))
+                pieces = w.parts if isinstance(w, CompositeWeight) else (w,)
+                names[name] = [name if len(pieces) == 1 else f"{name} [{p.source}]" for p in pieces]
+                kinds.update(zip(names[name], pieces, strict=True))
+            count.update(names[name])
     head = tensors.get("output.weight", tensors["token_embd.weight"])
     name = f"lm_head {qw.Q(head.tensor_type).name}"
     kinds[name], count[name] = qi.interleave(qw.from_gguf(head.data, qw.Q(head.tensor_type))), 1

@@ -67,17 +67,21 @@ class DecoderLayer(nn.Module):
         self._steps = (self.input_layernorm.forward, self.qkv_proj.forward, self.o_proj.forward,
                        self.post_attention_layernorm.forward, self.gate_up_proj.forward, self.down_proj.forward)
 
-    def packed_weights(self) -> list[torch.Tensor] | None:
+    def packed_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """This layer's weights in the order ``ops.layer_stack`` takes them (a linear as weight,
-        scales, mins), or None when one of its products does not run inside it."""
+        scales, mins) and a composite qkv's parts (else []), or None when one of its products does not
+        run inside it (the stack takes a composite qkv only)."""
         stacks = [lin.method.stack_weights() for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)]
         unfused = isinstance(self.gate_up_proj.method, PackedFloat) and not self.gate_up_proj.method.fuses_swiglu
-        if unfused or any(s is None for s in stacks):  # layer_stack takes float gate/up with SwiGLU fused
-            return None
+        if unfused or any(s is None for s in stacks) or any(len(s) != 3 for s in stacks[1:]):
+            return None  # layer_stack takes float gate/up with SwiGLU fused
         qkv, o, gate_up, down = stacks
+        qkv_parts = list(qkv) if len(qkv) > 3 else []
+        if qkv_parts:
+            qkv = (torch.empty(0),) * 3  # the stack reads the parts instead
         qkv_bias = self.qkv_proj.method.bias
         return [self.input_layernorm.weight.data, *qkv, torch.empty(0) if qkv_bias is None else qkv_bias, *o,
-                self.post_attention_layernorm.weight.data, *gate_up, *down]
+                self.post_attention_layernorm.weight.data, *gate_up, *down], qkv_parts
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotary: RotaryEmbedding,
                 attention: AttentionBackend, meta: AttentionMetadata,
@@ -131,8 +135,10 @@ class LlamaForCausalLM(nn.Module):
         if ops is None or any(w is None for w in per_layer):
             return None
         head = self.lm_head.method.stack_weights()
-        return ops.StackWeights([t for w in per_layer for t in w],
-                                [] if head is None else [self.norm.weight.data, *head])
+        qkv_parts = [parts for _, parts in per_layer]
+        return ops.StackWeights([t for w, _ in per_layer for t in w],
+                                [] if head is None or len(head) != 3 else [self.norm.weight.data, *head],
+                                qkv_parts if any(qkv_parts) else [])
 
     def first_layers(self, count: int) -> LlamaForCausalLM:
         """This model cut to its first ``count`` layers, sharing every weight. A forward's activation

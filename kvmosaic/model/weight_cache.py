@@ -18,7 +18,8 @@ mismatched entry is ignored with a warning and rewritten; a directory that canno
 warning, never an error.
 
 Entry format: the tensors' bytes (each at a 64-byte offset), then a JSON index (key, and per product
-its source type and its parts' dtype, shape and offset), its length (8 bytes) and ``_MAGIC``.
+its source type and its tensors' dtype, shape and offset; a composite's per part, under ``pieces``), its
+length (8 bytes) and ``_MAGIC``.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ from kvmosaic.model.layers.linear_methods import (
 from kvmosaic.ops import Kernels
 from kvmosaic.quant import interleaved as qi
 from kvmosaic.quant import weights as qw
+from kvmosaic.quant.composite import CompositeWeight
 
 logger = logging.getLogger(__name__)
 
 # Bump when the entry format or what the model asks for by name changes.
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: composite products (their parts under "pieces")
 CACHE_DIR_ENV = "KVMOSAIC_CACHE_DIR"
 _MAGIC = b"KVMPACK2"
 _ALIGN = 64
@@ -77,15 +79,14 @@ class CacheSource:
 @functools.cache
 def layout_fingerprint() -> str:
     """A digest of what the layout code makes of small fixed weights of every kind (q8, q4, q4k, q6, a
-    q4k gate/up pair and a q/k/v of mixed kinds that meets as Q8_0): it changes whenever that code's
-    output does."""
+    q4k gate/up pair and a q/k/v of mixed kinds, a composite): it changes whenever that code's output does."""
     gen = torch.Generator().manual_seed(57)
     values = torch.randn(64, 256, generator=gen)
     kinds = [qw.quantize(values[:16], "q8_0"), qw.quantize(values[16:32], "q4_k"), qw.quantize(values[32:48], "q6_k"),
              qw.quantize(values[48:], "q4_1")]
     digest = hashlib.sha256()
-    for w in [*kinds, fuse_rows(kinds[1:2] * 2), fuse_rows(kinds[:3])]:
-        laid = qi.interleave(w)
+    fused = [fuse_rows(kinds[1:2] * 2), fuse_rows(kinds[:3])]
+    for laid in [qi.interleave(p) for w in [*kinds, *fused] for p in _pieces(w)]:
         digest.update(laid.source.encode())
         for part in _PARTS:
             t = getattr(laid, part)
@@ -93,6 +94,11 @@ def layout_fingerprint() -> str:
                 digest.update(f"{part}{t.dtype}{tuple(t.shape)}".encode())
                 digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _pieces(weight: KernelWeight) -> tuple:
+    """A composite's parts, or the weight itself."""
+    return weight.parts if isinstance(weight, CompositeWeight) else (weight,)
 
 
 def cache_key(source: CacheSource) -> str:
@@ -120,7 +126,8 @@ def _read_index(f: BinaryIO, key: str) -> dict:
         raise ValueError("its key does not match the file")
     data_end = size - trailer - length
     for name, product in index["products"].items():
-        for dtype, shape, offset in product["parts"].values():
+        specs = [spec for piece in product.get("pieces", [product]) for spec in piece["parts"].values()]
+        for dtype, shape, offset in specs:
             nbytes = _DTYPES[dtype].itemsize * int(torch.Size(shape).numel())
             if offset < 0 or offset + nbytes > data_end:
                 raise ValueError(f"{name} lies outside the file")
@@ -182,14 +189,19 @@ class PackedCache:
     def __call__(self, name: str, build: Callable[[], Weight]) -> KernelWeight:
         if self._index is not None and name in self._index["products"]:
             product = self._index["products"][name]
-            parts = {p: _view(self._mapped, *spec) for p, spec in product["parts"].items()}
-            return qi.InterleavedWeight(parts["codes"], parts["scale"], parts.get("min"), product["source"],
-                                        parts.get("super_scale"))
+            if "pieces" in product:
+                return CompositeWeight(tuple(self._mapped_weight(piece) for piece in product["pieces"]))
+            return self._mapped_weight(product)
         weight = self.layout(build())
         self.built.append(name)
-        if self._index is None and isinstance(weight, qi.InterleavedWeight):
+        if self._index is None and all(isinstance(p, qi.InterleavedWeight) for p in _pieces(weight)):
             self._append(name, weight)
         return weight
+
+    def _mapped_weight(self, product: dict) -> qi.InterleavedWeight:
+        parts = {p: _view(self._mapped, *spec) for p, spec in product["parts"].items()}
+        return qi.InterleavedWeight(parts["codes"], parts["scale"], parts.get("min"), product["source"],
+                                    parts.get("super_scale"))
 
     def placement(self, fallback: Placement) -> Placement:
         """Where the model stores what it streams: the entry's tensors stay in its mapping, the others
@@ -200,7 +212,7 @@ class PackedCache:
         storage = mapped.untyped_storage().data_ptr()
         return lambda t: t if t.untyped_storage().data_ptr() == storage else fallback(t)
 
-    def _append(self, name: str, weight: qi.InterleavedWeight) -> None:
+    def _append(self, name: str, weight: qi.InterleavedWeight | CompositeWeight) -> None:
         if self._writer is None:
             self._writer = _EntryWriter.start(self.entry)
         if self._writer.failed is None:
@@ -231,7 +243,12 @@ class _EntryWriter:
         except OSError as exc:
             return cls(entry, None, None, exc)
 
-    def add(self, name: str, weight: qi.InterleavedWeight) -> None:
+    def add(self, name: str, weight: qi.InterleavedWeight | CompositeWeight) -> None:
+        pieces = [self._write(piece) for piece in _pieces(weight)]
+        self.products[name] = pieces[0] if len(pieces) == 1 else {"source": weight.source, "pieces": pieces}
+
+    def _write(self, weight: qi.InterleavedWeight) -> dict:
+        """Writes one weight's tensors; returns its index entry (source and parts)."""
         parts = {}
         try:
             for part in _PARTS:
@@ -244,7 +261,7 @@ class _EntryWriter:
                 self.f.write(memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B"))
         except OSError as exc:
             self.failed = exc
-        self.products[name] = {"source": weight.source, "parts": parts}
+        return {"source": weight.source, "parts": parts}
 
     def commit(self, key: str) -> None:
         try:

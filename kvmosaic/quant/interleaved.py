@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmosaic.quant.composite import CompositeWeight
 from kvmosaic.quant.weights import (
     BLOCK,
     PAIR_SHIFTS,
@@ -72,7 +73,10 @@ class InterleavedWeight:
                                  move(self.super_scale))
 
 
-def interleave(w: QuantizedWeight) -> InterleavedWeight:
+def interleave(w: QuantizedWeight | CompositeWeight) -> InterleavedWeight | CompositeWeight:
+    """The kernels' layout; a composite's is the composite of its parts' layouts."""
+    if isinstance(w, CompositeWeight):
+        return CompositeWeight(tuple(interleave(p) for p in w.parts))
     n, k = w.shape
     if n % COLUMNS:
         raise ValueError(f"the interleaved layout needs out_features % {COLUMNS} == 0, got {n}")
@@ -120,8 +124,10 @@ def _q6_codes(vectors: torch.Tensor) -> torch.Tensor:
     return (low | (pairs.flatten(-4, -3) << 4)).view(torch.int8) - 32
 
 
-def deinterleave(w: InterleavedWeight) -> QuantizedWeight:
+def deinterleave(w: InterleavedWeight | CompositeWeight) -> QuantizedWeight | CompositeWeight:
     """The inverse of ``interleave``."""
+    if isinstance(w, CompositeWeight):
+        return CompositeWeight(tuple(deinterleave(p) for p in w.parts))
     n, k = w.shape
     rows = lambda t: None if t is None else t.transpose(1, 2).reshape(n, -1).contiguous()
     if w.kind == "q8":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kvmosaic.quant.composite import CompositeWeight
 from kvmosaic.quant.weights import BLOCK, SUB, SUPER, QuantizedWeight, as_q4, codes_of
 
 
@@ -31,8 +32,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return codes, d, d * codes.sum(-1)
 
 
-def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight, rows_per_pass: int = 64) -> torch.Tensor:
-    """The kernel's arithmetic in float32 [M, N], ``rows_per_pass`` rows at a time (bounded memory)."""
+def quantized_matmul_int8(x: torch.Tensor, weight: QuantizedWeight | CompositeWeight,
+                          rows_per_pass: int = 64) -> torch.Tensor:
+    """The kernel's arithmetic in float32 [M, N], ``rows_per_pass`` rows at a time (bounded memory); a
+    composite's columns are its parts' products side by side."""
+    if isinstance(weight, CompositeWeight):
+        return torch.cat([quantized_matmul_int8(x, p, rows_per_pass) for p in weight.parts], dim=1)
     n, _ = weight.shape
     if weight.kind == "q4k":
         weight = as_q4(weight)
@@ -67,7 +72,7 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c).float().double()
 
 
-def quantized_linear_reference(x: torch.Tensor, weight: QuantizedWeight,
+def quantized_linear_reference(x: torch.Tensor, weight: QuantizedWeight | CompositeWeight,
                                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) @ weight^T (+ bias) in x's dtype."""
     out = quantized_matmul_int8(x, weight)

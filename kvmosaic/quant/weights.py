@@ -24,17 +24,21 @@ GGUF types with no kernel of their own (Q5_0, Q5_1, Q2_K, Q3_K and Q5_K: 2 to 5 
 are requantized to Q8_0 at load (``requantize``): 8.5 bits a weight instead of a float copy, and an
 error of about half a Q8_0 step per weight: a sixteenth of a 5-bit type's own step, less for fewer bits.
 
-The kernels' layout of each kind is ``kvmosaic.quant.interleaved``.
+Fused parts of different kinds stay in their kinds side by side (``concat_rows``:
+``kvmosaic.quant.composite``). The kernels' layout of each kind is ``kvmosaic.quant.interleaved``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import gguf
 import numpy as np
 import torch
+
+from kvmosaic.quant.composite import COLUMNS, CompositeWeight
 
 BLOCK = 32  # weights per scale
 SUPER = 256  # Q4_K super-block
@@ -197,8 +201,10 @@ def as_q4(w: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(w.codes, scale, low, w.source)
 
 
-def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(w: QuantizedWeight | CompositeWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Float [N, K]; in float32 equal bit for bit to ``gguf.quants.dequantize`` of the source blocks."""
+    if isinstance(w, CompositeWeight):
+        return torch.cat([dequantize(p, dtype) for p in w.parts])
     n, k = w.shape
     if w.kind == "q6":
         return (w.codes.float().view(n, -1, SUB) * sub_block_scales(w).unsqueeze(-1)).view(n, k).to(dtype)
@@ -318,14 +324,18 @@ def _widened(w: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(w.codes, wide(w.scale), wide(w.min), w.source)
 
 
-def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | CompositeWeight:
     """Weights stacked along out_features (q/k/v, gate/up). Scales of different dtypes widen to
-    float32 (exact), q4k next to q4 as q4 (``as_q4``, exact); weights of other different kinds (a Q4_K
-    file's Q6_K v projection next to its Q4_K q and k) meet as Q8_0: the others are requantized, as a
-    fused product has one kind."""
+    float32 (exact), q4k next to q4 as q4 (``as_q4``, exact). Weights of other different kinds (a Q4_K
+    file's Q6_K v projection next to its Q4_K q and k) make a ``CompositeWeight`` of runs of one kind,
+    each held as it is, when every run fills whole 16-row groups; otherwise they meet as Q8_0 (the
+    others requantized)."""
     if {w.kind for w in weights} == {"q4", "q4k"}:
         weights = [_widened(w) for w in weights]
     first = weights[0]
+    runs = [list(run) for _, run in itertools.groupby(weights, key=lambda w: w.kind)]
+    if len(runs) > 1 and all(sum(w.shape[0] for w in run) % COLUMNS == 0 for run in runs):
+        return CompositeWeight(tuple(run[0] if len(run) == 1 else concat_rows(run) for run in runs))
     if any(w.kind != first.kind for w in weights):
         weights = [w if w.kind == "q8" else requantize(dequantize(w), w.source) for w in weights]
         first = weights[0]

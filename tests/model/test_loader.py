@@ -79,9 +79,11 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, extra=None,
-                    matrix_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+                    matrix_type: gguf.GGMLQuantizationType | None = None,
+                    v_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
     """A 2-layer model plus byte-level vocabulary; returns the HF-layout weights it encodes (before any
-    quantization). ``matrix_type``: the matrices whose rows fit its blocks are stored in that type."""
+    quantization). ``matrix_type``: the matrices whose rows fit its blocks are stored in that type;
+    ``v_type``: the v projections in that one instead (a Q4_K_M file's q/k/v of two kinds)."""
     tokens = SPECIALS + _byte_alphabet()
     weights = _tiny_hf_weights(arch, len(tokens), tied)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -106,8 +108,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, extra=No
             w = _llama_cpp_permute(w, HEADS)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             w = _llama_cpp_permute(w, KV_HEADS)
-        if matrix_type is not None and w.ndim == 2 and w.shape[1] % gguf.GGML_QUANT_SIZES[matrix_type][0] == 0:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, matrix_type), raw_dtype=matrix_type)
+        qtype = v_type if v_type is not None and name.endswith("v_proj.weight") else matrix_type
+        if qtype is not None and w.ndim == 2 and w.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
             continue
         writer.add_tensor(_gguf_name(name), w)
     _finish(writer)

@@ -11,7 +11,7 @@ from test_loader import write_tiny_gguf
 
 from kvmosaic import LLM, SamplingParams
 from kvmosaic.model import weight_cache
-from kvmosaic.model.layers.linear_methods import QuantizedKernel
+from kvmosaic.model.layers.linear_methods import CompositeKernel, QuantizedKernel
 from kvmosaic.model.llama import LlamaForCausalLM
 from kvmosaic.model.loader import load_model
 from kvmosaic.ops import Kernels
@@ -32,6 +32,14 @@ def cache_dir(tmp_path, monkeypatch):
 def tiny_q8(tmp_path):
     path = tmp_path / "tiny-q8.gguf"
     write_tiny_gguf(path, matrix_type=Q.Q8_0)
+    return path
+
+
+@pytest.fixture
+def tiny_mixed(tmp_path):
+    """Q4_0 q and k beside Q8_0 v: fused as a composite qkv, as a Q4_K_M file's Q4_K q, k and Q6_K v are."""
+    path = tmp_path / "tiny-mixed.gguf"
+    write_tiny_gguf(path, matrix_type=Q.Q4_0, v_type=Q.Q8_0)
     return path
 
 
@@ -57,9 +65,11 @@ def _streamed(model) -> dict[str, list[torch.Tensor]]:
     out = {}
     for name, module in model.named_modules():
         method = getattr(module, "method", None)
-        if isinstance(method, QuantizedKernel):
+        if isinstance(method, QuantizedKernel | CompositeKernel):
             w = method.weight
-            out[name] = [w.source, *(t for t in (w.codes, w.scale, w.min, w.super_scale) if t is not None)]
+            parts = w.parts if isinstance(method, CompositeKernel) else (w,)
+            out[name] = [w.source, *(t for p in parts for t in (p.codes, p.scale, p.min, p.super_scale)
+                                     if t is not None)]
     return out
 
 
@@ -100,13 +110,29 @@ def _loaded_parts(path):
     return loaded.config, loaded.weights
 
 
-def test_a_warm_start_gives_the_same_logprobs(cache_dir, tiny_q8):
+def test_a_composite_product_is_stored_by_part_and_read_back(cache_dir, tiny_mixed, kernels, monkeypatch):
+    plain = LlamaForCausalLM(*_loaded_parts(tiny_mixed), kernels)
+    assert isinstance(plain.layers[0].qkv_proj.method, CompositeKernel)
+    cold, cold_store = _build(tiny_mixed, kernels)
+    _forbid_repacking(monkeypatch)
+    warm, warm_store = _build(tiny_mixed, kernels)
+    assert warm_store.hit and "model.layers.0.self_attn.qkv_proj" in warm_store.held
+    assert [p.source for p in warm.layers[0].qkv_proj.method.weight.parts] == ["Q4_0", "Q8_0"]
+    _assert_same_products(_streamed(plain), _streamed(cold))
+    _assert_same_products(_streamed(cold), _streamed(warm))
+    x = torch.randn(3, 32)
+    assert torch.equal(warm.layers[0].qkv_proj(x), plain.layers[0].qkv_proj(x))
+
+
+@pytest.mark.parametrize("model", ["tiny_q8", "tiny_mixed"])
+def test_a_warm_start_gives_the_same_logprobs(cache_dir, model, request):
+    path = request.getfixturevalue(model)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
     options = dict(dtype="float32", kv_cache_memory="16MiB")
-    plain = LLM(str(tiny_q8), weight_cache=False, **options).generate(["hello there"], params)[0]
+    plain = LLM(str(path), weight_cache=False, **options).generate(["hello there"], params)[0]
     assert not cache_dir.exists()  # turned off: nothing written
-    cold = LLM(str(tiny_q8), **options).generate(["hello there"], params)[0]
-    warm = LLM(str(tiny_q8), **options).generate(["hello there"], params)[0]
+    cold = LLM(str(path), **options).generate(["hello there"], params)[0]
+    warm = LLM(str(path), **options).generate(["hello there"], params)[0]
     assert len(list(cache_dir.glob("*.packed"))) == 1
     for out in (cold, warm):
         assert out.outputs[0].token_ids == plain.outputs[0].token_ids

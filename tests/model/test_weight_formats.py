@@ -70,7 +70,7 @@ def test_interleave_round_trip_and_rows(quantization):
     assert torch.equal(qi.dequantize_rows(packed, index, torch.float32), qw.dequantize(w)[index])
 
 
-def test_concat_rows_widens_scales_or_meets_as_q8_0():
+def test_concat_rows_widens_scales_or_keeps_each_kind():
     a, b = qw.quantize(_weight(16), "q4_1"), qw.quantize(_weight(32, seed=1), "q4_1")
     both = qw.concat_rows([a, b])
     assert both.shape == (48, 512)
@@ -79,11 +79,13 @@ def test_concat_rows_widens_scales_or_meets_as_q8_0():
     wide = qw.concat_rows([a, k])
     assert wide.kind == "q4" and wide.scale.dtype == torch.float32
     assert torch.equal(qw.dequantize(wide), torch.cat([qw.dequantize(a), qw.dequantize(k)]))
-    q8 = qw.quantize(_weight(16, seed=3), "q8_0")  # kinds differ: the q4 one is requantized to Q8_0
-    mixed = qw.concat_rows([a, q8])
-    assert mixed.kind == "q8" and mixed.source == "Q4_1 as Q8_0+Q8_0"
-    assert torch.equal(mixed.codes[16:], q8.codes) and torch.equal(mixed.scale[16:], q8.scale)
-    assert torch.equal(mixed.codes[:16], qw.requantize(qw.dequantize(a), "Q4_1").codes)
+    q8 = qw.quantize(_weight(16, seed=3), "q8_0")  # kinds differ: each kept as it is, side by side
+    mixed = qw.concat_rows([a, b, q8])
+    assert mixed.kind == "composite" and mixed.source == "Q4_1+Q8_0" and mixed.splits == [48, 16]
+    assert torch.equal(mixed.parts[1].codes, q8.codes) and torch.equal(mixed.parts[0].codes, both.codes)
+    odd = qw.concat_rows([qw.quantize(_weight(8), "q4_1"), qw.quantize(_weight(8, seed=4), "q8_0")])
+    assert odd.kind == "q8" and odd.source == "Q4_1 as Q8_0+Q8_0"  # parts short of a 16-row group meet as Q8_0
+    assert torch.equal(odd.codes[:8], qw.requantize(qw.dequantize(qw.quantize(_weight(8), "q4_1")), "Q4_1").codes)
 
 
 def _random_q6_k(rows: int, supers: int, seed: int = 0) -> np.ndarray:
@@ -96,7 +98,7 @@ def _random_q6_k(rows: int, supers: int, seed: int = 0) -> np.ndarray:
 def test_q6_k_runs_natively_bit_exact_and_fuses():
     """Q6_K's codes and scales are kept as they are: gguf.quants' values bit for bit, the kernels'
     layout round-trips, rows of the interleaved weight are its values; fused with other Q6_K
-    matrices it stays q6, next to another kind it meets as Q8_0."""
+    matrices it stays q6, next to another kind it is a part of a composite."""
     raw = _random_q6_k(32, 2)
     w = qw.from_gguf(raw, Q.Q6_K)
     assert w.kind == "q6" and w.shape == (32, 512) and w.source == "Q6_K"
@@ -113,7 +115,7 @@ def test_q6_k_runs_natively_bit_exact_and_fuses():
     both = qw.concat_rows([w, qw.from_gguf(_random_q6_k(16, 2, seed=1), Q.Q6_K)])
     assert both.kind == "q6" and both.shape == (48, 512) and torch.equal(qw.dequantize(both)[:32], values)
     mixed = qw.concat_rows([qw.quantize(_weight(16), "q4_k"), w])
-    assert mixed.kind == "q8" and mixed.source == "Q4_K as Q8_0+Q6_K as Q8_0"
+    assert mixed.kind == "composite" and mixed.source == "Q4_K+Q6_K" and mixed.parts[1] is w
     with pytest.raises(ValueError, match="super-block"):
         qw.QuantizedWeight(w.codes[:, :256], w.scale[:, :16], None, "Q6_K", w.super_scale)
 

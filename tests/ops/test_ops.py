@@ -235,6 +235,16 @@ def test_layer_stack_checks_weights_and_caches_once_with_clear_errors(ops):
     layer = _stack_layer(ops)
     weights = ops.StackWeights(layer + layer)
     assert weights.layers == 2
+    from kvmosaic.quant import interleaved as qi
+    from kvmosaic.quant import weights as qw
+
+    q8, q4 = (qi.interleave(qw.quantize(torch.randn(n, 32), kind)) for n, kind in ((48, "q8_0"), (16, "q4_1")))
+    parts = [q8.codes, q8.scale, torch.empty(0), q4.codes, q4.scale, q4.extra]  # a composite qkv, 64 wide
+    assert ops.StackWeights(layer + layer, [], [parts, []]).layers == 2
+    with pytest.raises(RuntimeError, match="one list per layer"):
+        ops.StackWeights(layer + layer, [], [parts])
+    with pytest.raises(RuntimeError, match="two or more parts"):
+        ops.StackWeights(layer + layer, [], [parts[:3], []])
     with pytest.raises(RuntimeError, match="15 weights per layer"):
         ops.StackWeights(layer[:-1])
     with pytest.raises(RuntimeError, match="norm weight"):

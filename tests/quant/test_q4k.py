@@ -68,7 +68,7 @@ def test_interleave_round_trip_and_rows():
     assert torch.equal(qi.dequantize_rows(packed, index, torch.float32), qw.dequantize(w)[index])
 
 
-def test_concat_rows_q4k_stays_native_next_to_q4_widens_and_next_to_q6_meets_as_q8_0():
+def test_concat_rows_q4k_stays_native_next_to_q4_widens_and_next_to_q6_is_a_composite_part():
     a, b = _q4k(16, seed=4), _q4k(32, seed=5)
     both = qw.concat_rows([a, b])
     assert both.kind == "q4k" and both.shape == (48, 512) and both.source == "Q4_K"
@@ -78,7 +78,8 @@ def test_concat_rows_q4k_stays_native_next_to_q4_widens_and_next_to_q6_meets_as_
     assert wide.kind == "q4" and wide.scale.dtype == torch.float32
     assert torch.equal(qw.dequantize(wide), torch.cat([qw.dequantize(a), qw.dequantize(q41)]))
     q6 = qw.quantize(torch.randn(16, 512), "q6_k")
-    assert qw.concat_rows([a, q6]).source == "Q4_K as Q8_0+Q6_K as Q8_0"
+    mixed = qw.concat_rows([a, q6])
+    assert mixed.kind == "composite" and [p.kind for p in mixed.parts] == ["q4k", "q6"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

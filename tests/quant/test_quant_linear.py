@@ -138,10 +138,10 @@ def test_layers_pick_the_quantized_formats(level_kernels):
     torch.testing.assert_close(gated(h), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_mixed_kinds_fuse_as_q8_0_and_quantized_with_float_as_float():
+def test_mixed_kinds_fuse_as_a_composite_and_quantized_with_float_as_float():
     gate, up = _weight("q8_0", n=32), _weight("q4_1", n=32)
     gated = make_gated(gate, up, Kernels.reference(), torch.bfloat16)  # a Q6_K v next to Q4_K q and k, say
-    assert gated.method.weight.kind == "q8" and gated.method.weight.source == "Q8_0+Q4_1 as Q8_0"
+    assert gated.method.weight.kind == "composite" and gated.method.weight.source == "Q8_0+Q4_1"
     float_up = qw.dequantize(up)
     gated = make_gated(gate, float_up, Kernels.reference(), torch.bfloat16)
     assert gated.method.name == "dense" and gated.method.weight.dtype == torch.bfloat16

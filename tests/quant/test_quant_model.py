@@ -8,7 +8,7 @@ import torch
 
 from kvmosaic.config import CacheConfig, EngineConfig
 from kvmosaic.entrypoints.cli import build_parser
-from kvmosaic.model.layers.linear_methods import QuantizedKernel
+from kvmosaic.model.layers.linear_methods import CompositeKernel, QuantizedKernel
 from kvmosaic.model.llama import LlamaForCausalLM
 from kvmosaic.model.loader import load_model
 from kvmosaic.ops import Kernels
@@ -83,20 +83,32 @@ def _step(worker: Worker, new: list[int], start: int) -> torch.Tensor:
     return worker.runner.compute_logits([req])[1][0]
 
 
+def _mixed_v(weights: dict) -> dict:
+    """The v projections of the even layers in Q8_0 beside Q4_1 q and k, as a Q4_K_M file holds Q6_K v
+    beside Q4_K q and k in half its layers (the default model's 576-wide rows fill no Q4_K super-block)."""
+    return {name: qw.quantize(qw.dequantize(w), "q8_0") if name.endswith("v_proj.weight") and
+            int(name.split(".")[2]) % 2 == 0 else w for name, w in weights.items()}
+
+
 @pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "q6_k"),
-                                                ("float32", "q4_k"), ("bfloat16", "q4_k")])
+                                                ("float32", "q4_k"), ("bfloat16", "q4_k"), ("float32", "mixed_v"),
+                                                ("bfloat16", "mixed_v")])
 def test_greedy_decode_equals_pytorch_reference(native_model, dtype, quantization):
     """The engine's quantized kernels (int8 steps inside one layer_stack call) give bit for bit the
     logits, so the greedy tokens, of the PyTorch reference of the same arithmetic (the layer loop,
     other ops on the same kernels), for the prompt's prefill rows as for the decode steps. Bit for
     bit matters: int8 activation rounding is chaotic (see the next test). q6_k / q4_k: the down
-    projections requantized to Q6_K / Q4_K (1536-wide rows; 576-wide ones fill no 256-weight super-block)."""
+    projections requantized to Q6_K / Q4_K (1536-wide rows; 576-wide ones fill no 256-weight super-block).
+    mixed_v: q/k/v of two kinds in half the layers, fused as composites (the reference: each part's own
+    product, concatenated)."""
     kernels = Kernels.load()
     if not kernels.has("quantized_linear"):
         pytest.skip("no C++ kernels built")
     config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=8))
     loaded = native_model if dtype == "float32" else load_model(None, torch.bfloat16)
-    if quantization != "auto":
+    if quantization == "mixed_v":
+        loaded = dataclasses.replace(loaded, weights=_mixed_v(loaded.weights))
+    elif quantization != "auto":
         down = {name: qw.quantize(qw.dequantize(w), quantization) for name, w in loaded.weights.items()
                 if name.endswith("down_proj.weight")}
         loaded = dataclasses.replace(loaded, weights={**loaded.weights, **down})
@@ -105,6 +117,10 @@ def test_greedy_decode_equals_pytorch_reference(native_model, dtype, quantizatio
     slow_kernels = Kernels(_WithoutQuantizedLinear(kernels.ops), kernels.quant, kernels.level)
     slow = Worker.start(config, loader=lambda path, d: loaded, kernels=slow_kernels)
     assert fast.model._packed_weights is not None and slow.model._packed_weights is None
+    if quantization == "mixed_v":
+        qkv = [layer.qkv_proj.method for layer in fast.model.layers[:2]]
+        assert isinstance(qkv[0], CompositeKernel) and qkv[0].name == "q4_1+q8_0"
+        assert isinstance(qkv[1], QuantizedKernel) and qkv[1].name == "q4_1"
     ids = fast.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     ours, ref = _step(fast, ids, 0), _step(slow, ids, 0)
     for _ in range(8):

@@ -7,11 +7,13 @@ kernels at hand (``linear_method`` / ``gated_method``), and handed to ``Linear``
 * ``PackedFloat``: 16-column blocks for ``ops.packed_linear`` (``ops.packed_swiglu`` with SwiGLU fused),
   zero-padded to whole blocks.
 * ``QuantizedKernel``: a q8 / q4 / q4k / q6 weight in the interleaved layout for ``ops.quantized_linear``.
-* ``QuantizedReference``: the same weight through the PyTorch reference of that kernel.
+* ``CompositeKernel``: a fused weight whose parts differ in kind (``kvmosaic.quant.composite``), each
+  part interleaved, for ``ops.quantized_linear_parts``.
+* ``QuantizedReference``: either weight through the PyTorch reference of its kernel.
 
 ``stack_weights`` gives what ``ops.layer_stack`` takes for the method (weight, scales, mins or q6's /
-q4k's super-block scales; empty tensors where a format has none), or None when the method does not run
-inside it.
+q4k's super-block scales; empty tensors where a format has none; a composite's parts' triples back to
+back), or None when the method does not run inside it.
 
 A model asks a ``PackedWeights`` store for each product's weight by module name (``kernel_layout``
 of what its ``build`` makes): ``Unpacked`` builds it every time, the repack-once cache
@@ -31,6 +33,7 @@ from kvmosaic.ops import Kernels
 from kvmosaic.ops.memory import to_huge
 from kvmosaic.quant import interleaved as qi
 from kvmosaic.quant import weights as qw
+from kvmosaic.quant.composite import CompositeWeight
 from kvmosaic.quant.qmatmul import quantized_linear_reference
 
 _NONE = torch.empty(0)
@@ -128,10 +131,33 @@ class QuantizedKernel:
         return self._rows(self.codes, self.scale, self.extra, index, dtype)
 
 
+class CompositeKernel:
+    """One ``ops.quantized_linear_parts`` call: the rows quantized once, each part's columns its own product."""
+
+    fuses_swiglu = False
+
+    def __init__(self, weight: CompositeWeight, bias: torch.Tensor | None, ops: ModuleType,
+                 place: Placement = to_huge) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.name = weight.source.lower()
+        interleaved = weight if isinstance(weight.parts[0], qi.InterleavedWeight) else qi.interleave(weight)
+        self.weight = interleaved.placed(place)
+        self.parts = tuple(t for p in self.weight.parts for t in (p.codes, p.scale, _NONE if p.extra is None
+                                                                   else p.extra))
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._kernel = ops.quantized_linear_parts
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.parts, self.bias)
+
+    def stack_weights(self) -> tuple[torch.Tensor, ...]:
+        return self.parts
+
+
 class QuantizedReference:
     fuses_swiglu = False
 
-    def __init__(self, weight: qw.QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: qw.QuantizedWeight | CompositeWeight, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
         self.name = weight.source.lower()
         self.weight = weight
@@ -147,8 +173,8 @@ class QuantizedReference:
         return qw.dequantize(self.weight.rows(index), dtype)
 
 
-Weight = torch.Tensor | qw.QuantizedWeight
-KernelWeight = Weight | qi.InterleavedWeight  # a weight in the layout its method streams
+Weight = torch.Tensor | qw.QuantizedWeight | CompositeWeight
+KernelWeight = Weight | qi.InterleavedWeight  # a weight in the layout its method streams (a composite's parts too)
 
 
 class PackedWeights(Protocol):
@@ -197,16 +223,24 @@ def _float_ops(weight: torch.Tensor, kernels: Kernels) -> ModuleType | None:
     return ops if ops.packed_linear_supports(weight.dtype, rows, weight.shape[1]) else None
 
 
-def _quantized_kernel_ok(weight: qw.QuantizedWeight, kernels: Kernels) -> bool:
+def _quantized_kernel_ok(weight: qw.QuantizedWeight | CompositeWeight, kernels: Kernels) -> bool:
+    if isinstance(weight, CompositeWeight):  # its parts fill whole column groups
+        return kernels.has("quantized_linear") and kernels.has("quantized_linear_parts")
     return kernels.has("quantized_linear") and weight.shape[0] % qi.COLUMNS == 0
 
 
 def kernel_layout(weight: Weight, kernels: Kernels) -> KernelWeight:
-    """``weight`` as its method streams it: a quantized weight the kernels take, interleaved; any
-    other as it is (a float weight is packed by its method)."""
-    if isinstance(weight, qw.QuantizedWeight) and _quantized_kernel_ok(weight, kernels):
+    """``weight`` as its method streams it: a quantized weight the kernels take, interleaved (a
+    composite's parts each); any other as it is (a float weight is packed by its method)."""
+    quantized = isinstance(weight, (qw.QuantizedWeight, CompositeWeight))
+    if quantized and _quantized_kernel_ok(weight, kernels) and not _interleaved(weight):
         return qi.interleave(weight)
     return weight
+
+
+def _interleaved(weight: KernelWeight) -> bool:
+    parts = weight.parts if isinstance(weight, CompositeWeight) else (weight,)
+    return isinstance(parts[0], qi.InterleavedWeight)
 
 
 def linear_method(weight: KernelWeight, bias: torch.Tensor | None, kernels: Kernels,
@@ -214,6 +248,10 @@ def linear_method(weight: KernelWeight, bias: torch.Tensor | None, kernels: Kern
     """The format a [N, K] weight runs in with these kernels; ``place`` stores what the kernels stream."""
     if isinstance(weight, qi.InterleavedWeight):
         return QuantizedKernel(weight, bias, kernels.ops, place)
+    if isinstance(weight, CompositeWeight):
+        if _interleaved(weight) or _quantized_kernel_ok(weight, kernels):
+            return CompositeKernel(weight, bias, kernels.ops, place)
+        return QuantizedReference(weight, bias)
     if isinstance(weight, qw.QuantizedWeight):
         if _quantized_kernel_ok(weight, kernels):
             return QuantizedKernel(weight, bias, kernels.ops, place)

@@ -42,6 +42,10 @@ PackedWeight packed_weight(const at::Tensor& packed, bool swiglu, const float* b
 QuantizedWeight quantized_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor* extra,
                                  const float* bias, const char* who);
 
+// A composite weight from its parts' (codes, scales, extra) back to back, extra empty for q8 (bind/linear_bind.h)
+QuantizedWeight composite_weight(const std::vector<at::Tensor>& tensors, const float* bias, const char* who,
+                                 std::vector<QuantizedWeight>& parts);
+
 }  // namespace kvops
 
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
@@ -71,5 +75,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // extra: q4's mins, q6's and q4k's super-block scales.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& extra, const c10::optional<at::Tensor>& bias);
+at::Tensor quantized_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                                  const c10::optional<at::Tensor>& bias);
 at::Tensor quantized_rows(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,
                           const at::Tensor& index, at::ScalarType dtype);

@@ -56,6 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] times a q8 / q4 / q4k / q6 weight in the interleaved layout (extra: q4's mins, q6's and "
         "q4k's super-block scales)",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("extra") = py::none(), py::arg("bias") = py::none());
+  m.def("quantized_linear_parts", &quantized_linear_parts, no_gil,
+        "x [M, K] times a composite weight: its parts (codes, scale, extra; extra empty for q8) back to back, "
+        "each of its own kind, their columns side by side",
+        py::arg("x"), py::arg("parts"), py::arg("bias") = py::none());
   m.def("quantized_rows", [](const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& extra,
                              const at::Tensor& index, py::object dtype) {
     return quantized_rows(codes, scale, extra, index, torch::python::detail::py_object_to_dtype(dtype));

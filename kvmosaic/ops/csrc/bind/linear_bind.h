@@ -50,7 +50,48 @@ QuantizedWeight quantized_weight(const at::Tensor& codes, const at::Tensor& scal
           nullptr, scale.scalar_type() == at::kHalf, k, groups, bias};
 }
 
+// A composite weight from its parts' (codes, scales, extra) back to back (extra empty for q8): each
+// part checked as quantized_weight checks a weight, in_features alike, its bias the bias's slice of its
+// columns; parts (kept alive by the caller as long as the weight) receives them.
+QuantizedWeight composite_weight(const std::vector<at::Tensor>& tensors, const float* bias, const char* who,
+                                 std::vector<QuantizedWeight>& parts) {
+  TORCH_CHECK(tensors.size() >= 6 && tensors.size() % 3 == 0, who,
+              ": a composite weight is two or more parts of (codes, scales, extra)");
+  parts.clear();
+  int64_t groups = 0;
+  for (size_t i = 0; i < tensors.size(); i += 3) {
+    const at::Tensor* t = tensors.data() + i;
+    parts.push_back(quantized_weight(t[0], t[1], t[2].numel() > 0 ? &t[2] : nullptr,
+                                     bias != nullptr ? bias + groups * kQuantCols : nullptr, who));
+    TORCH_CHECK(parts.back().k == parts[0].k, who, ": the parts of a composite weight differ in in_features");
+    groups += parts.back().groups;
+  }
+  QuantizedWeight w{};
+  w.k = parts[0].k;
+  w.groups = groups;
+  w.bias = bias;
+  w.parts = parts.data();
+  w.part_count = static_cast<int64_t>(parts.size());
+  return w;
+}
+
 namespace linear_bind {
+
+// x [M, K] times a quantized weight (checked against x and bias) into a new [M, N].
+inline at::Tensor run_quantized(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor* bias) {
+  const int64_t k = x.size(1), n = w.groups * kQuantCols;
+  TORCH_CHECK(w.k == k, "quantized_linear: x has ", k, " features, the weight ", w.k);
+  if (bias != nullptr) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "quantized_linear: bias must be [N]");
+  auto xc = x.contiguous();
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    quantized_product(w, data_of<float>(xc), x.size(0), data_of<float>(out));
+  else if (x.scalar_type() == at::kBFloat16)
+    quantized_product(w, data_of<kvmosaic_vec::bf16>(xc), x.size(0), data_of<kvmosaic_vec::bf16>(out));
+  else TORCH_CHECK(false, "quantized_linear: activations must be float32 or bfloat16");
+  return out;
+}
 
 inline bool gemm_supported(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16; }
 
@@ -141,19 +182,20 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const 
   const kvops::QuantizedWeight w = kvops::quantized_weight(codes, scale, extra.has_value() ? &*extra : nullptr,
                                                            bias.has_value() ? b.data_ptr<float>() : nullptr,
                                                            "quantized_linear");
-  const int64_t k = x.size(1), n = w.groups * kvops::kQuantCols;
-  TORCH_CHECK(w.k == k, "quantized_linear: x has ", k, " features, the weight ", w.k);
-  if (bias.has_value()) TORCH_CHECK(b.dim() == 1 && b.size(0) == n, "quantized_linear: bias must be [N]");
-  auto xc = x.contiguous();
-  auto out = at::empty({x.size(0), n}, x.options());
-  if (x.size(0) == 0) return out;
-  if (x.scalar_type() == at::kFloat)
-    kvops::quantized_product(w, kvops::data_of<float>(xc), x.size(0), kvops::data_of<float>(out));
-  else if (x.scalar_type() == at::kBFloat16)
-    kvops::quantized_product(w, kvops::data_of<kvmosaic_vec::bf16>(xc), x.size(0),
-                             kvops::data_of<kvmosaic_vec::bf16>(out));
-  else TORCH_CHECK(false, "quantized_linear: activations must be float32 or bfloat16");
-  return out;
+  return kvops::linear_bind::run_quantized(x, w, bias.has_value() ? &b : nullptr);
+}
+
+// x [M, K] times a composite weight: parts (codes, scales, extra) back to back, extra empty for q8, each
+// part's columns after the previous part's. One call: the rows are quantized once for all the parts.
+at::Tensor quantized_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "quantized_linear needs x [M, K]");
+  at::Tensor b;
+  if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+  std::vector<kvops::QuantizedWeight> held;
+  const kvops::QuantizedWeight w = kvops::composite_weight(parts, bias.has_value() ? b.data_ptr<float>() : nullptr,
+                                                           "quantized_linear_parts", held);
+  return kvops::linear_bind::run_quantized(x, w, bias.has_value() ? &b : nullptr);
 }
 
 // Rows `index` of a q8 / q4 / q6 weight in the interleaved layout, dequantized: an embedding lookup

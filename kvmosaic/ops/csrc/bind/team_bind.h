@@ -14,6 +14,7 @@
 // (team/decode_team.cpp); a step with spans chains the per-kernel tensor entry points.
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -35,6 +36,13 @@ inline StackLinear stack_linear(const at::Tensor* w, const float* bias, bool swi
   return {true, {}, q, q.k, q.groups * 16};
 }
 
+// A composite quantized product of parts (codes, scales, extra) back to back; `held` keeps its parts.
+inline StackLinear composite_linear(const std::vector<at::Tensor>& parts, const float* bias,
+                                    std::vector<QuantizedWeight>& held) {
+  const QuantizedWeight q = composite_weight(parts, bias, "layer_stack", held);
+  return {true, {}, q, q.k, q.groups * 16};
+}
+
 inline void check_linear(const at::Tensor* w, at::ScalarType dtype) {
   if (w[1].numel() == 0) {
     TORCH_CHECK(w[0].scalar_type() == dtype && w[0].is_contiguous() && w[0].dim() == 2 && w[0].size(1) % 16 == 0,
@@ -53,11 +61,16 @@ class StackWeights {
   // packed float linear has empty scales and extra, a q8 one an empty extra (q4: its mins, q6: its
   // super-block scales); a float gate/up pair is packed with SwiGLU. head: empty, or the final norm's
   // weight and the LM head as a linear (weight, scales, extra); with it a step returns the kept rows'
-  // logits.
-  explicit StackWeights(std::vector<at::Tensor> tensors, std::vector<at::Tensor> head = {})
-      : tensors_(std::move(tensors)), head_tensors_(std::move(head)) {
+  // logits. qkv_parts: empty, or one list per layer: a composite qkv's parts (codes, scales, extra)
+  // back to back (its three tensors in the layer's are then not read), or empty for the layer's own.
+  explicit StackWeights(std::vector<at::Tensor> tensors, std::vector<at::Tensor> head = {},
+                        std::vector<std::vector<at::Tensor>> qkv_parts = {})
+      : tensors_(std::move(tensors)), head_tensors_(std::move(head)), qkv_parts_(std::move(qkv_parts)) {
     TORCH_CHECK(!tensors_.empty() && tensors_.size() % kPerLayer == 0, "layer_stack: ", kPerLayer,
                 " weights per layer, got ", tensors_.size());
+    TORCH_CHECK(qkv_parts_.empty() || qkv_parts_.size() == tensors_.size() / kPerLayer,
+                "layer_stack: qkv parts must be one list per layer (or none)");
+    if (qkv_parts_.empty()) qkv_parts_.resize(tensors_.size() / kPerLayer);
     dtype_ = tensors_[0].scalar_type();
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "layer_stack: norms must be float32 or bfloat16");
     const int64_t h = tensors_[0].numel();
@@ -66,11 +79,14 @@ class StackWeights {
       for (int j : {0, 8})
         TORCH_CHECK(w[j].scalar_type() == dtype_ && w[j].is_contiguous() && w[j].numel() == h,
                     "layer_stack: every norm weight must be contiguous, of one dtype and size");
-      for (int j : {1, 5, 9, 12}) team_ops::check_linear(w + j, dtype_);
+      const std::vector<at::Tensor>& parts = qkv_parts_[i / kPerLayer];
+      for (int j : {1, 5, 9, 12})
+        if (j != 1 || parts.empty()) team_ops::check_linear(w + j, dtype_);
       const float* qkv_bias = nullptr;
       if (w[4].numel() > 0) qkv_bias = biases_.emplace_back(w[4].to(at::kFloat).contiguous()).data_ptr<float>();
       const bool fused = w[10].numel() == 0;  // a float gate/up pair is packed with SwiGLU
-      const StackLayer layer{team_ops::stack_linear(w + 1, qkv_bias, false),
+      const StackLayer layer{parts.empty() ? team_ops::stack_linear(w + 1, qkv_bias, false)
+                                           : team_ops::composite_linear(parts, qkv_bias, part_plans_.emplace_back()),
                              team_ops::stack_linear(w + 5, nullptr, false),
                              team_ops::stack_linear(w + 9, nullptr, fused),
                              team_ops::stack_linear(w + 12, nullptr, false), w[0].data_ptr(), w[8].data_ptr()};
@@ -87,6 +103,7 @@ class StackWeights {
   }
   const std::vector<at::Tensor>& tensors() const { return tensors_; }
   const std::vector<at::Tensor>& head_tensors() const { return head_tensors_; }
+  const std::vector<at::Tensor>& qkv_parts(size_t layer) const { return qkv_parts_[layer]; }
   const StackPlan& plan() const { return plan_; }
   const StackHead* head() const { return plan_.head(); }
   size_t layers() const { return plan_.layers(); }
@@ -96,6 +113,8 @@ class StackWeights {
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> biases_;  // float32 copies of the qkv biases
   std::vector<at::Tensor> head_tensors_;
+  std::vector<std::vector<at::Tensor>> qkv_parts_;
+  std::deque<std::vector<QuantizedWeight>> part_plans_;  // the composite qkvs' parts (a deque: never moved)
   StackPlan plan_;
   at::ScalarType dtype_;
 };
@@ -262,7 +281,10 @@ inline std::vector<at::Tensor> layer_stack(at::Tensor residual, const StackWeigh
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + kPerLayer * i;
     const c10::optional<at::Tensor> qkv_bias = w[4].numel() > 0 ? c10::optional<at::Tensor>(w[4]) : c10::nullopt;
-    const at::Tensor qkv = linear(add_rms_norm(residual, carry, w[0], eps), w + 1, qkv_bias);
+    const at::Tensor normed = add_rms_norm(residual, carry, w[0], eps);
+    const std::vector<at::Tensor>& qkv_parts = stack_weights.qkv_parts(i);
+    const at::Tensor qkv = qkv_parts.empty() ? linear(normed, w + 1, qkv_bias)
+                                             : quantized_linear_parts(normed, qkv_parts, qkv_bias);
     at::Tensor k_cache = kv_caches[i].select(0, 0), v_cache = kv_caches[i].select(0, 1);
     const at::Tensor q = rope_and_cache(qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping, hq, hk);
     at::Tensor attn = attend(q, k_cache, v_cache, block_tables, context_lens, span_rows, span_tables, scale);
@@ -356,8 +378,9 @@ inline void bind_team(py::module& m) {
   py::class_<StackWeights, std::shared_ptr<StackWeights>>(
       m, "StackWeights", "the decoder layers' weights for layer_stack, checked once",
       py::module_local())  // each ISA level's module has its own
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>>(), py::arg("layers"),
-           py::arg("head") = std::vector<at::Tensor>())
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<std::vector<at::Tensor>>>(),
+           py::arg("layers"), py::arg("head") = std::vector<at::Tensor>(),
+           py::arg("qkv_parts") = std::vector<std::vector<at::Tensor>>())
       .def_property_readonly("layers", &StackWeights::layers)
       .def_property_readonly("has_head", [](const StackWeights& w) { return w.head() != nullptr; });
   py::class_<StackCaches, std::shared_ptr<StackCaches>>(

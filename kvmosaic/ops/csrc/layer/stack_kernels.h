@@ -48,10 +48,33 @@ struct QuantizedWeight {
   const float* bias;  // [groups * 16] or null
   // q4k only: [groups, K / 128, 16], per 256 k the columns' d, then their -dmin (w = d sc q + (-dmin) m)
   const kvmosaic_vec::half* q4k_supers = nullptr;
+  // a composite (a fused product whose parts differ in kind): part_count weights stacked along the
+  // output columns, each of its own kind and with its own bias pointer (into this one's); of this one
+  // only k, groups (the parts' total) and bias are read
+  const QuantizedWeight* parts = nullptr;
+  int64_t part_count = 0;
+  bool composite() const { return part_count > 0; }
   bool nibbles() const { return mins != nullptr || q4k_supers != nullptr; }  // q4 or q4k codes
   int64_t group_code_bytes() const;   // codes of one group of 16 columns
   int64_t group_scale_bytes() const;  // scales (and as many mins) of one group
 };
+
+// f(part, first, lo, hi) for each part of w holding some of groups [g0, g1): first is the part's first
+// group in w, [lo, hi) the part's own groups of the range. A plain weight is its own one part.
+template <typename F>
+void for_parts(const QuantizedWeight& w, int64_t g0, int64_t g1, F&& f) {
+  if (!w.composite()) {
+    if (g0 < g1) f(w, int64_t{0}, g0, g1);
+    return;
+  }
+  int64_t first = 0;
+  for (int64_t i = 0; i < w.part_count && first < g1; ++i) {
+    const QuantizedWeight& part = w.parts[i];
+    const int64_t lo = std::max<int64_t>(g0 - first, 0), hi = std::min<int64_t>(g1 - first, part.groups);
+    if (lo < hi) f(part, first, lo, hi);
+    first += part.groups;
+  }
+}
 
 template <typename T>
 void quantize_rows(const T* x, int64_t k, const QuantizedRows& out, int64_t r0, int64_t r1);

@@ -365,9 +365,10 @@ void bf16_panels(const PackedWeight& w, const bf16* x, int64_t m, bf16* out, int
 #endif
 }
 
-// q6 and q4k weights never take the tiles: their products stay on the int8 path (qlinear.cpp)
+// q6, q4k and composite weights never take the tiles: their products stay on the int8 path (qlinear.cpp)
 bool quantized_takes(const QuantizedWeight& w, int64_t m, bool on) {
-  return m >= kMinRows && w.super_scale == nullptr && w.q4k_supers == nullptr && w.k % kTileK == 0 && on;
+  return m >= kMinRows && !w.composite() && w.super_scale == nullptr && w.q4k_supers == nullptr &&
+         w.k % kTileK == 0 && on;
 }
 
 template <typename Out>

@@ -12,7 +12,9 @@
 // (q6: scale is the super-block's d, and the integer sum weighs each 16 codes by their sc)
 // Each thread takes a contiguous range of 16-column groups and runs every row over a group (4 rows per
 // pass) while its codes sit in L1, so the weights stream from memory once per call at any row count.
-// Written once over vec.h / qdot.h.
+// Written once over vec.h / qdot.h. A composite weight (parts of different kinds stacked along the
+// columns: a Q4_K_M file's Q4_K q and k beside its Q6_K v) runs each part's own product into its
+// columns over the same quantized rows, so a column computes what its part alone computes.
 //
 // Measured against the alternatives (2 threads, the default model's 120 layer products, float32 rows):
 // - widening the codes to float in registers and multiplying float activations: 2-5x slower at 1-4
@@ -329,6 +331,12 @@ void bf16_rows(const float* x, int64_t k, bf16* out, int64_t r0, int64_t r1) {
 template <typename T>
 void quantized_groups(const QuantizedWeight& w, const QuantizedRows& x, int64_t m, T* out, int64_t ldo, int64_t g0,
                       int64_t g1) {
+  if (w.composite()) {  // each part's own product into its columns: the same rows, the same output stride
+    for_parts(w, g0, g1, [&](const QuantizedWeight& part, int64_t first, int64_t lo, int64_t hi) {
+      quantized_groups(part, x, m, out + first * kCols, ldo, lo, hi);
+    });
+    return;
+  }
   if (w.super_scale != nullptr) {
     groups_of<T, int8_t, Kind::kQ6>(w, x, m, out, ldo, g0, g1);
   } else if (w.q4k_supers != nullptr) {
@@ -455,6 +463,15 @@ namespace kvops {
 
 template <typename T>
 void dequantize_rows(const QuantizedWeight& w, const int64_t* index, int64_t count, T* out) {
+  if (w.composite()) {  // each row from the part that holds it
+    for (int64_t r = 0; r < count; ++r)
+      for_parts(w, index[r] / kCols, index[r] / kCols + 1,
+                [&](const QuantizedWeight& part, int64_t first, int64_t, int64_t) {
+                  const int64_t local = index[r] - first * kCols;
+                  dequantize_rows(part, &local, 1, out + r * w.k);
+                });
+    return;
+  }
   if (w.half_scales) rows_of<T, kvmosaic_vec::half>(w, index, count, out);
   else rows_of<T, float>(w, index, count, out);
 }

@@ -117,8 +117,17 @@ void team_gate_up(const Team& team, const StackLinear& l, const T* x, int64_t m,
 // all gave about the same. (The products' own prefetch ahead: qlinear.cpp's kStreamAhead.)
 constexpr int64_t kPrefetchBytes = 16 << 10;
 
-// the first `bytes` of the codes of groups [g0, g1) of w and as many groups' scales (and mins)
+// the first `bytes` of the codes of groups [g0, g1) of w and as many groups' scales (and mins); a
+// composite's from its parts, in order, until the bytes are spent
 void prefetch_groups(const QuantizedWeight& w, int64_t g0, int64_t g1, int64_t bytes) {
+  if (w.composite()) {
+    for_parts(w, g0, g1, [&](const QuantizedWeight& part, int64_t, int64_t lo, int64_t hi) {
+      if (bytes <= 0) return;
+      prefetch_groups(part, lo, hi, bytes);
+      bytes -= (hi - lo) * part.group_code_bytes();
+    });
+    return;
+  }
   const int64_t group_bytes = w.group_code_bytes(), scale_bytes = w.group_scale_bytes();
   const int64_t groups = std::min<int64_t>(g1 - g0, std::max<int64_t>(1, bytes / group_bytes));
   const char* codes = reinterpret_cast<const char*>(w.codes) + g0 * group_bytes;
