@@ -16,22 +16,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from kvmosaic.quant.interleaved import InterleavedWeight
-    from kvmosaic.quant.weights import QuantizedWeight
-
 COLUMNS = 16  # a part's out_features must fill whole 16-column groups
+
+
+class Part(Protocol):
+    """What a composite reads of a part (a ``QuantizedWeight`` or an ``InterleavedWeight``; named
+    structurally so that this module imports neither: ``interleaved`` imports it)."""
+
+    shape: tuple[int, int]
+    nbytes: int
+    source: str
+
+    def placed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> Part: ...
 
 
 @dataclass(frozen=True, slots=True)
 class CompositeWeight:
     """Weights of different kinds stacked along out_features, each held as it is."""
 
-    parts: tuple[QuantizedWeight, ...] | tuple[InterleavedWeight, ...]
+    parts: tuple[Part, ...]
 
     def __post_init__(self) -> None:
         if len(self.parts) < 2:
