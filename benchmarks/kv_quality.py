@@ -6,6 +6,12 @@ so that later tokens attend to quantized K/V; Oaken uses the thresholds shipped 
 model (calibrated on different text, the stdlib module docstrings). ``--int4-groups`` adds plain
 int4 rows with one scale per group of that many values, for a comparison at similar bits per value.
 
+Next to each perplexity: its cost over the first mode's (the float cache) with the standard error of
+that cost from the paired per-token differences, and the mean KL divergence per token from the first
+mode's next-token distributions. The perplexity cost of one format moves by a few tenths of a point
+with small changes (thresholds, float rounding elsewhere) because it is an average of large per-token
+changes of both signs; the KL is positive at every token and far steadier, so compare formats by it.
+
     HF_HUB_OFFLINE=1 nice -n 19 .venv/bin/python benchmarks/kv_quality.py
 """
 
@@ -14,13 +20,49 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
+import torch
 from bench_results import add_output_arg, write_record
 
 from kvmosaic.eval.corpus import EVAL_SOURCE, read_text
+from kvmosaic.eval.divergence import Divergence, token_divergence
 from kvmosaic.eval.harness import load_eval_model
 from kvmosaic.eval.ppl import perplexity, tokenize_windows
 
 MODES = ("auto", "int8", "int4", "oaken")
+
+
+class AgainstFirst:
+    """Keeps the first run's log-probabilities (bfloat16: 2 bytes per vocabulary entry and token) and
+    measures each later run's KL divergence from them, chunk by chunk in the same order."""
+
+    def __init__(self) -> None:
+        self.reference: list[torch.Tensor] = []
+        self.kl: list[np.ndarray] = []
+        self.same_top1: list[np.ndarray] = []
+        self._next = 0
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.reference.append(rows.to(torch.bfloat16))
+
+    def compare(self, rows: torch.Tensor) -> None:
+        reference = self.reference[self._next].float().log_softmax(-1).numpy()
+        self._next += 1
+        kl, same = token_divergence(reference, rows.numpy())
+        self.kl.append(kl)
+        self.same_top1.append(same)
+
+    def take(self) -> Divergence:
+        """The divergence of the run just compared, and reset for the next one."""
+        result = Divergence.of(np.concatenate(self.kl), np.concatenate(self.same_top1))
+        self.kl, self.same_top1, self._next = [], [], 0
+        return result
+
+
+def paired_cost(nll: torch.Tensor, base: torch.Tensor) -> tuple[float, float]:
+    """Perplexity cost over ``base`` in percent and its standard error in points, per-token paired."""
+    diff = (nll - base).double()
+    return 100 * float(diff.mean().exp() - 1), 100 * float(diff.std() / len(diff) ** 0.5)
 
 
 def main() -> None:
@@ -42,20 +84,35 @@ def main() -> None:
     windows = tokenize_windows(em, text, args.window, args.max_tokens)
     rows = []
     runs = [(mode, None) for mode in args.modes] + [("int4", g) for g in args.int4_groups]
+    against, base_nll = AgainstFirst(), None
     for mode, group in runs:
-        r = perplexity(em, windows, mode, args.chunk, args.kv_thresholds, group)
+        first = base_nll is None
+        r = perplexity(em, windows, mode, args.chunk, args.kv_thresholds, group,
+                       on_logprobs=against.keep if first else against.compare)
         name = mode if group is None else f"{mode} (groups of {group})"
-        rows.append({"mode": name, "perplexity": r.perplexity, "mean_nll": r.mean_nll, "tokens": r.num_tokens,
-                     "bits_per_value": r.bits_per_value, "folded_outliers": r.folded_outliers, "seconds": r.seconds})
+        row = {"mode": name, "perplexity": r.perplexity, "mean_nll": r.mean_nll, "tokens": r.num_tokens,
+               "bits_per_value": r.bits_per_value, "folded_outliers": r.folded_outliers, "seconds": r.seconds}
+        if first:
+            base_nll = r.token_nll
+        else:
+            cost, stderr = paired_cost(r.token_nll, base_nll)
+            div = against.take()
+            row |= {"cost_pct": cost, "cost_stderr_pts": stderr, "mean_kl": div.mean_kl, "p99_kl": div.p99_kl,
+                    "top1": div.top1}
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
-    base = rows[0]["perplexity"]
     print(f"\n{source}: {rows[0]['tokens']} predicted tokens, windows of {args.window}, chunks of {args.chunk}, "
           f"dtype {args.dtype}")
-    print("| kv_cache_dtype | perplexity | delta vs " + rows[0]["mode"] + " | effective bits/value |")
-    print("|---|---:|---:|---:|")
+    print("| kv_cache_dtype | perplexity | cost vs " + rows[0]["mode"] + " (+- 1 s.e.) | KL nats/token | "
+          "top-1 same | effective bits/value |")
+    print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        delta = 100 * (row["perplexity"] / base - 1)
-        print(f"| {row['mode']} | {row['perplexity']:.4f} | {delta:+.2f}% | {row['bits_per_value']:.2f} |")
+        if "cost_pct" in row:
+            cost = f"{row['cost_pct']:+.2f}% +- {row['cost_stderr_pts']:.2f}"
+            kl, top1 = f"{row['mean_kl']:.5f}", f"{100 * row['top1']:.2f}%"
+        else:
+            cost, kl, top1 = "", "", ""
+        print(f"| {row['mode']} | {row['perplexity']:.4f} | {cost} | {kl} | {top1} | {row['bits_per_value']:.2f} |")
     write_record("kv_quality", rows, out=args.out, config=vars(args), extra={"text": source})
 
 

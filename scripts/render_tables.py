@@ -237,6 +237,23 @@ def peers_real_size_memory(records: list[Record]) -> list[str]:
                          f"{fmt(_gb(weights), '{:.2f}')} | {fmt(_gb(kv), '{:.2f}')} | {fmt(share, '{:.2f}')} |")
     return lines + sources(found)
 
+_DECODE_PROFILE = rows_table("qlinear-gguf", [("file", "file", "{}"), ("threads", "threads", "{}"),
+                                               ("product kind", "kind", "{}"), ("N", "n", "{}"), ("K", "k", "{}"),
+                                               ("per token", "per_token", "{}"),
+                                               ("cold GB/s", "cold_gb_s", "{:.1f}"), ("hot GB/s", "hot_gb_s", "{:.1f}"),
+                                               ("DRAM probe GB/s", "dram_gb_s", "{:.1f}"),
+                                               ("ms per token (cold)", "ms_per_token", "{:.2f}")])
+
+
+def decode_profile(records: list[Record]) -> list[str]:
+    """The decode profile of each profiled file, its rows named by the file they read."""
+    for r in select(records, "qlinear-gguf"):
+        name = r.data["config"]["gguf"].rsplit("/", 1)[-1].removesuffix(".gguf")
+        for row in r.data["rows"]:
+            row.setdefault("file", name)
+    return _DECODE_PROFILE(records)
+
+
 TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
     "peers-summary": peers_summary,
     "trees": rows_table("trees", [("case", "case", "{}"), ("old tok/s", "old_median", "{:.1f}"),
@@ -246,13 +263,7 @@ TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
     "peers-latest": peers_latest,
     "peers-real-size": peers_real_size,
     "peers-real-size-memory": peers_real_size_memory,
-    "decode-profile": rows_table("qlinear-gguf", [("threads", "threads", "{}"), ("product kind", "kind", "{}"),
-                                                  ("N", "n", "{}"), ("K", "k", "{}"),
-                                                  ("per token", "per_token", "{}"),
-                                                  ("cold GB/s", "cold_gb_s", "{:.1f}"),
-                                                  ("hot GB/s", "hot_gb_s", "{:.1f}"),
-                                                  ("DRAM probe GB/s", "dram_gb_s", "{:.1f}"),
-                                                  ("ms per token (cold)", "ms_per_token", "{:.2f}")]),
+    "decode-profile": decode_profile,
     "level-agreement": rows_table("level_agreement", [("dtype", "dtype", "{}"), ("level", "level", "{}"),
                                                       ("against", "against", "{}"),
                                                       ("identical texts", "identical", "{}"),
@@ -312,6 +323,9 @@ TABLES: dict[str, Callable[[list[Record]], list[str]]] = {
         ("same row locally ms", "lane_vs_local.local_kernel_ms", "{:.4f}"),
         ("remote / local", "lane_vs_local.ratio", "{:.2f}x")]),
     "kv-quality": rows_table("kv_quality", [("kv_cache_dtype", "mode", "{}"), ("perplexity", "perplexity", "{:.4f}"),
+                                            ("cost %", "cost_pct", "{:+.2f}"),
+                                            ("+- s.e. pts", "cost_stderr_pts", "{:.2f}"),
+                                            ("KL nats/token", "mean_kl", "{:.5f}"), ("top-1 same", "top1", "{:.4f}"),
                                             ("bits/value", "bits_per_value", "{:.2f}")]),
     "kv-capacity": rows_table("kv_capacity", [("kv_cache_dtype", "mode", "{}"),
                                               ("bits/value", "bits_per_value", "{:.2f}"),

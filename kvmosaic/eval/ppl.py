@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,7 @@ class PerplexityResult:
     bits_per_value: float
     folded_outliers: int
     seconds: float
+    token_nll: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [num_tokens], in text order
 
     @property
     def perplexity(self) -> float:
@@ -39,27 +41,33 @@ def tokenize_windows(em: EvalModel, text: str, window: int, max_tokens: int) -> 
     return [w for w in windows if len(w) > 1]
 
 
-def chunk_nll(logits: torch.Tensor, targets: list[int]) -> float:
-    """Summed NLL of ``targets`` under the first len(targets) rows of ``logits``."""
-    rows = logits[: len(targets)].float().log_softmax(-1)
-    return -float(rows.gather(1, torch.tensor(targets)[:, None]).sum())
+def token_logprobs(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    """Log-probabilities [len(targets), vocab] of the first len(targets) rows of ``logits``."""
+    return logits[: len(targets)].float().log_softmax(-1)
 
 
 @torch.inference_mode()
 def perplexity(em: EvalModel, windows: list[list[int]], kv_cache_dtype: str, chunk: int = 128,
-               thresholds: KVThresholds | str | None = None, group_size: int | None = None) -> PerplexityResult:
+               thresholds: KVThresholds | str | None = None, group_size: int | None = None,
+               on_logprobs: Callable[[torch.Tensor], None] | None = None) -> PerplexityResult:
+    """``on_logprobs``, when given, sees each chunk's next-token log-probabilities [targets, vocab] in
+    text order (a caller compares two cache formats' distributions with it)."""
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
     started = time.perf_counter()
     worker = eval_worker(em, kv_cache_dtype, max(len(w) for w in windows), thresholds=thresholds,
                          group_size=group_size)
-    total, count = 0.0, 0
+    nll = []
     for ids in windows:
         for start in range(0, len(ids), chunk):
             part = ids[start: start + chunk]
             targets = ids[start + 1: start + 1 + len(part)]
             if targets:
-                total += chunk_nll(forward_chunk(worker, part, start), targets)
-                count += len(targets)
-    return PerplexityResult(em.weight_format, kv_cache_dtype, count, total / count, worker.kv_cache.bits_per_value,
-                            worker.attention.folded_outliers, time.perf_counter() - started)
+                rows = token_logprobs(forward_chunk(worker, part, start), targets)
+                if on_logprobs is not None:
+                    on_logprobs(rows)
+                nll.append(-rows.gather(1, torch.tensor(targets)[:, None])[:, 0])
+    token_nll = torch.cat(nll)
+    return PerplexityResult(em.weight_format, kv_cache_dtype, len(token_nll), float(token_nll.double().mean()),
+                            worker.kv_cache.bits_per_value, worker.attention.folded_outliers,
+                            time.perf_counter() - started, token_nll)
