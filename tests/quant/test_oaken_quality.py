@@ -1,39 +1,62 @@
-"""Oaken's perplexity cost over the float cache, with the thresholds shipped for the default model.
+"""Oaken's cost over the float cache, with the thresholds shipped for the default model.
 
 A short held-out run (the evaluation text, never the calibration text), prefilled in chunks so every
-token attends to quantized K/V. The bound is on the ratio to the same run's float-cache perplexity,
-so it holds whatever the float model's own perplexity on these tokens is. The cost on so few tokens moves
-by tenths of a percent with the float arithmetic around the cache (each window's first token, which
-every later query attends to, lands on other 4-bit levels): the bound is for the C++ kernels' path,
-and the PyTorch reference path (+2.00% here) is not held to it.
+token attends to quantized K/V, measured two ways against the same run on the float cache:
+
+* the mean KL divergence of each next-token distribution from the float cache's: positive at every
+  token, so it is steady (the kernels' path and the PyTorch reference's agree to a few percent) and
+  the bound holds on both;
+* the perplexity ratio, which averages per-token changes of both signs and moves by tenths of a point
+  with the float arithmetic around the cache (the reference path costs +2.00% on these tokens where
+  the kernels' path costs +1.44%): that bound is for the kernels' path only.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvmosaic.eval.corpus import eval_text
+from kvmosaic.eval.divergence import Divergence, token_divergence
 from kvmosaic.eval.harness import EvalModel
 from kvmosaic.eval.ppl import perplexity, tokenize_windows
 from kvmosaic.ops import Kernels
 
 WINDOW, TOKENS, CHUNK = 512, 1024, 128
-# On these tokens (Zen 5 host, AVX-512 + BF16 kernels) Oaken costs +1.44%; with the sparse slots given to
-# outer values in index order, as before, it cost +1.98%: the bound lies between (the AVX-512 and AVX2
-# levels pass it too).
+# On these tokens (Zen 5 host, AVX-512 + BF16 kernels) Oaken costs +1.44% and 0.0135 nats/token (the
+# reference path 0.0130); with the sparse slots given to outer values in index order, as before, it
+# cost +1.98%, and the thresholds shipped before the sparse-slot change gave 0.0149 nats/token on 4,096
+# tokens against today's 0.0133. The bounds lie between.
 OAKEN_COST_BOUND = 0.017
+OAKEN_KL_BOUND = 0.0145
 
 
 @pytest.fixture(scope="module")
-def oaken_cost(default_model) -> float:
-    if Kernels.load().quant is None:
-        pytest.skip("the bound is for the C++ kernels' path; none is built")
+def runs(default_model) -> dict:
     em = EvalModel(default_model, torch.float32, None, max_len=WINDOW)
     windows = tokenize_windows(em, eval_text(), WINDOW, TOKENS)
-    auto = perplexity(em, windows, "auto", CHUNK).perplexity
-    return perplexity(em, windows, "oaken", CHUNK).perplexity / auto - 1
+    reference: list[torch.Tensor] = []
+    auto = perplexity(em, windows, "auto", CHUNK, on_logprobs=reference.append)
+    kl, same = [], []
+
+    def compare(rows: torch.Tensor) -> None:
+        d, s = token_divergence(reference[len(kl)].numpy(), rows.numpy())
+        kl.append(d)
+        same.append(s)
+
+    oaken = perplexity(em, windows, "oaken", CHUNK, on_logprobs=compare)
+    return {"cost": oaken.perplexity / auto.perplexity - 1,
+            "divergence": Divergence.of(np.concatenate(kl), np.concatenate(same))}
 
 
-def test_oaken_cost_over_float_cache_stays_low(oaken_cost):
-    assert 0 < oaken_cost < OAKEN_COST_BOUND, f"Oaken perplexity cost {100 * oaken_cost:+.2f}%"
+def test_oaken_divergence_from_float_cache_stays_low(runs):
+    divergence = runs["divergence"]
+    assert 0 < divergence.mean_kl < OAKEN_KL_BOUND, f"Oaken KL {divergence.mean_kl:.5f} nats/token"
+    assert divergence.top1 > 0.93
+
+
+def test_oaken_cost_over_float_cache_stays_low(runs):
+    if Kernels.load().quant is None:
+        pytest.skip("the perplexity bound is for the C++ kernels' path; none is built")
+    assert 0 < runs["cost"] < OAKEN_COST_BOUND, f"Oaken perplexity cost {100 * runs['cost']:+.2f}%"
