@@ -46,6 +46,8 @@ class GGUFTensor:
     n_elements: int
     n_bytes: int
     data: np.ndarray  # read-only view of the file: elements, or [rows..., bytes per row] for block types
+    path: Path | None = None  # the file, and where in it the tensor's bytes start
+    offset: int = 0
 
 
 class _Header:
@@ -148,4 +150,4 @@ class GGUFFile:
             data = self.data[begin:begin + n_bytes].view(_ELEMENT_TYPES[qtype]).reshape(shape)
         else:
             data = self.data[begin:begin + n_bytes].reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype))
-        return GGUFTensor(name, qtype, np.array(dims, dtype=np.uint64), n_elements, n_bytes, data)
+        return GGUFTensor(name, qtype, np.array(dims, dtype=np.uint64), n_elements, n_bytes, data, self.path, begin)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from kvmosaic.eval.oracle import held_formats
 from kvmosaic.model import loader
+from kvmosaic.model.gguf_file import GGUFFile
 from kvmosaic.model.gguf_loader import dequantize_tensor, hf_tensor_name, llama3_freq_factors, unpermute_qk
 from kvmosaic.model.hf_loader import hf_model_config
 from kvmosaic.model.loader import LoadedModel, export_hf, load_model
@@ -202,6 +203,31 @@ def test_dequantize_types(tmp_path, qtype):
     block_max = np.abs(original).reshape(-1, 32).max(axis=1, keepdims=True)
     error = np.abs(values.numpy() - original).reshape(-1, 32)
     assert (error <= QUANT_TOLERANCE[qtype] * block_max).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_float_tensors_read_from_the_file_are_ggufs_values(tmp_path, qtype):
+    """Float tensors of kvmosaic's own reader are read from the file in one call (not paged in from the
+    mapping): the same values as gguf's dequantization, and in their own dtype without widening."""
+    original = np.random.default_rng(2).standard_normal((48, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("a", np.zeros((3, 64), np.float32))  # so the tensor under test starts past offset 0
+    writer.add_tensor("w", gguf.quants.quantize(original, qtype), raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    _finish(writer)
+    tensor = GGUFFile(tmp_path / "t.gguf").tensors[1]
+    assert tensor.path is not None and tensor.offset > 0
+    reference = np.array(gguf.quants.dequantize(tensor.data, qtype)).reshape(48, 64)
+    assert np.array_equal(dequantize_tensor(tensor).numpy(), reference)
+    own = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
+    as_own = dequantize_tensor(tensor, own)
+    assert as_own.dtype == own and torch.equal(as_own.float(), torch.from_numpy(reference))
+    truncated = tmp_path / "short.gguf"
+    truncated.write_bytes((tmp_path / "t.gguf").read_bytes())
+    cut = GGUFFile(truncated).tensors[1]
+    with open(truncated, "r+b") as f:
+        f.truncate(cut.offset + cut.n_bytes // 2)
+    with pytest.raises(ValueError, match="ends inside tensor"):
+        dequantize_tensor(cut)
 
 
 @pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.7.attn_k.weight",
