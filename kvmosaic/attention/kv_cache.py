@@ -21,15 +21,17 @@ import torch
 
 from kvmosaic.config import CacheConfig, ModelConfig
 from kvmosaic.ops.memory import lazy_zeros_huge
-from kvmosaic.quant.format import KVFormat
+from kvmosaic.quant.format import ROW0_HEAD_DIMS, KVFormat, row0_tail_bytes
 from kvmosaic.quant.thresholds import KVThresholds
 
 
 def kv_format(model: ModelConfig, kv_cache_dtype: str, thresholds: KVThresholds | None = None,
-              group_size: int | None = None) -> KVFormat | None:
+              group_size: int | None = None, block_size: int | None = None) -> KVFormat | None:
     """The record format of a quantized cache; None for ``auto``. ``group_size`` (int8 / int4 only)
     gives every ``group_size`` values of a head vector their own scale: the record is then the
-    per-head format over sub-vectors, which the decode path reads through dequantized blocks."""
+    per-head format over sub-vectors, which the decode path reads through dequantized blocks.
+    ``block_size``: an Oaken cache of head_dim 64 / 128 keeps each block's row 0 in int8 in its records'
+    tails (``kvmosaic.quant.format``)."""
     if kv_cache_dtype == "auto":
         return None
     if kv_cache_dtype == "oaken" and thresholds is None:
@@ -40,7 +42,10 @@ def kv_format(model: ModelConfig, kv_cache_dtype: str, thresholds: KVThresholds 
         raise ValueError("oaken quantizes whole head vectors; group_size applies to int8 / int4")
     if model.head_dim % group:
         raise ValueError(f"group_size must divide head_dim ({model.head_dim}), got {group}")
-    return KVFormat(kv_cache_dtype, model.num_key_value_heads * (model.head_dim // group), group, capacity)
+    tail = 0
+    if kv_cache_dtype == "oaken" and block_size is not None and model.head_dim in ROW0_HEAD_DIMS:
+        tail = row0_tail_bytes(model.num_key_value_heads, model.head_dim, block_size)
+    return KVFormat(kv_cache_dtype, model.num_key_value_heads * (model.head_dim // group), group, capacity, tail)
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, fmt: KVFormat | None = None) -> int:
@@ -66,7 +71,7 @@ class KVCache:
         self.block_size = cache.block_size
         self.dtype = dtype
         self.kv_cache_dtype = cache.kv_cache_dtype
-        self.format = kv_format(model, cache.kv_cache_dtype, thresholds, group_size)
+        self.format = kv_format(model, cache.kv_cache_dtype, thresholds, group_size, cache.block_size)
         self.bytes_per_block = bytes_per_block(model, cache.block_size, dtype, self.format)
         if draft is not None:
             self.bytes_per_block += bytes_per_block(draft, cache.block_size, dtype)

@@ -31,6 +31,7 @@ from kvmosaic.config import ModelConfig
 from kvmosaic.ops import Kernels
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat
+from kvmosaic.quant.row0 import read_row0, write_row0
 from kvmosaic.quant.thresholds import KVThresholds
 
 MODE_IDS = {"int8": 0, "int4": 1, "oaken": 2}
@@ -70,12 +71,14 @@ def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, s
         layer.folded_outliers += qops.quant_write(k, v, layer.k_pool, layer.v_pool, slot_mapping, *layer.args(),
                                                   layer.k_thresholds, layer.v_thresholds, layer.k_center)
         return
-    record = layer.fmt.record_bytes
+    fmt = layer.fmt
     if layer.k_center.numel():
         k = k.float() - layer.k_center
     for rows, pool, thr in ((k, layer.k_pool, layer.k_thresholds), (v, layer.v_pool, layer.v_thresholds)):
-        records, folded = encode_rows(rows, layer.fmt, _thresholds(thr))
-        pool.view(-1, record).index_copy_(0, slot_mapping, records)
+        records, folded = encode_rows(rows, fmt, _thresholds(thr))
+        # a row writes its own bytes only: the tail after them belongs to its block (row0)
+        pool.view(-1, fmt.record_bytes)[:, : fmt.body_bytes].index_copy_(0, slot_mapping, records[:, : fmt.body_bytes])
+        write_row0(pool, rows, slot_mapping, fmt)
         layer.folded_outliers += int(folded)
 
 
@@ -85,8 +88,12 @@ def dequantize_blocks(pool: torch.Tensor, block_ids: torch.Tensor, layer: Quanti
     if qops is not None:
         return qops.dequantize_blocks(pool, block_ids, *layer.args(), thresholds, dtype)
     records = pool.index_select(0, block_ids)
-    rows = decode_rows(records.flatten(0, 1), layer.fmt, _thresholds(thresholds))
-    return rows.view(len(block_ids), pool.shape[1], layer.fmt.num_kv_heads, layer.fmt.head_dim).to(dtype)
+    fmt = layer.fmt
+    rows = decode_rows(records.flatten(0, 1), fmt, _thresholds(thresholds))
+    rows = rows.view(len(block_ids), pool.shape[1], fmt.num_kv_heads, fmt.head_dim)
+    if fmt.row0_tail:
+        rows[:, 0] = read_row0(pool, block_ids, fmt)
+    return rows.to(dtype)
 
 
 @functools.lru_cache(maxsize=256)

@@ -11,7 +11,16 @@ Oaken record (see ``kvmosaic.quant.oaken`` for the meaning of each field)::
     per KV head: [fp16 middle lo][fp16 middle scale][fp16 outer scale][fp16 inner scale]    8 bytes each
     [dense 4-bit codes, Hk * D / 2 bytes, head-major, element 2i low nibble]
     per KV head: [count: 1 byte][capacity entries of entry_bytes each]       sparse outlier lists
+    [row-0 tail: row0_tail bytes, when the format has them]
     [zero padding to an even size]
+
+Row-0 tails (Oaken, head_dim 64 / 128, ``kv_format``): each sequence's first K/V row takes much of
+every later query's attention (the attention sink), so an error in it moves whole distributions. The
+tails of a block's records, concatenated in slot order, hold an int8 record (the int8 format above) of
+the block's row 0, and readers take that row from it instead of from its Oaken record. The tails
+belong to the block, not to their slots: only a write of the block's slot 0 fills them. A block is
+still block_size records, so everything that moves blocks (swap, copy-on-write, transfer between
+instances, lending) moves its tails, and a row's values never depend on where its block has been.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 KV_CACHE_DTYPES = ("auto", "int8", "int4", "oaken")
+ROW0_HEAD_DIMS = (64, 128)  # head sizes whose kernels read row-0 tails
 QUANTIZED_DTYPES = ("int8", "int4", "oaken")
 INT_HEADER_BYTES = 4  # fp16 lo + fp16 scale, per token and KV head
 OAKEN_HEADER_BYTES = 8  # four fp16 scales, per token and KV head
@@ -37,6 +47,7 @@ class KVFormat:
     num_kv_heads: int
     head_dim: int
     sparse_capacity: int = 0  # Oaken: outlier entries per head vector
+    row0_tail: int = 0  # Oaken: bytes of the block's row-0 int8 record each record carries (0: none)
 
     def __post_init__(self) -> None:
         if self.mode not in QUANTIZED_DTYPES:
@@ -47,6 +58,8 @@ class KVFormat:
             raise ValueError("num_kv_heads must be >= 1")
         if self.mode == "oaken" and not 0 <= self.sparse_capacity <= self.head_dim:
             raise ValueError(f"sparse_capacity must be in [0, head_dim], got {self.sparse_capacity}")
+        if self.row0_tail and (self.mode != "oaken" or self.head_dim not in ROW0_HEAD_DIMS):
+            raise ValueError(f"row-0 tails are for Oaken records of head_dim {ROW0_HEAD_DIMS}")
 
     @property
     def bits(self) -> int:
@@ -81,16 +94,30 @@ class KVFormat:
         return self.dense_offset + self.num_kv_heads * self.code_bytes
 
     @property
-    def record_bytes(self) -> int:
+    def body_bytes(self) -> int:
+        """The bytes a row's own encoding fills (the row-0 tail and the padding follow)."""
         if self.mode != "oaken":
             return self.num_kv_heads * (INT_HEADER_BYTES + self.code_bytes)
-        size = self.sparse_offset + self.num_kv_heads * self.sparse_bytes
+        return self.sparse_offset + self.num_kv_heads * self.sparse_bytes
+
+    @property
+    def record_bytes(self) -> int:
+        size = self.body_bytes + self.row0_tail
         return size + size % 2
+
+    def row0_format(self) -> KVFormat:
+        """The int8 format of a block's row-0 record."""
+        return KVFormat("int8", self.num_kv_heads, self.head_dim)
 
     @property
     def bits_per_value(self) -> float:
         """Effective bits per K or V element, scales and sparse lists included."""
         return self.record_bytes * 8 / (self.num_kv_heads * self.head_dim)
+
+
+def row0_tail_bytes(num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """The tail each of a block's records carries so that the block holds one int8 record of its row 0."""
+    return -(-num_kv_heads * (INT_HEADER_BYTES + head_dim) // block_size)
 
 
 def fp16_scale(span: torch.Tensor, levels: int) -> torch.Tensor:

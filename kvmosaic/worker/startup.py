@@ -113,7 +113,8 @@ def plan_kv_cache(weights: LoadedWeights) -> KVCachePlan:
     """Phase 2: the pool's blocks; with kv_cache_memory="auto" a share of the RAM left after the
     activation peak (one profiling pass) and the host swap tier (which fills as requests are swapped out)."""
     cfg, cache = weights.config, weights.config.cache
-    fmt = kv_format(weights.model_config, cache.kv_cache_dtype, weights.thresholds, cache.kv_group_size)
+    fmt = kv_format(weights.model_config, cache.kv_cache_dtype, weights.thresholds, cache.kv_group_size,
+                    cache.block_size)
     block_bytes = bytes_per_block(weights.model_config, cache.block_size, cfg.torch_dtype, fmt)
     if weights.draft is not None and not weights.draft_shares_cache:  # a block holds the draft's K/V too
         block_bytes += bytes_per_block(weights.draft.config, cache.block_size, cfg.torch_dtype)

@@ -10,21 +10,23 @@ import torch
 
 from kvmosaic.attention.metadata import AttentionMetadata, PrefillSpan
 from kvmosaic.attention.quantized import QuantizedKVLayer, paged_attention_quantized, write_quantized
-from kvmosaic.quant.format import KVFormat
+from kvmosaic.quant.format import KVFormat, row0_tail_bytes
 
 BS = 16  # the runner's block size
 CTX = 530
 CONTEXTS = [1, 7, 16, 40, 255, 256, 257, 300, 530]
 THR = (torch.tensor([-2.2, -0.06, 0.05, 2.0]), torch.tensor([-1.8, -0.04, 0.04, 1.9]))
-MODES = ["int8", "int4", "oaken"]
+MODES = ["int8", "int4", "oaken", "oaken-row0"]  # oaken-row0: each block's row 0 from its records' tails
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _layer(mode: str, hk: int, d: int, blocks: int, fmt: KVFormat | None = None) -> QuantizedKVLayer:
+    if mode == "oaken-row0":
+        fmt = KVFormat("oaken", hk, d, 7, row0_tail_bytes(hk, d, BS))
     fmt = fmt or KVFormat(mode, hk, d, 7 if mode == "oaken" else 0)
     pools = torch.zeros(2, blocks, BS, fmt.record_bytes, dtype=torch.uint8)
     layer = QuantizedKVLayer(pools[0], pools[1], fmt)
-    if mode == "oaken":
+    if fmt.mode == "oaken":
         layer.k_thresholds, layer.v_thresholds = THR
     return layer
 

@@ -20,7 +20,8 @@ class QuantLanePool final : public LanePool {
   QuantLanePool(std::vector<QuantLaneLayer> layers, const QuantLaneShape& shape, std::shared_ptr<const void> owner)
       : layers_(std::move(layers)),
         shape_(shape),
-        format_(kvquant::make_format(shape.mode, shape.kv_heads, shape.head_dim, shape.capacity, shape.record)),
+        format_(kvquant::make_format(shape.mode, shape.kv_heads, shape.head_dim, shape.capacity, shape.record,
+                                     shape.block_size)),
         owner_(std::move(owner)) {
     KV_CHECK(!layers_.empty(), "AttentionServer needs the layers' record pools");
   }

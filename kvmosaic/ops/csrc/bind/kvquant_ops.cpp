@@ -24,7 +24,7 @@ namespace {
 int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool, at::Tensor v_pool,
                     const at::Tensor& slot_mapping, int64_t mode, int64_t hk, int64_t d, int64_t capacity,
                     const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, const at::Tensor& k_center) {
-  const Format f = make_format(mode, hk, d, capacity, k_pool.size(-1));
+  const Format f = make_format(mode, hk, d, capacity, k_pool.size(-1), k_pool.size(1));
   check_pool(k_pool, f);
   check_pool(v_pool, f);
   auto kc = k.contiguous(), vc = v.contiguous();
@@ -43,7 +43,7 @@ int64_t quant_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
 // Dequantize whole blocks: pool [NB, bs, R] -> [len(block_ids), bs, hk, d] in `dtype`.
 at::Tensor dequantize_blocks(const at::Tensor& pool, const at::Tensor& block_ids, int64_t mode, int64_t hk,
                              int64_t d, int64_t capacity, const at::Tensor& thresholds, at::ScalarType dtype) {
-  const Format f = make_format(mode, hk, d, capacity, pool.size(-1));
+  const Format f = make_format(mode, hk, d, capacity, pool.size(-1), pool.size(1));
   check_pool(pool, f);
   auto ids = block_ids.contiguous();
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "block ids must be int64 [n]");
@@ -67,7 +67,7 @@ void run_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor&
                 int64_t capacity, const at::Tensor& k_thresholds, const at::Tensor& v_thresholds, double scale,
                 void* out, const PartialOut* partial) {
   check_decode(q, block_tables, context_lens, hk);
-  const Format f = make_format(mode, hk, q.size(2), capacity, k_pool.size(-1));
+  const Format f = make_format(mode, hk, q.size(2), capacity, k_pool.size(-1), k_pool.size(1));
   check_pool(k_pool, f);
   check_pool(v_pool, f);
   auto tables = block_tables.contiguous();

@@ -93,7 +93,7 @@ inline std::unique_ptr<LanePool> quant_pool(const std::vector<std::vector<at::Te
   TORCH_CHECK(!pools.empty(), "AttentionServer needs the layers' record pools");
   TORCH_CHECK(kvquant::is_row_dtype(dtype), "AttentionServer: rows are float32 or bfloat16");
   const at::Tensor& first = layers[0][0];
-  const kvquant::Format f = kvquant::make_format(mode, hk, d, capacity, first.size(-1));
+  const kvquant::Format f = kvquant::make_format(mode, hk, d, capacity, first.size(-1), first.size(1));
   for (size_t i = 0; i < layers.size(); ++i) {
     const at::Tensor &k_pool = layers[i][0], &v_pool = layers[i][1];
     kvquant::check_pool(k_pool, f);

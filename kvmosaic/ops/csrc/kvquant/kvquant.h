@@ -17,14 +17,28 @@ constexpr int64_t kOakenHeader = 8;
 // The element type of the rows a call reads or writes (K/V rows, queries, dequantized blocks).
 enum class Rows : int32_t { kFloat32 = 0, kBFloat16 = 1 };
 
+// Row-0 tails (Oaken, head_dim 64 / 128): every record of a block carries `tail` bytes after its own
+// `body`, and the block's tails together hold an int8 record (the int8 format's codec) of the block's
+// row 0, which readers take instead of that row's Oaken record. A block stays block_size records, so
+// whatever moves blocks moves the tails with them (kvmosaic/quant/format.py).
 struct Format {
   int64_t mode, hk, d, capacity, record;
   int64_t code_bytes, index_bits, entry_bytes, sparse_bytes, sparse_offset;
+  int64_t block_size = 0, body = 0, tail = 0;  // tail 0: no row-0 tails (body == record)
 };
 
+// Bytes of an int8 record of hk heads of d values, and the tail each of a block's records carries to
+// hold one.
+inline int64_t int8_record_bytes(int64_t hk, int64_t d) { return hk * (kIntHeader + d); }
+inline int64_t row0_tail_bytes(int64_t hk, int64_t d, int64_t block_size) {
+  return (int8_record_bytes(hk, d) + block_size - 1) / block_size;
+}
+
 // The layout of a record of hk heads of d values in `mode`; record is the pools' last dimension,
-// checked against it.
-inline Format make_format(int64_t mode, int64_t hk, int64_t d, int64_t capacity, int64_t record) {
+// checked against it: an Oaken record with head_dim 64 / 128 is either plain or carries row-0 tails
+// for the pools' block_size.
+inline Format make_format(int64_t mode, int64_t hk, int64_t d, int64_t capacity, int64_t record,
+                          int64_t block_size) {
   KV_CHECK(mode >= kInt8 && mode <= kOaken, "unknown KV quantization mode ", mode);
   KV_CHECK(d >= 2 && d % 2 == 0, "head_dim must be even");
   Format f{mode, hk, d, capacity, record, 0, 0, 0, 0, 0};
@@ -35,10 +49,24 @@ inline Format make_format(int64_t mode, int64_t hk, int64_t d, int64_t capacity,
   f.entry_bytes = bits + 2 <= 8 ? 1 : 2;
   f.sparse_bytes = 1 + capacity * f.entry_bytes;
   f.sparse_offset = kOakenHeader * hk + hk * f.code_bytes;
+  f.block_size = block_size;
   int64_t expected = hk * (kIntHeader + f.code_bytes);
-  if (mode == kOaken) expected = f.sparse_offset + hk * f.sparse_bytes, expected += expected % 2;
+  if (mode == kOaken) {
+    const int64_t body = f.sparse_offset + hk * f.sparse_bytes;
+    expected = body + body % 2;
+    if (record != expected && (d == 64 || d == 128) && block_size > 0) {
+      const int64_t tail = row0_tail_bytes(hk, d, block_size);
+      if (record == body + tail + (body + tail) % 2) f.body = body, f.tail = tail, expected = record;
+    }
+  }
   KV_CHECK(record == expected, "record size ", record, " does not match the format (", expected, ")");
+  if (f.tail == 0) f.body = record;
   return f;
+}
+
+// The int8 format of a block's row-0 record.
+inline Format row0_format(const Format& f) {
+  return make_format(kInt8, f.hk, f.d, 0, int8_record_bytes(f.hk, f.d), 0);
 }
 
 // A layer's Oaken thresholds (all zero for int8 / int4).

@@ -131,15 +131,20 @@ template <typename T>
 void dequant_impl(const uint8_t* src, int64_t bs, const int64_t* id, int64_t nb, const Format& f, const Thresholds& t,
                   T* dst) {
   const int64_t rows = nb * bs;
+  const Format f8 = row0_format(f);
   kvops::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(f.d);
+    std::vector<uint8_t> row0(f.tail * bs);
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* rec = src + kvops::slot_of(id, r, bs) * f.record;
+      const bool from_tails = f.tail != 0 && r % bs == 0;  // row 0 of a block: its int8 record
+      if (from_tails) gather_row0(src, id[r / bs], f, row0.data()), rec = row0.data();
+      const Format& fr = from_tails ? f8 : f;
       for (int64_t h = 0; h < f.hk; ++h) {
         T* row = dst + (r * f.hk + h) * f.d;
         if (f.d == 64 || f.d == 128) {  // the decode kernel's values (kvquant_rows.h)
-          if (f.d == 64) dequantize_head_any<4>(rec, h, f, t, row, buf.data());
-          else dequantize_head_any<8>(rec, h, f, t, row, buf.data());
+          if (f.d == 64) dequantize_head_any<4>(rec, h, fr, t, row, buf.data());
+          else dequantize_head_any<8>(rec, h, fr, t, row, buf.data());
           continue;
         }
         decode_head(rec, h, f, t, buf.data());

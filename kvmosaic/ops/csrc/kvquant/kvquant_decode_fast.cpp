@@ -44,21 +44,31 @@ struct ItemState {
   std::vector<vec::OnlineSoftmax> softmax;
   std::vector<float> probs, scratch;
   std::vector<T> tile;
+  std::vector<uint8_t> row0;  // a block's row-0 int8 record, gathered from its tails
+  Format f8;
   int64_t slots[16];
-  ItemState(int64_t hq, int64_t group)
-      : qd(hq), qp(hq), part(group * 16), acc(hq * NC), softmax(hq), probs(hq * 16), scratch(D), tile(16 * D) {
+  ItemState(int64_t hq, int64_t group, const Format& f)
+      : qd(hq), qp(hq), part(group * 16), acc(hq * NC), softmax(hq), probs(hq * 16), scratch(D), tile(16 * D),
+        row0(f.tail * f.block_size), f8(row0_format(f)) {
     for (int64_t h = 0; h < hq; ++h) qp[h] = qd.data() + h;
     for (int64_t j = 0; j < 16; ++j) slots[j] = j;
   }
 };
 
-// Head kh of the n records at offsets into st.tile, as dequantize() writes it.
+// Head kh of the n records at offsets into st.tile, as dequantize() writes it; a block's row 0
+// (row0_block[j] >= 0) from the int8 record in its records' tails.
 template <typename T, int NC, int64_t MODE>
-inline void load_tile(ItemState<T, NC>& st, const uint8_t* pool, const int64_t* offsets, int64_t n, int64_t kh,
-                      const Format& f, const Thresholds& t) {
-  for (int64_t j = 0; j < n; ++j)
-    dequantize_head<NC, MODE>(pool + offsets[j], kh, f, t, st.tile.data() + j * ItemState<T, NC>::D,
-                              st.scratch.data());
+inline void load_tile(ItemState<T, NC>& st, const uint8_t* pool, const int64_t* offsets, const int64_t* row0_block,
+                      int64_t n, int64_t kh, const Format& f, const Thresholds& t) {
+  T* tile = st.tile.data();
+  for (int64_t j = 0; j < n; ++j) {
+    if (MODE == kOaken && row0_block[j] >= 0) {
+      gather_row0(pool, row0_block[j], f, st.row0.data());
+      dequantize_head<NC, kInt8>(st.row0.data(), kh, st.f8, t, tile + j * ItemState<T, NC>::D, st.scratch.data());
+      continue;
+    }
+    dequantize_head<NC, MODE>(pool + offsets[j], kh, f, t, tile + j * ItemState<T, NC>::D, st.scratch.data());
+  }
 }
 
 // Tokens [t_begin, t_end) of a sequence, KV heads [kh0, kh1): every query row of those heads left
@@ -72,10 +82,13 @@ void attend_segment(ItemState<T, NC>& st, const DecodeBatch<T>& call, const Form
   const int64_t* table = call.tables + b * call.width;
   auto offset_of = [&](int64_t t) { return kvops::slot_of(table, t, call.block_size) * f.record; };
   auto none = [](int64_t) {};
-  int64_t offsets[16];
+  int64_t offsets[16], row0_block[16];
   for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, t_end - t0);
-    for (int64_t j = 0; j < n; ++j) offsets[j] = offset_of(t0 + j);
+    for (int64_t j = 0; j < n; ++j) {
+      offsets[j] = offset_of(t0 + j);
+      row0_block[j] = f.tail != 0 && (t0 + j) % call.block_size == 0 ? table[(t0 + j) / call.block_size] : -1;
+    }
     for (int64_t t = t0 + 16; t < std::min(t_end, t0 + 32); ++t) {  // the next tile's records
       const int64_t o = offset_of(t);
       for (int64_t off = 0; off < f.record; off += 64) {
@@ -85,7 +98,7 @@ void attend_segment(ItemState<T, NC>& st, const DecodeBatch<T>& call, const Form
     }
     const vec::Mask valid = vec::first_lanes(static_cast<int>(n));
     for (int64_t kh = kh0; kh < kh1; ++kh) {
-      load_tile<T, NC, MODE>(st, call.k, offsets, n, kh, f, kt);
+      load_tile<T, NC, MODE>(st, call.k, offsets, row0_block, n, kh, f, kt);
       rows::tile_scores<T, NC>(st.qp.data() + kh * group, group, st.tile.data(), st.slots, n, D, st.part.data(),
                                none);
       for (int64_t g = 0; g < group; ++g) {
@@ -93,7 +106,7 @@ void attend_segment(ItemState<T, NC>& st, const DecodeBatch<T>& call, const Form
         rows::fold_tile<NC>(st.part.data() + g * 16, scale, valid, st.softmax[h], st.acc.data() + h * NC,
                             st.probs.data() + h * 16);
       }
-      load_tile<T, NC, MODE>(st, call.v, offsets, n, kh, f, vt);
+      load_tile<T, NC, MODE>(st, call.v, offsets, row0_block, n, kh, f, vt);
       rows::pv_rows<T, NC>(st.tile.data(), st.slots, n, D, st.probs.data() + kh * group * 16,
                            st.acc.data() + kh * group * NC, group);
     }
@@ -108,7 +121,7 @@ void run_items(const DecodeBatch<T>& call, const Format& f, const Thresholds& kt
   constexpr int64_t D = NC * 16;
   const int64_t hq = call.hq, group = call.group;
   kvops::parallel_for(0, work.items, 1, [&](int64_t begin, int64_t end) {
-    ItemState<T, NC> st(hq, group);
+    ItemState<T, NC> st(hq, group, f);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t unit = item / work.head_groups, b = work.seq[unit], ctx = call.lens[b];
       const int64_t segment = unit - work.first[b];

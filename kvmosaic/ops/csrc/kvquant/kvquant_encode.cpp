@@ -212,7 +212,7 @@ int64_t encode_oaken_head64(const float* x, const Format& f, const Thresholds& t
 
 int64_t encode_oaken_token(const float* x, const Format& f, const Thresholds& t, uint8_t* out,
                            std::vector<uint8_t>& group, std::vector<float>& code) {
-  std::memset(out, 0, f.record);
+  std::memset(out, 0, f.body);  // a row-0 tail after the body belongs to the block, not this row
   if (f.d == 64) {
     int64_t folded = 0;
     for (int64_t h = 0; h < f.hk; ++h)
@@ -258,16 +258,26 @@ void write_impl(const NewRows& rows, uint8_t* kout, uint8_t* vout, const Format&
   const T* kp = static_cast<const T*>(rows.k);
   const T* vp = static_cast<const T*>(rows.v);
   const int64_t* sl = rows.slots;
+  const Format f8 = row0_format(f);
   kvops::parallel_for(0, rows.rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width), code(width);
-    std::vector<uint8_t> group(width);
+    std::vector<uint8_t> group(width), row0(f.tail * f.block_size);
+    // A block's first slot also goes, as an int8 record, into the tails of the block's records.
+    auto write_row0 = [&](uint8_t* pool, int64_t slot) {
+      if (f.tail == 0 || slot % f.block_size != 0) return;
+      std::fill(row0.begin(), row0.end(), uint8_t{0});
+      encode_token(row.data(), f8, Thresholds{}, row0.data(), group, code);
+      scatter_row0(pool, slot / f.block_size, f, row0.data());
+    };
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t i = 0; i < width; ++i) row[i] = to_float(kp[t * width + i]);
       if (k_center != nullptr)
         for (int64_t i = 0; i < width; ++i) row[i] -= k_center[i];
       folded[t] = encode_token(row.data(), f, kt, kout + sl[t] * f.record, group, code);
+      write_row0(kout, sl[t]);
       for (int64_t i = 0; i < width; ++i) row[i] = to_float(vp[t * width + i]);
       folded[t] += encode_token(row.data(), f, vt, vout + sl[t] * f.record, group, code);
+      write_row0(vout, sl[t]);
     }
   });
 }

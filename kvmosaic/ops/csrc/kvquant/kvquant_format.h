@@ -58,6 +58,17 @@ inline float quantize_code(float x, float divisor, float levels) {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+// A block's row-0 int8 record, read from (gather) or written into (scatter) the tails of its records;
+// buf holds block_size * tail bytes (the record, then zeros).
+inline void gather_row0(const uint8_t* pool, int64_t block, const Format& f, uint8_t* buf) {
+  const uint8_t* rec = pool + block * f.block_size * f.record + f.body;
+  for (int64_t s = 0; s < f.block_size; ++s) std::memcpy(buf + s * f.tail, rec + s * f.record, f.tail);
+}
+inline void scatter_row0(uint8_t* pool, int64_t block, const Format& f, const uint8_t* buf) {
+  uint8_t* rec = pool + block * f.block_size * f.record + f.body;
+  for (int64_t s = 0; s < f.block_size; ++s) std::memcpy(rec + s * f.record, buf + s * f.tail, f.tail);
+}
+
 // Oaken scales of one head vector.
 struct OakenScales {
   float mid_lo, mid_s, out_s, in_s;
