@@ -31,6 +31,7 @@ from kvmosaic.config import ModelConfig
 from kvmosaic.ops import Kernels
 from kvmosaic.quant.codec import decode_rows, encode_rows
 from kvmosaic.quant.format import KVFormat
+from kvmosaic.quant.rotation import KeyRotation
 from kvmosaic.quant.row0 import read_row0, write_row0
 from kvmosaic.quant.thresholds import KVThresholds
 
@@ -48,6 +49,7 @@ class QuantizedKVLayer:
     k_thresholds: torch.Tensor = _NO_THRESHOLDS  # Oaken: (outer_lo, inner_lo, inner_hi, outer_hi)
     v_thresholds: torch.Tensor = _NO_THRESHOLDS
     k_center: torch.Tensor = _NO_THRESHOLDS  # Oaken: [Hk, D] subtracted from keys before encoding (see thresholds)
+    rotation: KeyRotation | None = None  # Oaken: keys stored rotated (its own center; k_center then empty)
     folded_outliers: int = 0  # Oaken outliers that did not fit the sparse lists, so far
 
     def args(self) -> tuple:
@@ -64,6 +66,8 @@ def write_quantized(layer: QuantizedKVLayer, k: torch.Tensor, v: torch.Tensor, s
     """Quantize rows [N, Hk, D] and scatter their records into the pools."""
     if k.shape[0] == 0:
         return
+    if layer.rotation is not None:  # rotated keys are float32: values go along (exactly) in the same type
+        k, v = layer.rotation.keys(k, qops), v.float()
     if k.shape[1] != layer.fmt.num_kv_heads:  # int groups: sub-vectors as heads
         rows_shape = (k.shape[0], layer.fmt.num_kv_heads, layer.fmt.head_dim)
         k, v = k.reshape(rows_shape), v.reshape(rows_shape)
@@ -169,6 +173,8 @@ def paged_attention_quantized(q: torch.Tensor, layer: QuantizedKVLayer, meta: At
     """q: [N, Hq, D] (this step's K/V already written). Returns [N, Hq, D]."""
     nd = meta.num_decode_tokens
     qops = kernels.quant
+    if layer.rotation is not None:  # into the basis the keys are stored in
+        q = layer.rotation.queries(q, qops)
     if layer.fmt.head_dim != q.shape[-1]:  # int groups smaller than a head: decode over dequantized blocks
         qops = None
     decode_args = kernel_decode_args(layer, scale)
@@ -220,7 +226,8 @@ def _quantized_layer(fmt: KVFormat, index: int, pools: torch.Tensor,
     if fmt.mode == "oaken":
         layer.k_thresholds = thresholds.layers[index, 0].clone()
         layer.v_thresholds = thresholds.layers[index, 1].clone()
-        if thresholds.k_center[index].any():
+        layer.rotation = thresholds.key_rotation(index)
+        if layer.rotation is None and thresholds.k_center[index].any():
             layer.k_center = thresholds.k_center[index].clone()
     return layer
 
@@ -253,6 +260,8 @@ class QuantizedPoolRows:
         if kernel is None or q.shape[0] != 1 or pools.fmt.head_dim != q.shape[-1] or not len(block_ids):
             return gathered_partial(self, layer, q, q_pos, block_ids, k_pos, scale)
         visible = torch.searchsorted(k_pos, q_pos[:1], right=True)  # k_pos ascends: a prefix is visible
+        if pools.rotation is not None:
+            q = pools.rotation.queries(q, qops)
         return PartialAttention(*kernel(q.contiguous(), pools.k_pool, pools.v_pool, block_ids[None], visible,
                                         *kernel_decode_args(pools, scale)))
 
@@ -270,4 +279,7 @@ class QuantizedPoolRows:
         k = dequantize_blocks(pools.k_pool, block_ids, pools, pools.k_thresholds, dtype, qops)
         v = dequantize_blocks(pools.v_pool, block_ids, pools, pools.v_thresholds, dtype, qops)
         hk, dim = self.local.num_kv_heads, self.local.head_dim
-        return k.reshape(-1, hk, dim), v.reshape(-1, hk, dim)
+        k = k.reshape(-1, hk, dim)
+        if pools.rotation is not None:  # back to centered keys, which any query attends to
+            k = pools.rotation.unrotate_keys(k)
+        return k, v.reshape(-1, hk, dim)

@@ -75,11 +75,23 @@ def open_quantized_lane(layers: list[QuantizedKVLayer], num_heads: int, head_dim
     if (server_type is None or dtype not in (torch.float32, torch.bfloat16) or fmt.head_dim != head_dim
             or num_heads % fmt.num_kv_heads):
         return None
-    pools = [[layer.k_pool, layer.v_pool, layer.k_thresholds, layer.v_thresholds, layer.k_center] for layer in layers]
+    pools = [[layer.k_pool, layer.v_pool, layer.k_thresholds, layer.v_thresholds, *_key_transform(layer)]
+             for layer in layers]
     mode, kv_heads, _, capacity = layers[0].args()
     lane = DecodeLane(("", 0), dtype, num_heads, kv_heads, head_dim)
     return _start(lambda: server_type(pools, mode, kv_heads, head_dim, capacity, dtype, num_heads, host, spin_us,
                                       *_server_access(access)), lane, host)
+
+
+_NONE = torch.zeros(0)
+
+
+def _key_transform(layer: QuantizedKVLayer) -> list[torch.Tensor]:
+    """(k_center, key_weight, query_weight) as the server takes them: the rotation's, or the plain center."""
+    rotation = layer.rotation
+    if rotation is None:
+        return [layer.k_center, _NONE, _NONE]
+    return [rotation.center, rotation.key_weight, rotation.query_weight]
 
 
 @dataclass(frozen=True, slots=True)

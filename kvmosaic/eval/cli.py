@@ -29,6 +29,10 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-capacity", type=int, default=None,
                    help="outlier entries per head vector (default: enough for --capacity-quantile of them)")
     p.add_argument("--capacity-quantile", type=float, default=0.99)
+    p.add_argument("--no-key-rotation", dest="key_rotation", action="store_false",
+                   help="store keys unrotated (default: rotated and rescaled where head_dim is a power of two)")
+    p.add_argument("--key-scale-exponent", type=float, default=0.5,
+                   help="key channel scales are their calibration RMS to this power (with the rotation)")
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,7 +67,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     text, source = read_text(args.text, CALIBRATION_SOURCE)
     em = _setup(args)
     result = calibrate(em, text, args.num_prompts, args.prompt_len, args.outer_ratio, args.inner_ratio,
-                       args.sparse_capacity, args.capacity_quantile, source)
+                       args.sparse_capacity, args.capacity_quantile, source, args.key_rotation,
+                       args.key_scale_exponent)
     result.save(args.out)
     print(f"wrote {args.out}: {result.num_prompts} prompts, sparse capacity {result.sparse_capacity} "
           f"(overflow {100 * result.overflow_rate:.2f}% of outliers)")

@@ -262,7 +262,7 @@ def test_the_lane_takes_decode_rows_only(level_kernels) -> None:
     assert open_lane([c.float().half() for c in caches], HQ, level_kernels.ops, "127.0.0.1", 0, ACCESS) is None
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "oaken", "oaken-rot"])
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128)],
                          ids=["f32-64", "bf16-64", "f32-128"])
 def test_a_quantized_pools_lane_answers_and_writes_as_the_channels_handler_does(level_kernels, mode, dtype,

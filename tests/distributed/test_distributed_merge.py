@@ -310,7 +310,7 @@ def test_creditor_decode_partial_on_the_kernel_equals_pytorchs(level_kernels, dt
                                                          torch.tensor([20]), 0.125)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "oaken", "oaken-rot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_quantized_creditor_partial_runs_the_quantized_kernel_in_place(level_kernels, mode, dtype, head_dim) -> None:

@@ -3,6 +3,7 @@
 // instance's own steps run them (kvquant/kvquant.h).
 #include <atomic>
 #include <utility>
+#include <vector>
 
 #include "kvquant/kvquant.h"
 #include "lane_pool.h"
@@ -34,16 +35,35 @@ class QuantLanePool final : public LanePool {
 
   void write(int64_t layer, const void* k, const void* v, const int64_t* slots, int64_t rows) override {
     const QuantLaneLayer& l = layers_[layer];
-    folded_ += kvquant::write_rows({k, v, rows_of(dtype()), rows, slots}, l.k_pool, l.v_pool, format_,
-                                   kvquant::thresholds_of(l.k_thresholds), kvquant::thresholds_of(l.v_thresholds),
-                                   l.k_center);
+    const kvquant::Thresholds kt = kvquant::thresholds_of(l.k_thresholds), vt = kvquant::thresholds_of(l.v_thresholds);
+    if (l.key_weight == nullptr) {
+      folded_ += kvquant::write_rows({k, v, rows_of(dtype()), rows, slots}, l.k_pool, l.v_pool, format_, kt, vt,
+                                     l.k_center);
+      return;
+    }
+    // as the instance's own write: keys rotated (with the center) into float32, values widened to it
+    const int64_t width = rows * kv_heads() * head_dim();
+    std::vector<float> k_rows(width), v_rows(width);
+    kvquant::rotate_heads({rows, kv_heads(), head_dim(), kv_heads(), l.key_weight, l.k_center}, k, rows_of(dtype()),
+                          k_rows.data(), kvquant::Rows::kFloat32);
+    kvquant::widen_rows(v, rows_of(dtype()), width, v_rows.data());
+    folded_ += kvquant::write_rows({k_rows.data(), v_rows.data(), kvquant::Rows::kFloat32, rows, slots}, l.k_pool,
+                                   l.v_pool, format_, kt, vt, nullptr);
   }
 
   int64_t folded_outliers() const override { return folded_; }
 
   void partial(int64_t layer, const LaneQuery& query, const LanePartial& into) override {
     const QuantLaneLayer& l = layers_[layer];
-    const kvquant::DecodeCall call{query.q,      rows_of(dtype()), query.items, query.heads, query.width,
+    const void* q = query.q;
+    std::vector<float> rotated;  // room for the queries in float32 or bfloat16
+    if (l.query_weight != nullptr) {  // into the basis the keys are stored in
+      rotated.resize(query.items * query.heads * head_dim());
+      kvquant::rotate_heads({query.items, query.heads, head_dim(), kv_heads(), l.query_weight, nullptr}, query.q,
+                            rows_of(dtype()), rotated.data(), rows_of(dtype()));
+      q = rotated.data();
+    }
+    const kvquant::DecodeCall call{q,            rows_of(dtype()), query.items, query.heads, query.width,
                                    block_size(), l.k_pool,         l.v_pool,    query.tables, query.lens,
                                    query.scale};
     const kvquant::PartialOut out{into.out, into.reference, into.sum_exp};

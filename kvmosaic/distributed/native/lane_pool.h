@@ -69,6 +69,8 @@ struct QuantLaneLayer {
   const float* k_thresholds;
   const float* v_thresholds;
   const float* k_center;
+  const float* key_weight;    // Oaken's key rotation (kvmosaic/quant/rotation.py), or null: keys are
+  const float* query_weight;  // then rotated with k_center before encoding, queries before attending
 };
 struct QuantLaneShape {
   int64_t mode, kv_heads, head_dim, capacity, blocks, block_size, record;

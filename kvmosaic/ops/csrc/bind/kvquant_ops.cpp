@@ -108,9 +108,28 @@ std::vector<at::Tensor> quant_decode_attention_partial(const at::Tensor& q, cons
   return {part, ref, sum};
 }
 
+// Oaken's key rotation: x [N, heads, d] -> [N, heads, d] in out_dtype, each head's vector centered
+// (center [groups, d], or empty), weighted (weight [groups, d]) and put through the Walsh-Hadamard
+// butterfly (kvmosaic/quant/rotation.py).
+at::Tensor rotate_head_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& center,
+                        at::ScalarType out_dtype) {
+  auto xc = x.contiguous();
+  TORCH_CHECK(xc.dim() == 3 && is_row_dtype(xc.scalar_type()) && is_row_dtype(out_dtype),
+              "rotate_heads takes float32 / bfloat16 rows [N, heads, d]");
+  auto w = weight.to(at::kFloat).contiguous();
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == xc.size(2), "weight must be [groups, d]");
+  auto c = center.to(at::kFloat).contiguous();
+  TORCH_CHECK(c.numel() == 0 || c.sizes() == w.sizes(), "center must be empty or [groups, d]");
+  auto out = at::empty(xc.sizes(), xc.options().dtype(out_dtype));
+  const RotateCall call{xc.size(0), xc.size(1), xc.size(2), w.size(0), w.data_ptr<float>(), floats_or_null(c)};
+  rotate_heads(call, xc.data_ptr(), rows_of(xc.scalar_type()), out.data_ptr(), rows_of(out_dtype));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rotate_heads", &rotate_head_rows, no_gil, "Oaken's key rotation of head vectors");
   m.def("quant_write", &quant_write, "quantize K/V rows into their cache slots");
   m.def("dequantize_blocks", &dequantize_blocks, no_gil, "dequantize whole KV blocks");
   m.def("quant_decode_attention", &quant_decode_attention, no_gil, "decode attention over quantized paged KV");

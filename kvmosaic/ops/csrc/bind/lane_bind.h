@@ -76,19 +76,25 @@ std::unique_ptr<LanePool> float_pool(std::vector<at::Tensor> caches, DecodeParti
   return float_lane_pool(std::move(memory), shape, std::move(partial), hold(std::move(caches)));
 }
 
-// The layers' record pools, each (k_pool, v_pool, k_thresholds, v_thresholds, k_center), as a lane pool.
+// The layers' record pools, each (k_pool, v_pool, k_thresholds, v_thresholds, k_center, key_weight,
+// query_weight), as a lane pool; the weights are empty when keys are stored unrotated.
 inline std::unique_ptr<LanePool> quant_pool(const std::vector<std::vector<at::Tensor>>& layers, int64_t mode,
                                             int64_t hk, int64_t d, int64_t capacity, at::ScalarType dtype) {
   std::vector<at::Tensor> kept;
   std::vector<QuantLaneLayer> pools;
   for (const std::vector<at::Tensor>& t : layers) {
-    TORCH_CHECK(t.size() == 5, "AttentionServer: a layer is (k_pool, v_pool, k_thresholds, v_thresholds, k_center)");
-    TORCH_CHECK(t[4].numel() == 0 || t[4].numel() == hk * d, "k_center must be empty or [hk, d]");
+    TORCH_CHECK(t.size() == 7, "AttentionServer: a layer is (k_pool, v_pool, k_thresholds, v_thresholds, k_center, "
+                "key_weight, query_weight)");
+    for (int i = 4; i < 7; ++i) TORCH_CHECK(t[i].numel() == 0 || t[i].numel() == hk * d, "AttentionServer: k_center "
+                                            "and the rotation's weights must be empty or [hk, d]");
+    TORCH_CHECK((t[5].numel() == 0) == (t[6].numel() == 0), "AttentionServer: a rotation needs both weights");
+    TORCH_CHECK(t[5].numel() == 0 || (d & (d - 1)) == 0, "AttentionServer: a rotation needs a power-of-two head_dim");
     const at::Tensor kt = kvquant::threshold_floats(t[2]), vt = kvquant::threshold_floats(t[3]);
     const at::Tensor center = t[4].to(at::kFloat).contiguous();
+    const at::Tensor kw = t[5].to(at::kFloat).contiguous(), qw = t[6].to(at::kFloat).contiguous();
     pools.push_back({nullptr, nullptr, kvquant::floats_or_null(kt), kvquant::floats_or_null(vt),
-                     kvquant::floats_or_null(center)});
-    kept.insert(kept.end(), {t[0], t[1], kt, vt, center});
+                     kvquant::floats_or_null(center), kvquant::floats_or_null(kw), kvquant::floats_or_null(qw)});
+    kept.insert(kept.end(), {t[0], t[1], kt, vt, center, kw, qw});
   }
   TORCH_CHECK(!pools.empty(), "AttentionServer needs the layers' record pools");
   TORCH_CHECK(kvquant::is_row_dtype(dtype), "AttentionServer: rows are float32 or bfloat16");

@@ -124,4 +124,16 @@ void dequantize(const uint8_t* pool, int64_t block_size, const int64_t* block_id
 void decode_attention(const DecodeCall& call, const Format& f, const Thresholds& kt, const Thresholds& vt, void* out,
                       const PartialOut* partial);
 
+// Oaken's key rotation of rows [rows, heads, d] (d a power of two): head h belongs to group
+// h / (heads / groups), whose weight [d] (and center [d], when not null) it takes; see
+// kvquant_rotate.cpp.
+struct RotateCall {
+  int64_t rows, heads, d, groups;
+  const float* weight;
+  const float* center;
+};
+void rotate_heads(const RotateCall& call, const void* x, Rows in_type, void* out, Rows out_type);
+// n values in `type` to float32 (exact).
+void widen_rows(const void* x, Rows type, int64_t n, float* out);
+
 }  // namespace kvquant
