@@ -88,6 +88,8 @@ def test_calibrate_then_eval_ppl_commands(tmp_path, default_model_path, capsys):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["num_prompts"] == 4 and len(data["layers"]) == 30
+    assert data["version"] == 3 and len(data["key_rotation"]["signs"]) == 64  # keys rotated by default
+    assert all(len(row["k_scale"]) == 3 and min(min(s) for s in row["k_scale"]) > 0 for row in data["layers"])
     proc = subprocess.run(cli + ["eval-ppl", "--kv-cache-dtype", "auto", "--kv-cache-dtype", "oaken", "--kv-thresholds",
                                  str(out), "--max-tokens", "129", "--window", "129", "--chunk", "32", "--json"],
                           capture_output=True, text=True, timeout=300)
