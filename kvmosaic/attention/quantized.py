@@ -6,7 +6,9 @@ decodes with the fused quantized-KV kernel (each 16-token tile dequantized insid
 loop), prefill chunks by dequantizing their context's blocks and running the float attention. Both
 dequantize to the same values and follow the float kernels' per-row arithmetic, so a row's output does
 not depend on which path computed it or on the rows beside it (batch invariance). Every token,
-including those of the current chunk, is attended to in its quantized form. The functions take the
+including those of the current chunk, is attended to in its quantized form. An Oaken layer whose
+thresholds declare a key rotation (kvmosaic/quant/rotation.py) stores its keys rotated and turns each
+query the same way before attending; gathered keys are turned back. The functions take the
 kernel modules as arguments (None: the pure PyTorch path of ``kvmosaic.quant.codec``, the reference
 the kernels are tested against); ``QuantizedAttention`` is the backend that fixes them once.
 """
