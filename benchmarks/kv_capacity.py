@@ -20,7 +20,7 @@ from bench_results import add_output_arg, write_record
 from kvmosaic import LLM, SamplingParams
 from kvmosaic.config import parse_memory_size
 
-MODES = ("auto", "int8", "int4", "oaken")
+MODES = ("auto", "bf16", "int8", "int4", "oaken")
 
 
 def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:

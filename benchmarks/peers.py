@@ -47,7 +47,15 @@ from pathlib import Path
 
 from bench_results import add_output_arg, host_info, write_record
 from peer_runners.common import DTYPES, FIRST_TOKENS, WORKLOADS
-from peer_runners.engines import AVX2_CAP_ENV, ENGINES, Engine, capped, run_one, with_scheduler_steps
+from peer_runners.engines import (
+    AVX2_CAP_ENV,
+    ENGINES,
+    Engine,
+    capped,
+    run_one,
+    with_kv_cache_dtype,
+    with_scheduler_steps,
+)
 from peer_runners.footprint import rss_lines
 from peer_runners.machine_load import wait_for_quiet
 from peer_runners.model_source import MODEL_CHOICES, DefaultModel, ShapeModel, model_source
@@ -62,6 +70,8 @@ from peer_runners.roofline import (
     roofline_rows,
 )
 from peer_runners.shape_files import DEFAULT_MODEL
+
+from kvmosaic.quant.format import KV_CACHE_DTYPES
 
 
 def run_matrix(engines: list[Engine], source: DefaultModel | ShapeModel, dtypes: list[str], workloads: list[str],
@@ -166,6 +176,8 @@ def parse_args() -> argparse.Namespace:
                         help="run kvmosaic even when its C++ kernels are missing or stale (the slow PyTorch path)")
     parser.add_argument("--isa-cap", choices=["avx2"], default=None,
                         help="run every engine on its AVX2 code paths (an AVX-512 host measuring AVX2 kernels)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="kvmosaic's KV cache storage (bf16: half of the float32 cache of float32 activations)")
     parser.add_argument("--scheduler-steps", type=int, default=1,
                         help="kvmosaic's num_scheduler_steps: forward passes a decode-only step runs (multi-step)")
     add_output_arg(parser, "peers")
@@ -189,6 +201,8 @@ def main() -> None:
     engines = [e for e in ENGINES if e.key in keys]
     if args.scheduler_steps > 1:
         engines = [with_scheduler_steps(e, args.scheduler_steps) for e in engines]
+    if args.kv_cache_dtype != "auto":
+        engines = [with_kv_cache_dtype(e, args.kv_cache_dtype) for e in engines]
     if args.isa_cap:
         os.environ.update(AVX2_CAP_ENV)  # this process reports the kernel level kvmosaic loads
         uncapped = [e.key for e in engines if capped(e) is None]

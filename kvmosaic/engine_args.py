@@ -106,7 +106,8 @@ class EngineArgs:
     num_blocks: int | None = option(None, help="device KV blocks, overriding kv_cache_memory")
     num_host_blocks: int | None = option(None, help="host KV blocks, overriding swap_space")
     kv_cache_dtype: str = option(
-        "auto", choices=KV_CACHE_DTYPES, help="KV cache storage: auto (the compute dtype), int8, int4 or oaken")
+        "auto", choices=KV_CACHE_DTYPES,
+        help="KV cache storage: auto (the compute dtype), bf16 (half of a float32 cache), int8, int4 or oaken")
     kv_thresholds: str | None = option(
         None, help="Oaken thresholds file from `kvmosaic calibrate-kv` (default: the one shipped for the "
                    "default model)")

@@ -190,6 +190,8 @@ def peers_real_size(records: list[Record]) -> list[str]:
     for rec in found:
         shares = {(s["workload"], s["dtype"], s["engine"]): s["share"] for s in rec.data.get("roofline_shares", [])}
         model = rec.data["config"]["model"]
+        kv = rec.data["config"].get("kv_cache_dtype", "auto")
+        kv_note = "" if kv == "auto" else f" (kvmosaic KV {kv})"
         for row in sorted(rec.data["rows"], key=lambda r: (order.get(r["workload"], 9), r["dtype"])):
             eng = row["engines"]
             ours, theirs = eng.get("kvmosaic"), eng.get("llamacpp")
@@ -197,7 +199,7 @@ def peers_real_size(records: list[Record]) -> list[str]:
             ratio = (theirs / ours if row["workload"] == "S" else ours / theirs) if ours and theirs else None
             share = [shares.get((row["workload"], row["dtype"], e)) for e in ("kvmosaic", "llamacpp")]
             share_cell = " / ".join(fmt(v, "{:.0%}") for v in share) if any(v is not None for v in share) else ""
-            lines.append(f"| {rec.kind} | {model} | {row['workload']} | {row['metric']} | {row['dtype']} | "
+            lines.append(f"| {rec.kind} | {model} | {row['workload']} | {row['metric']} | {row['dtype']}{kv_note} | "
                          f"{fmt(ours, spec)} | {fmt(theirs, spec)} | {fmt(eng.get('vllm'), spec)} | "
                          f"{fmt(ratio, '{:.2f}x')} | {share_cell} |")
     return lines + sources(found)

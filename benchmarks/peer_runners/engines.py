@@ -75,6 +75,14 @@ def with_scheduler_steps(engine: Engine, steps: int) -> Engine:
                   {**engine.env, "KVMOSAIC_SCHEDULER_STEPS": str(steps)})
 
 
+def with_kv_cache_dtype(engine: Engine, kv_cache_dtype: str) -> Engine:
+    """kvmosaic storing its KV cache as ``kv_cache_dtype`` (others unchanged)."""
+    if engine.key != "kvmosaic":
+        return engine
+    return Engine(engine.key, f"{engine.label} (KV {kv_cache_dtype})", engine.venv,
+                  {**engine.env, "KVMOSAIC_KV_CACHE_DTYPE": kv_cache_dtype})
+
+
 ENGINES = [
     Engine("kvmosaic", "kvmosaic", None),
     Engine("hf", "HF transformers", None),

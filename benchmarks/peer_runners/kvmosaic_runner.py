@@ -5,7 +5,8 @@ A weight format (q8_0, q4_1, q4_k_m) with a GGUF file keeps the file's quantized
 (quantization="auto"); q8_0 with an HF directory quantizes the float model at load; all with float32
 activations. A float dtype with a GGUF file (bf16, f32) dequantizes it to that dtype.
 KVMOSAIC_SCHEDULER_STEPS in the environment (set by peers.py --scheduler-steps) is the engine's
-num_scheduler_steps. The KV pool is made resident at start (kv_cache_prefault) except for start-up (S).
+num_scheduler_steps, KVMOSAIC_KV_CACHE_DTYPE (peers.py --kv-cache-dtype) its kv_cache_dtype. The KV
+pool is made resident at start (kv_cache_prefault) except for start-up (S).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class KvmosaicEngine:
         self.llm = LLM(model=model_path, dtype=dtype, num_threads=threads, enable_prefix_caching=False,
                        kv_cache_memory=KV_POOL_BYTES, kv_cache_prefault=prefault, max_num_seqs=64,
                        max_num_batched_tokens=2048,
-                       num_scheduler_steps=int(os.environ.get("KVMOSAIC_SCHEDULER_STEPS", "1")), **weights)
+                       num_scheduler_steps=int(os.environ.get("KVMOSAIC_SCHEDULER_STEPS", "1")),
+                       kv_cache_dtype=os.environ.get("KVMOSAIC_KV_CACHE_DTYPE", "auto"), **weights)
 
     def kv_pool_bytes(self) -> int:
         return KV_POOL_BYTES

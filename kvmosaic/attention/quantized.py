@@ -1,4 +1,4 @@
-"""Paged attention over a quantized KV cache (int8, int4, Oaken).
+"""Paged attention over a KV cache of byte records (bf16, int8, int4, Oaken).
 
 Same packed batch and metadata as ``attention.py``. New K/V rows are rotated, quantized into
 byte records and written through ``slot_mapping``; attention then reads the records back:
@@ -37,7 +37,7 @@ from kvmosaic.quant.rotation import KeyRotation
 from kvmosaic.quant.row0 import read_row0, write_row0
 from kvmosaic.quant.thresholds import KVThresholds
 
-MODE_IDS = {"int8": 0, "int4": 1, "oaken": 2}
+MODE_IDS = {"int8": 0, "int4": 1, "oaken": 2, "bf16": 3}
 _NO_THRESHOLDS = torch.zeros(0)
 
 

@@ -15,6 +15,8 @@ def encode_rows(x: torch.Tensor, fmt: KVFormat, thresholds: torch.Tensor | None 
         if thresholds is None:
             raise ValueError("oaken needs the layer's thresholds")
         return oaken.encode(x, thresholds, fmt)
+    if fmt.mode == "bf16":
+        return x.float().to(torch.bfloat16).contiguous().view(torch.uint8).flatten(1), torch.zeros((), dtype=torch.long)
     return int_quant.encode(x, fmt), torch.zeros((), dtype=torch.long)
 
 
@@ -24,4 +26,6 @@ def decode_rows(records: torch.Tensor, fmt: KVFormat, thresholds: torch.Tensor |
         if thresholds is None:
             raise ValueError("oaken needs the layer's thresholds")
         return oaken.decode(records, thresholds, fmt)
+    if fmt.mode == "bf16":
+        return records.contiguous().view(torch.bfloat16).float().view(records.shape[0], fmt.num_kv_heads, fmt.head_dim)
     return int_quant.decode(records, fmt)

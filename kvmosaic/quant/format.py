@@ -1,6 +1,9 @@
 """Byte layout of one quantized KV record (one token, one layer, K or V), and small helpers shared by
 the quantizers: fp16 scale rounding and 4-bit packing.
 
+bf16 record: the Hk * D values as bfloat16 (rounded to nearest even), head-major, no scales. It
+stores a float32-compute model's K/V in half the bytes, read by the same kernels as the records below.
+
 int8 / int4 record, per KV head h at offset ``h * (4 + code_bytes)``::
 
     [fp16 lo][fp16 scale][codes: D bytes (int8) or D/2 bytes (int4, element 2i low nibble, 2i+1 high)]
@@ -29,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "int4", "oaken")
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "int4", "oaken")
 ROW0_HEAD_DIMS = (64, 128)  # head sizes whose kernels read row-0 tails
-QUANTIZED_DTYPES = ("int8", "int4", "oaken")
+QUANTIZED_DTYPES = ("bf16", "int8", "int4", "oaken")
 INT_HEADER_BYTES = 4  # fp16 lo + fp16 scale, per token and KV head
 OAKEN_HEADER_BYTES = 8  # four fp16 scales, per token and KV head
 # Scales are rounded to fp16 after this widening, so lo + levels * scale always reaches the max.
@@ -64,7 +67,7 @@ class KVFormat:
     @property
     def bits(self) -> int:
         """Width of a dense code."""
-        return 8 if self.mode == "int8" else 4
+        return {"bf16": 16, "int8": 8}.get(self.mode, 4)
 
     @property
     def code_bytes(self) -> int:
@@ -96,6 +99,8 @@ class KVFormat:
     @property
     def body_bytes(self) -> int:
         """The bytes a row's own encoding fills (the row-0 tail and the padding follow)."""
+        if self.mode == "bf16":
+            return self.num_kv_heads * self.code_bytes
         if self.mode != "oaken":
             return self.num_kv_heads * (INT_HEADER_BYTES + self.code_bytes)
         return self.sparse_offset + self.num_kv_heads * self.sparse_bytes

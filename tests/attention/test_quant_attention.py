@@ -1,5 +1,6 @@
-"""Quantized paged attention: the C++ kernels against the PyTorch reference, and both against
-dense attention over the dequantized cache."""
+"""Paged attention over byte records (bf16, int8, int4, Oaken): the C++ kernels against the PyTorch
+reference, and both against dense attention over the dequantized cache; bf16 records hold exactly the
+values rounded to bfloat16."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def kernels(request) -> Kernels:
     return Kernels.reference() if request.param == "reference" else Kernels.load(request.param)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "oaken"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_write_and_dequantize_are_bit_exact(level_kernels, mode, dtype):
     qops = level_kernels.quant
@@ -81,7 +82,7 @@ def _dense(q, k, v, start):
     return torch.einsum("hnt,thd->nhd", scores.masked_fill(~mask[None], float("-inf")).softmax(-1), v)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "oaken"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_batch_matches_dense_attention_over_dequantized_kv(kernels, mode, dtype):
     """Two decodes (contexts crossing the 16-key tiles) and two prefill chunks, shuffled blocks."""
@@ -119,7 +120,7 @@ def test_mixed_batch_matches_dense_attention_over_dequantized_kv(kernels, mode, 
         offset += new
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "oaken"])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_decode_kernel_matches_reference(level_kernels, mode, dim, dtype):
@@ -189,3 +190,17 @@ def test_int4_groups_quantize_sub_vectors_and_attend_like_whole_heads():
     out = paged_attention_quantized(q, layer, meta, D**-0.5, Kernels.reference()).double()
     ref = _dense(q, expected_k, v_all.view(-1, HK, D)[:ctx], ctx - 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_records_hold_the_values_rounded_to_bfloat16(level_kernels):
+    layer = _layer("bf16")
+    assert layer.fmt.record_bytes == HK * D * 2 and layer.fmt.bits_per_value == 16
+    k, v = _rows(40, 21)
+    slots = torch.arange(40)
+    for qops in (None, level_kernels.quant):
+        write_quantized(layer, k, v, slots, qops)
+        for pool, rows in ((layer.k_pool, k), (layer.v_pool, v)):
+            stored = pool.view(-1, layer.fmt.record_bytes)[:40].contiguous().view(torch.bfloat16).view(40, HK, D)
+            assert torch.equal(stored, rows.to(torch.bfloat16))
+            back = dequantize_blocks(pool, torch.arange(10), layer, layer.k_thresholds, torch.float32, qops)
+            assert torch.equal(back.view(-1, HK, D)[:40], rows.to(torch.bfloat16).float())

@@ -1,4 +1,4 @@
-"""Batch invariance with a quantized KV cache (int8, int4, Oaken): through the quantized backend, a
+"""Batch invariance with a KV cache of byte records (bf16, int8, int4, Oaken): through the quantized backend, a
 query row's attention is the same bits whether the decode kernel computes it over the records (alone,
 in any batch, at any thread count) or a prefill chunk does over the dequantized blocks (the whole
 prompt or any chunk of it), on every ISA level built here, across the 256-token segments."""
@@ -16,7 +16,7 @@ BS = 16  # the runner's block size
 CTX = 530
 CONTEXTS = [1, 7, 16, 40, 255, 256, 257, 300, 530]
 THR = (torch.tensor([-2.2, -0.06, 0.05, 2.0]), torch.tensor([-1.8, -0.04, 0.04, 1.9]))
-MODES = ["int8", "int4", "oaken", "oaken-row0"]  # oaken-row0: each block's row 0 from its records' tails
+MODES = ["bf16", "int8", "int4", "oaken", "oaken-row0"]  # oaken-row0: each block's row 0 from its records' tails
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -13,13 +13,12 @@ token attends to quantized K/V, measured two ways against the same run on the fl
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from kvmosaic.eval.corpus import eval_text
-from kvmosaic.eval.divergence import Divergence, token_divergence
 from kvmosaic.eval.harness import EvalModel
+from kvmosaic.eval.paired import AgainstFirst
 from kvmosaic.eval.ppl import perplexity, tokenize_windows
 from kvmosaic.ops import Kernels
 
@@ -37,18 +36,10 @@ OAKEN_KL_BOUND = 0.0075
 def runs(default_model) -> dict:
     em = EvalModel(default_model, torch.float32, None, max_len=WINDOW)
     windows = tokenize_windows(em, eval_text(), WINDOW, TOKENS)
-    reference: list[torch.Tensor] = []
-    auto = perplexity(em, windows, "auto", CHUNK, on_logprobs=reference.append)
-    kl, same = [], []
-
-    def compare(rows: torch.Tensor) -> None:
-        d, s = token_divergence(reference[len(kl)].numpy(), rows.numpy())
-        kl.append(d)
-        same.append(s)
-
-    oaken = perplexity(em, windows, "oaken", CHUNK, on_logprobs=compare)
-    return {"cost": oaken.perplexity / auto.perplexity - 1,
-            "divergence": Divergence.of(np.concatenate(kl), np.concatenate(same))}
+    against = AgainstFirst()
+    auto = perplexity(em, windows, "auto", CHUNK, on_logprobs=against.keep)
+    oaken = perplexity(em, windows, "oaken", CHUNK, on_logprobs=against.compare)
+    return {"cost": oaken.perplexity / auto.perplexity - 1, "divergence": against.take()}
 
 
 def test_oaken_divergence_from_float_cache_stays_low(runs):

@@ -1,4 +1,4 @@
-"""Greedy output with a quantized KV cache (int8, int4, Oaken) is the same tokens for a prompt run alone,
+"""Greedy output with a KV cache of byte records (bf16, int8, int4, Oaken) is the same tokens for a prompt run alone,
 in the middle of a batch of 8 with its prefill cut into chunks, and again with its prefix cached: the
 decode kernel over the records and the prefill path over the dequantized blocks compute each row the
 same way (tests/attention/test_quant_attention_invariance.py checks it kernel by kernel). Float weights,
@@ -29,7 +29,7 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "oaken"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "oaken"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_tokens_alone_batched_and_prefix_cached_agree(cached_loader, mode, dtype):
     llm = LLM(model_loader=cached_loader, dtype=dtype, kv_cache_memory="64MiB", kv_cache_dtype=mode,

@@ -10,7 +10,7 @@
 
 namespace kvquant {
 
-enum Mode : int64_t { kInt8 = 0, kInt4 = 1, kOaken = 2 };
+enum Mode : int64_t { kInt8 = 0, kInt4 = 1, kOaken = 2, kBf16 = 3 };  // kBf16: the values as bfloat16
 constexpr int64_t kIntHeader = 4;
 constexpr int64_t kOakenHeader = 8;
 
@@ -39,10 +39,10 @@ inline int64_t row0_tail_bytes(int64_t hk, int64_t d, int64_t block_size) {
 // for the pools' block_size.
 inline Format make_format(int64_t mode, int64_t hk, int64_t d, int64_t capacity, int64_t record,
                           int64_t block_size) {
-  KV_CHECK(mode >= kInt8 && mode <= kOaken, "unknown KV quantization mode ", mode);
+  KV_CHECK(mode >= kInt8 && mode <= kBf16, "unknown KV quantization mode ", mode);
   KV_CHECK(d >= 2 && d % 2 == 0, "head_dim must be even");
   Format f{mode, hk, d, capacity, record, 0, 0, 0, 0, 0};
-  f.code_bytes = mode == kInt8 ? d : d / 2;
+  f.code_bytes = mode == kBf16 ? 2 * d : mode == kInt8 ? d : d / 2;
   int64_t bits = 1;
   while ((int64_t{1} << bits) < d) ++bits;
   f.index_bits = bits;
@@ -50,7 +50,7 @@ inline Format make_format(int64_t mode, int64_t hk, int64_t d, int64_t capacity,
   f.sparse_bytes = 1 + capacity * f.entry_bytes;
   f.sparse_offset = kOakenHeader * hk + hk * f.code_bytes;
   f.block_size = block_size;
-  int64_t expected = hk * (kIntHeader + f.code_bytes);
+  int64_t expected = hk * ((mode == kBf16 ? 0 : kIntHeader) + f.code_bytes);
   if (mode == kOaken) {
     const int64_t body = f.sparse_offset + hk * f.sparse_bytes;
     expected = body + body % 2;

@@ -12,6 +12,11 @@ namespace {
 template <int64_t D = 0>  // D > 0: the head dimension as a compile-time constant (loops unroll)
 inline void decode_head(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, float* __restrict dst) {
   const int64_t half = (D > 0 ? D : f.d) / 2;
+  if (f.mode == kBf16) {
+    const auto* p = reinterpret_cast<const vec::bf16*>(rec) + h * 2 * half;
+    for (int64_t i = 0; i < 2 * half; ++i) dst[i] = static_cast<float>(p[i]);
+    return;
+  }
   if (f.mode == kInt8 || f.mode == kInt4) {
     const uint8_t* p = rec + h * (kIntHeader + f.code_bytes);
     const float lo = read_half(p), s = read_half(p + 2);

@@ -195,6 +195,7 @@ bool decode_attention_fast(const DecodeBatch<T>& batch, const Format& f, const T
                            double scale, const PartialOut* partial) {
   auto run = [&](auto nc) {
     constexpr int NC = decltype(nc)::value;
+    if (f.mode == kBf16) decode_attention_rows<T, NC, kBf16>(batch, f, kt, vt, scale, partial);
     if (f.mode == kInt8) decode_attention_rows<T, NC, kInt8>(batch, f, kt, vt, scale, partial);
     if (f.mode == kInt4) decode_attention_rows<T, NC, kInt4>(batch, f, kt, vt, scale, partial);
     if (f.mode == kOaken) decode_attention_rows<T, NC, kOaken>(batch, f, kt, vt, scale, partial);

@@ -247,6 +247,13 @@ int64_t encode_oaken_token(const float* x, const Format& f, const Thresholds& t,
 int64_t encode_token(const float* x, const Format& f, const Thresholds& t, uint8_t* out,
                      std::vector<uint8_t>& group, std::vector<float>& code) {
   if (f.mode == kOaken) return encode_oaken_token(x, f, t, out, group, code);
+  if (f.mode == kBf16) {
+    for (int64_t i = 0; i < f.hk * f.d; ++i) {
+      const uint16_t bits = vec::bf16(x[i]).x;
+      std::memcpy(out + 2 * i, &bits, 2);
+    }
+    return 0;
+  }
   for (int64_t h = 0; h < f.hk; ++h) encode_int_head(x + h * f.d, f, out + h * (kIntHeader + f.code_bytes));
   return 0;
 }

@@ -16,7 +16,10 @@ template <int NC, int64_t MODE, typename T>
 inline void dequantize_head(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, T* dst,
                             float* scratch) {
   vec::F16 r[NC];
-  if constexpr (MODE == kInt8 || MODE == kInt4) {
+  if constexpr (MODE == kBf16) {
+    const auto* p = reinterpret_cast<const vec::bf16*>(rec) + h * (NC * 16);
+    for (int c = 0; c < NC; ++c) vec::F16::load(p + 16 * c).store(dst + 16 * c);
+  } else if constexpr (MODE == kInt8 || MODE == kInt4) {
     constexpr int64_t kCodeBytes = MODE == kInt8 ? NC * 16 : NC * 8;
     const uint8_t* p = rec + h * (kIntHeader + kCodeBytes);
     const vec::F16 lo = vec::F16::set1(read_half(p)), s = vec::F16::set1(read_half(p + 2));
@@ -48,7 +51,8 @@ inline void dequantize_head(const uint8_t* rec, int64_t h, const Format& f, cons
 template <int NC, typename T>
 inline void dequantize_head_any(const uint8_t* rec, int64_t h, const Format& f, const Thresholds& t, T* dst,
                                 float* scratch) {
-  if (f.mode == kInt8) dequantize_head<NC, kInt8>(rec, h, f, t, dst, scratch);
+  if (f.mode == kBf16) dequantize_head<NC, kBf16>(rec, h, f, t, dst, scratch);
+  else if (f.mode == kInt8) dequantize_head<NC, kInt8>(rec, h, f, t, dst, scratch);
   else if (f.mode == kInt4) dequantize_head<NC, kInt4>(rec, h, f, t, dst, scratch);
   else dequantize_head<NC, kOaken>(rec, h, f, t, dst, scratch);
 }
