@@ -264,7 +264,8 @@ def main() -> None:
 
     meta = {"model": source.key, "isa": isa, "threads": THREADS, "read_probe": read_probe_setup(),
             "dtypes": dtypes, "workloads": {w: asdict(WORKLOADS[w]) for w in workloads},
-            "first_tokens_kept": FIRST_TOKENS, "rounds": args.rounds, "isa_cap": args.isa_cap}
+            "first_tokens_kept": FIRST_TOKENS, "rounds": args.rounds, "isa_cap": args.isa_cap,
+            "kv_cache_dtype": args.kv_cache_dtype, "scheduler_steps": args.scheduler_steps}
     bench = "peers" if source.key == DEFAULT_MODEL else "peers-" + source.key.replace(".", "_")
     write_record(bench, summary_rows(results, startup), out=args.out, config=meta, isa_level=kernels,
                  extra={"skipped": skipped, "results": results, "startup": startup, "float32_tokens_match": same,
